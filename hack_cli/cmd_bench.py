@@ -1,0 +1,31 @@
+"""`hack bench ...`: benchmarks (not tests). Each prints ratios against a baseline measured in
+the same run and writes its results to a file that the docs quote."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Each module defines register(bench_subparsers) and a `run_default(args) -> int` used by
+# `hack bench all` (which runs every benchmark with its defaults).
+BENCH_MODULES: list[str] = []
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run benchmarks (attention, serve, disagg, all)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+    bsub.required = True
+    mods = [importlib.import_module(m) for m in BENCH_MODULES]
+    for mod in mods:
+        mod.register(bsub)
+    p_all = bsub.add_parser("all", help="run every benchmark with its defaults")
+    p_all.set_defaults(func=lambda args: _run_all(mods, args))
+
+
+def _run_all(mods: list, args: argparse.Namespace) -> int:
+    if not mods:
+        print("no benchmarks are registered yet")
+        return 0
+    rc = 0
+    for mod in mods:
+        rc |= int(mod.run_default(args) or 0)
+    return rc

@@ -1,0 +1,39 @@
+"""Entry point of the `hack` console script: assembles the subcommands of each area."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines register(subparsers) and sets `func` on the parsers it adds.
+COMMAND_MODULES = [
+    "hack_cli.cmd_bench",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hack",
+        description="sglang-hack: HACK 2-bit homomorphic KV cache for SGLang (PD disaggregation).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        rc = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        print(f"hack {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""Reference attention on dense tensors: 'exact', 'hack' (homomorphic, no dequantization) and
+'dequant' (the paper's strawman: the same 2-bit cache dequantized before exact attention).
+
+The 'hack' and 'dequant' modes reproduce what a query sees in the serving cache, token by token
+("decode-time visibility"). With partition size Π and the query at absolute position t (the
+cache then holds tokens 0..t):
+  * pages whose Π tokens are all present, i.e. page p < (t+1)//Π, are closed and quantized;
+  * the open partition (tokens from ((t+1)//Π)*Π to t) is FP16 on the side that needs a tail
+    (K for 'channel_k', V for 'token_k'); the per-token side is quantized as it is written;
+  * the first `sink_tokens` tokens keep FP16 K and V and do not enter page 0's ranges;
+  * with requant_elimination=False the open partition is re-quantized over the tokens it holds.
+So a teacher-forced pass over a whole sequence measures exactly what generation would see.
+
+Homomorphic steps ('hack'):
+  channel_k: S = Σ_g sq*(Qq·Kq) + mq*ΣKq + Q·m_K, where Q' = Q ⊙ s_K(page) is quantized to
+      INT8 per (query, page, head_dim group) — K's per-channel scale folded into Q.
+      O = Σ_p sp*(Pq·Vq) + mp*ΣVq + Σ_j P_j m_V(j), where P' = P ⊙ s_V(token) is quantized to
+      INT8 per (query, page, head_dim group) — V's per-token scale folded into P.
+  token_k: plain Eq. 4 for both products (Q per head_dim group, P per page).
+P is the unnormalized softmax numerator exp(S - max); INT8 min/max quantization is invariant to
+the running-max rescaling of an online softmax, so this equals what a flash kernel computes.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .config import HackConfig
+from .homomorphic import homomorphic_matmul_q
+from .quant import QTensor, dequantize, expand_groups, quantize
+
+MODES = ("exact", "hack", "dequant")
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [batch, heads, seq, head_dim]")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch or head_dim")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if k.shape[2] == 0:
+        raise ValueError("k/v must hold at least one token")
+
+
+def _positions(sq: int, sk: int, causal: bool) -> Tensor:
+    if not causal:
+        return torch.full((sq,), sk - 1, dtype=torch.long)
+    if sq > sk:
+        raise ValueError(f"causal attention needs len(q) <= len(k), got {sq} > {sk}")
+    return torch.arange(sk - sq, sk, dtype=torch.long)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    config: HackConfig | None = None,
+    mode: str = "exact",
+    causal: bool = True,
+    scale: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Attention over dense [batch, heads, seq, head_dim] tensors; GQA when k/v have fewer
+    heads. Queries are the last len(q) positions of the sequence (causal, bottom-right).
+    Returns float32 [batch, q_heads, len(q), head_dim]."""
+    _check(q, k, v, mode)
+    cfg = config or HackConfig()
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    rep = q.shape[1] // k.shape[1]
+    pos = _positions(q.shape[2], k.shape[2], causal)
+    qs = q.float() * scale
+    if mode == "exact":
+        kf = k.float().repeat_interleave(rep, 1)
+        vf = v.float().repeat_interleave(rep, 1)
+        s = qs @ kf.transpose(-1, -2)
+        valid = torch.arange(k.shape[2]) <= pos[:, None]
+        s = s.masked_fill(~valid, float("-inf"))
+        return torch.softmax(s, -1) @ vf
+    return _quantized_attention(qs, k.float(), v.float(), cfg, mode, pos, rep, generator)
+
+
+class _Cache:
+    """Index masks describing what the serving cache holds for each query."""
+
+    def __init__(self, pos: Tensor, sk: int, cfg: HackConfig):
+        p = cfg.partition_size
+        self.p = p
+        self.skp = -(-sk // p) * p  # padded to whole pages
+        j = torch.arange(self.skp)
+        self.page = j // p
+        self.valid = (j[None, :] <= pos[:, None]) & (j[None, :] < sk)  # [Sq, Skp]
+        self.sink = j < cfg.sink_tokens
+        self.n_closed = (pos + 1) // p  # closed pages per query
+        self.closed = self.page[None, :] < self.n_closed[:, None]  # [Sq, Skp]
+        self.in_k = j < sk
+        self.full_page = (self.page + 1) * p <= sk  # pages complete within k
+        self.open_count = (pos + 1) % p  # tokens in each query's open partition
+
+
+def _pad(x: Tensor, n: int) -> Tensor:
+    return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if n > x.shape[-2] else x
+
+
+def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor | None = None) -> QTensor:
+    return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding,
+                    generator=gen, meta_dtype=torch.float32, mask=mask)
+
+
+def _kv_quant(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
+    meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
+    return quantize(x, cfg.kv_bits, dim=dim, group_size=group, rounding=cfg.rounding,
+                    generator=gen, meta_dtype=meta, mask=mask)
+
+
+def _heads(t: Tensor, rep: int) -> Tensor:
+    return t.repeat_interleave(rep, 1) if rep > 1 else t
+
+
+def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+    """Scores against K quantized per channel over each page (tokens where kmask is True)."""
+    p, dd = cfg.partition_size, k.shape[-1]
+    gd = cfg.head_group(dd)
+    npg = k.shape[-2] // p
+    mask = kmask[:, None].expand(k.shape)
+    qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask.expand_as(k))
+    if mode == "dequant":
+        kd = dequantize(qk) * kmask[:, None]
+        return qs @ _heads(kd, rep).transpose(-1, -2)
+    sk_ = _heads(qk.scale.float(), rep)  # [B, H, npg, D]
+    mk_ = _heads(qk.minimum.float(), rep)
+    codes = _heads(qk.codes, rep).float().reshape(*qs.shape[:2], npg, p, dd // gd, gd)
+    qf = qs.unsqueeze(-2) * sk_.unsqueeze(-3)  # [B, H, Sq, npg, D]: K scale folded into Q
+    qq = _q8(qf, dim=-1, group=gd, cfg=cfg, gen=gen)
+    qc = qq.codes.float().reshape(*qf.shape[:-1], dd // gd, gd)
+    dot = torch.einsum("bhtpgk,bhpjgk->bhtpjg", qc, codes)  # integer-valued, exact in fp32
+    ksum = codes.sum(-1)  # [B, H, npg, P, ng]: code sums per token and head_dim group
+    s = (qq.scale.unsqueeze(-2) * dot + qq.minimum.unsqueeze(-2) * ksum.unsqueeze(2)).sum(-1)
+    s = s + torch.einsum("bhtd,bhpd->bhtp", qs, mk_).unsqueeze(-1)  # Q · min, exact
+    return s.reshape(*qs.shape[:3], npg * p)
+
+
+def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+    """Scores against K quantized per token in head_dim groups (Eq. 4 directly)."""
+    gd = cfg.head_group(k.shape[-1])
+    kt = k.transpose(-1, -2)
+    qk = _kv_quant(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape))
+    if mode == "dequant":
+        return qs @ _heads(dequantize(qk), rep)
+    qq = _q8(qs, dim=-1, group=gd, cfg=cfg, gen=gen)
+    qk_h = QTensor(_heads(qk.codes, rep), _heads(qk.scale, rep), _heads(qk.minimum, rep),
+                   _heads(qk.sums, rep), qk.bits, qk.dim, qk.group_size)
+    return homomorphic_matmul_q(qq, qk_h, cfg.summation_elimination)
+
+
+def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+    """P·V with V quantized per token in head_dim groups, over the keys where w [Sq, Skp]."""
+    p, dd = cfg.partition_size, v.shape[-1]
+    gd = cfg.head_group(dd)
+    ng = dd // gd
+    pw = pr * w
+    qv = _kv_quant(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
+    if mode == "dequant":
+        return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
+    b, h, sq, skp = pw.shape
+    npg = skp // p
+    sv = _heads(qv.scale.float(), rep)  # [B, H, Skp, ng]
+    mv = _heads(qv.minimum.float(), rep)
+    vc = _heads(qv.codes, rep).float().reshape(b, h, npg, p, ng, gd)
+    pf = (pw.unsqueeze(-1) * sv.unsqueeze(2)).reshape(b, h, sq, npg, p, ng)  # V scale folded into P
+    wp = w.reshape(1, 1, sq, npg, p, 1).expand(pf.shape)
+    qp = _q8(pf, dim=-2, group=p, cfg=cfg, gen=gen, mask=wp)  # INT8 per (query, page, group)
+    dot = torch.einsum("bhtpjg,bhpjgk->bhtpgk", qp.codes.float(), vc)
+    wsum = torch.einsum("tpj,bhpjgk->bhtpgk", w.reshape(sq, npg, p).float(), vc)  # ΣVq over w
+    out = qp.scale.squeeze(-2).unsqueeze(-1) * dot + qp.minimum.squeeze(-2).unsqueeze(-1) * wsum
+    out = out.sum(3).reshape(b, h, sq, dd)
+    return out + expand_groups(torch.einsum("bhtj,bhjg->bhtg", pw, mv), -1, gd)
+
+
+def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+    """P·V with V quantized per channel over each page (Eq. 4, groups along the sequence)."""
+    p = cfg.partition_size
+    pw = pr * w
+    qv = _kv_quant(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
+    if mode == "dequant":
+        return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
+    qp = _q8(pw, dim=-1, group=p, cfg=cfg, gen=gen, mask=w.expand(pw.shape))
+    qv_h = QTensor(_heads(qv.codes, rep), _heads(qv.scale, rep), _heads(qv.minimum, rep),
+                   _heads(qv.sums, rep), qv.bits, qv.dim, qv.group_size)
+    full = homomorphic_matmul_q(qp, qv_h, cfg.summation_elimination)
+    # A masked P entry has code 0 but Eq. 4 counts it as the group minimum: remove that share.
+    # (Masked keys either have V code 0 — sinks, unfilled slots — or sit in a fully masked
+    # group, whose minimum is 0, so only the min·min term needs the fix.)
+    n_masked = p - w.reshape(w.shape[0], -1, p).sum(-1).float()  # [Sq, npg]
+    fix = torch.einsum("bhtp,bhpd->bhtd", n_masked * qp.minimum.float(), qv_h.minimum.float())
+    return full - fix
+
+
+def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep: int, gen) -> Tensor:
+    sk = k.shape[-2]
+    c = _Cache(pos, sk, cfg)
+    k = _pad(k, c.skp)
+    v = _pad(v, c.skp)
+    not_sink = ~c.sink & c.in_k
+    # Scores: quantized keys go through the homomorphic product, the rest read FP16 K.
+    if cfg.k_per_token:
+        s_q = _scores_token_k(qs, k, not_sink, cfg, mode, rep, gen)
+        q_k = c.valid & not_sink
+    else:
+        s_q = _scores_channel_k(qs, k, not_sink & c.full_page, cfg, mode, rep, gen)
+        q_k = c.valid & not_sink & c.closed
+        if not cfg.requant_elimination:
+            s_q = _requant_open_scores(qs, k, s_q, c, not_sink, cfg, mode, rep, gen)
+            q_k = c.valid & not_sink
+    s = torch.where(q_k, s_q, qs @ _heads(k.half().float(), rep).transpose(-1, -2))
+    s = s.masked_fill(~c.valid, float("-inf"))
+    pr = torch.exp(s - s.amax(-1, keepdim=True))  # unnormalized numerator; masked -> 0
+    denom = pr.sum(-1, keepdim=True)
+    # Values: same split.
+    if cfg.v_per_token:
+        q_v = c.valid & not_sink
+        o = _pv_token_v(pr, q_v, v, not_sink, cfg, mode, rep, gen)
+    else:
+        q_v = c.valid & not_sink & c.closed
+        o = _pv_channel_v(pr, q_v, v, not_sink & c.full_page, cfg, mode, rep, gen)
+        if not cfg.requant_elimination:
+            o = o + _requant_open_pv(pr, v, c, not_sink, cfg, mode, rep, gen)
+            q_v = c.valid & not_sink
+    o = o + (pr * (c.valid & ~q_v)) @ _heads(v.half().float(), rep)
+    return o / denom
+
+
+def _open_mask(c: _Cache, r: int, not_sink: Tensor) -> Tensor:
+    """Keys that an open partition holding r tokens covers, in every page."""
+    return not_sink & ((torch.arange(c.skp) % c.p) < r)
+
+
+def _requant_open_scores(qs, k, s_q, c: _Cache, not_sink, cfg, mode, rep, gen) -> Tensor:
+    """HACK/RQE ablation: the open K partition is re-quantized over its r tokens at each step."""
+    is_open = c.valid & ~c.closed
+    for r in sorted(set(c.open_count.tolist()) - {0}):
+        s_r = _scores_channel_k(qs, k, _open_mask(c, r, not_sink), cfg, mode, rep, gen)
+        s_q = torch.where(is_open & (c.open_count == r)[:, None], s_r, s_q)
+    return s_q
+
+
+def _requant_open_pv(pr, v, c: _Cache, not_sink, cfg, mode, rep, gen) -> Tensor:
+    """HACK/RQE ablation, paper layout: the open V partition re-quantized at each step."""
+    out = torch.zeros(*pr.shape[:-1], v.shape[-1])
+    is_open = c.valid & ~c.closed & not_sink
+    for r in sorted(set(c.open_count.tolist()) - {0}):
+        sel = is_open & (c.open_count == r)[:, None]
+        out = out + _pv_channel_v(pr, sel, v, _open_mask(c, r, not_sink), cfg, mode, rep, gen)
+    return out

@@ -1,0 +1,94 @@
+"""HackConfig: every knob of the HACK KV format, validated once.
+
+Defaults follow the project's accuracy study (docs/accuracy.md), not the paper's text: on the
+models we can measure, per-channel K over the page with per-token V and a few FP16 sink tokens
+is the most accurate 2-bit layout within the byte budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Orientation = Literal["channel_k", "token_k"]
+Rounding = Literal["nearest", "stochastic"]
+
+ORIENTATIONS = ("channel_k", "token_k")
+ROUNDINGS = ("nearest", "stochastic")
+META_DTYPES = ("float16", "float32")
+
+
+@dataclass(frozen=True)
+class HackConfig:
+    """The HACK KV format.
+
+    partition_size: tokens per partition Π = tokens per KV page (multiple of 16, 16..256).
+    kv_bits: bits per K/V code (2, or 4 for accuracy-sensitive users).
+    qp_bits: bits of the quantized Q and P operands (8).
+    rounding: 'nearest' or 'stochastic' (the paper's; unbiased, seeded by a torch.Generator).
+    summation_elimination: keep code sums next to min/scale instead of recomputing them
+        (paper's SE; the result is identical, only the cost differs).
+    requant_elimination: keep the open (still filling) partition in FP16 and quantize it once
+        when it fills (paper's RQE). Off = requantize the open partition at every step.
+    orientation: 'channel_k' = K quantized per channel over the partition's tokens and V per
+        token (groups along head_dim), only K needs an FP16 tail; 'token_k' = the paper's
+        layout, K per token (groups along head_dim) and V per channel over the partition,
+        only V needs an FP16 tail.
+    sink_tokens: the first tokens of every sequence kept in FP16 for K and V (attention sinks).
+    meta_dtype: dtype of min/scale side tables.
+    """
+
+    partition_size: int = 64
+    kv_bits: int = 2
+    qp_bits: int = 8
+    rounding: Rounding = "nearest"
+    summation_elimination: bool = True
+    requant_elimination: bool = True
+    orientation: Orientation = "channel_k"
+    sink_tokens: int = 4
+    meta_dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        p = self.partition_size
+        if not isinstance(p, int) or isinstance(p, bool) or p % 16 or not 16 <= p <= 256:
+            raise ValueError(f"partition_size must be a multiple of 16 in 16..256, got {p!r}")
+        if self.kv_bits not in (2, 4):
+            raise ValueError(f"kv_bits must be 2 or 4, got {self.kv_bits!r}")
+        if self.qp_bits != 8:
+            raise ValueError(f"qp_bits must be 8 (INT8 Q and P), got {self.qp_bits!r}")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.orientation not in ORIENTATIONS:
+            raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {self.orientation!r}")
+        s = self.sink_tokens
+        if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= p:
+            raise ValueError(f"sink_tokens must be an integer in 0..partition_size ({p}), got {s!r}")
+        if self.meta_dtype not in META_DTYPES:
+            raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {self.meta_dtype!r}")
+        for name in ("summation_elimination", "requant_elimination"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    def replace(self, **changes) -> "HackConfig":
+        return replace(self, **changes)
+
+    def head_group(self, head_dim: int) -> int:
+        """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""
+        return min(self.partition_size, head_dim)
+
+    @property
+    def k_per_token(self) -> bool:
+        return self.orientation == "token_k"
+
+    @property
+    def v_per_token(self) -> bool:
+        return self.orientation == "channel_k"
+
+    def label(self) -> str:
+        parts = [f"{self.orientation}", f"P{self.partition_size}", f"{self.kv_bits}bit"]
+        if self.sink_tokens:
+            parts.append(f"sink{self.sink_tokens}")
+        if self.rounding != "nearest":
+            parts.append(self.rounding)
+        if not self.requant_elimination:
+            parts.append("noRQE")
+        return "-".join(parts)

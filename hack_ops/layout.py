@@ -1,0 +1,178 @@
+"""The HACK page layout: one definition shared by the kernels, the SGLang KV pool and the
+transfer engine, so a page moves between them as opaque bytes.
+
+A page holds Π = partition_size tokens of one layer. Each layer has one uint8 buffer for K and
+one for V, shaped [num_pages, page_bytes]. Inside a page, sections follow each other, each
+starting at a 16-byte aligned offset, and each is head-major:
+
+  codes  [H, Π, D*bits/8]  uint8  codes packed along head_dim (see hack_ops.packing)
+  minimum[H, M]            meta   (fp16 by default)
+  scale  [H, M]            meta
+  sums   [H, S]            int    code sums (summation elimination)
+
+The per-channel tensor (K for 'channel_k', V for 'token_k') has M = D: one min/scale per
+channel over the page's tokens. The per-token tensor has M = Π*ng (ng = D / Gd groups of
+Gd = min(Π, D) channels per token).
+Sums: K always needs per-token sums over each head_dim group (S = Π*ng), because Q's INT8
+minimum multiplies Σ_d Kq[j, d]; V always needs per-channel sums over the page (S = D),
+because P's INT8 minimum multiplies Σ_j Vq[j, d]. In a page that is still filling (per-token
+side only) the V sums cover the tokens written so far.
+
+Sink tokens (the first `sink_tokens` of a sequence) take no part in their page's ranges; their
+slots hold code 0 and (per-token side) min 0, scale 0, so they add nothing to any sum.
+
+The FP16 tail is the open partition of the per-channel tensor: [Π, H, D] fp16 per request
+and layer; the sinks are [S, H, D] fp16 for K and for V per sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import HackConfig
+from .quant import sums_dtype
+
+LAYOUT_VERSION = 1
+_ALIGN = 16
+
+_META = {"float16": torch.float16, "float32": torch.float32}
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Section:
+    offset: int  # bytes from the page start
+    nbytes: int  # bytes of the whole section (all heads)
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # per page: (H, ...)
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """Where codes, minimum, scale and sums of one tensor (K or V) sit inside a page."""
+
+    per_channel: bool
+    codes: Section
+    minimum: Section
+    scale: Section
+    sums: Section
+    page_bytes: int
+
+    def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
+        """Typed view of one section for all pages: buf is [num_pages, page_bytes] uint8."""
+        sec: Section = getattr(self, name)
+        raw = buf[:, sec.offset : sec.offset + sec.nbytes]
+        return raw.view(sec.dtype).view(buf.shape[0], *sec.shape)
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    config: HackConfig
+    num_heads: int  # KV heads of this layer (per tensor-parallel rank)
+    head_dim: int
+    k: TensorLayout
+    v: TensorLayout
+    version: int = LAYOUT_VERSION
+
+    @property
+    def page_size(self) -> int:
+        return self.config.partition_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer, K and V together."""
+        return self.k.page_bytes + self.v.page_bytes
+
+    @property
+    def tail_tensor(self) -> str:
+        """Which tensor keeps its open partition in FP16: 'k' or 'v'."""
+        return "v" if self.config.k_per_token else "k"
+
+    def tail_shape(self) -> tuple[int, int, int]:
+        return (self.page_size, self.num_heads, self.head_dim)
+
+    def sink_shape(self) -> tuple[int, int, int]:
+        return (self.config.sink_tokens, self.num_heads, self.head_dim)
+
+    def bf16_page_bytes(self) -> int:
+        return 2 * 2 * self.page_size * self.num_heads * self.head_dim
+
+    def describe(self) -> dict:
+        """A JSON-able summary (used by the PD bootstrap check and the docs)."""
+        return {
+            "version": self.version,
+            "partition_size": self.page_size,
+            "kv_bits": self.config.kv_bits,
+            "orientation": self.config.orientation,
+            "sink_tokens": self.config.sink_tokens,
+            "meta_dtype": self.config.meta_dtype,
+            "num_heads": self.num_heads,
+            "head_dim": self.head_dim,
+            "k_page_bytes": self.k.page_bytes,
+            "v_page_bytes": self.v.page_bytes,
+        }
+
+
+def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool, is_k: bool) -> TensorLayout:
+    p, b = cfg.partition_size, cfg.kv_bits
+    gd = cfg.head_group(head_dim)
+    ng = head_dim // gd
+    meta = _META[cfg.meta_dtype]
+    msize = torch.tensor([], dtype=meta).element_size()
+    row = head_dim * b // 8
+    m = head_dim if per_channel else p * ng
+    if is_k:
+        sdt, s = sums_dtype(b, gd), p * ng
+    else:
+        sdt, s = sums_dtype(b, p), head_dim
+    ssize = torch.tensor([], dtype=sdt).element_size()
+    off = 0
+    secs = []
+    for nbytes, dt, shape in (
+        (heads * p * row, torch.uint8, (heads, p, row)),
+        (heads * m * msize, meta, (heads, m)),
+        (heads * m * msize, meta, (heads, m)),
+        (heads * s * ssize, sdt, (heads, s)),
+    ):
+        secs.append(Section(off, nbytes, dt, shape))
+        off = _align(off + nbytes)
+    return TensorLayout(per_channel, *secs, page_bytes=off)
+
+
+def page_layout(config: HackConfig, num_heads: int, head_dim: int) -> PageLayout:
+    """The layout for one layer with `num_heads` KV heads of size `head_dim`."""
+    if num_heads <= 0 or head_dim <= 0:
+        raise ValueError(f"num_heads and head_dim must be positive, got {num_heads}, {head_dim}")
+    gd = config.head_group(head_dim)
+    if head_dim % gd or (head_dim * config.kv_bits) % 8:
+        raise ValueError(f"head_dim {head_dim} must be a multiple of {gd} and pack into whole bytes")
+    k_chan = not config.k_per_token
+    return PageLayout(
+        config=config,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        k=_tensor_layout(config, num_heads, head_dim, per_channel=k_chan, is_k=True),
+        v=_tensor_layout(config, num_heads, head_dim, per_channel=not k_chan, is_k=False),
+    )
+
+
+def bytes_per_token(layout: PageLayout, context: int, tail_fill: float | None = None) -> dict:
+    """Bytes per token of one layer at `context` tokens, everything a request holds included:
+    allocated pages (the open one too), the FP16 tail tokens and the sinks.
+    tail_fill=None averages over the open partition's fill (0..Π-1 tokens, uniform)."""
+    p = layout.page_size
+    h, d = layout.num_heads, layout.head_dim
+    fp16_tok = h * d * 2
+    fills = range(p) if tail_fill is None else [int(tail_fill)]
+    tot = 0.0
+    for r in fills:
+        n = context + r
+        pages = -(-n // p)
+        tot += (pages * layout.page_bytes + r * fp16_tok + 2 * layout.config.sink_tokens * fp16_tok) / n
+    per_tok = tot / len(fills)
+    bf16 = 2 * fp16_tok
+    return {"bytes_per_token": per_tok, "bf16_bytes_per_token": bf16, "ratio": per_tok / bf16}

