@@ -1,0 +1,493 @@
+"""The container files in docker/: lint, schema validation and consistency with the pins.
+
+No Docker engine exists on the development and CI machines, so images are never built here.
+What is tested instead: hadolint on every Dockerfile, the compose files against the Compose
+Specification's JSON schema, every pinned version against pyproject/requirements/the installed
+sglang metadata, the architecture guard of the GPU image (its shell step is executed), that the
+CPU image runs what `make demo` runs, and that docs/docker.md covers every image.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import importlib.resources
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+sys.path.insert(0, str(DOCKER))
+import build as build_mod  # noqa: E402
+import check_stack  # noqa: E402
+
+DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
+COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.rdma.yaml"]
+MATRIX = check_stack.load_matrix()
+STACK = MATRIX["stack"]
+
+
+# ---------------------------------------------------------------- parsing
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs with continuation lines joined, heredocs skipped."""
+    out: list[tuple[str, str]] = []
+    lines = dockerfile.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        i += 1
+        if not line or line.startswith("#"):
+            continue
+        while line.endswith("\\") and i < len(lines):
+            nxt = lines[i].strip()
+            i += 1
+            if not nxt.startswith("#"):
+                line = line[:-1].rstrip() + " " + nxt
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    return out
+
+
+def args_of(dockerfile: Path, word: str) -> list[str]:
+    return [rest for w, rest in instructions(dockerfile) if w == word]
+
+
+def arg_defaults(dockerfile: Path) -> dict[str, str]:
+    return dict(a.split("=", 1) for a in args_of(dockerfile, "ARG") if "=" in a)
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose-style ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $$."""
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
+        val = env.get(name)
+        if op in (":-", "-"):
+            return val if (val if op == ":-" else val is not None) else arg
+        if op in (":?", "?"):
+            if (not val) if op == ":?" else val is None:
+                raise KeyError(f"{name}: {arg}")
+            return val
+        return val or ""
+    return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(:?[-?])?([^}]*)\}", sub, text)
+
+
+def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.yaml after interpolation with `env` (the required variables get values)."""
+    base = {"HACK_MODELS_DIR": "/srv/models", "HACK_MODEL": "m"}
+    return yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text(), base | (env or {})))
+
+
+def argv(service: dict[str, Any]) -> list[str]:
+    cmd = service["command"]
+    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+
+
+def flag(args: list[str], name: str) -> str:
+    assert name in args, f"{name} missing from {args}"
+    return args[args.index(name) + 1]
+
+
+def compose_schema_validator() -> Any:
+    from jsonschema import Draft202012Validator
+    res = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor"
+    schema = json.loads((res / "compose-spec.json").read_text())
+    Draft202012Validator.check_schema(schema)
+    return Draft202012Validator(schema)
+
+
+def hadolint() -> str:
+    exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert exe, "hadolint is missing: `make install` installs it (requirements/lint.txt)"
+    return exe
+
+
+def requirement_pins(path: Path) -> dict[str, str]:
+    pins = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)", line.strip())
+        if m:
+            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
+    return pins
+
+
+def pyproject() -> dict[str, Any]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def pins_of(specs: list[str]) -> dict[str, str]:
+    return {k: v for s in specs for k, v in requirement_pins_from_text(s).items()}
+
+
+def requirement_pins_from_text(text: str) -> dict[str, str]:
+    m = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^\s;,]+)", text.strip())
+    return {m.group(1).lower().replace("_", "-"): m.group(2)} if m else {}
+
+
+# ---------------------------------------------------------------- lint
+def test_every_dockerfile_passes_hadolint() -> None:
+    assert {p.name for p in DOCKERFILES} == {"gpu.Dockerfile", "cpu.Dockerfile"}
+    proc = subprocess.run([hadolint(), "--failure-threshold", "info", "--format", "json",
+                           *map(str, DOCKERFILES)], capture_output=True, text=True, timeout=60)
+    findings = json.loads(proc.stdout or "[]")
+    assert proc.returncode == 0 and not findings, json.dumps(findings, indent=1)
+
+
+def test_hadolint_does_report_a_bad_dockerfile(tmp_path: Path) -> None:
+    # Guards against a linter that silently checks nothing.
+    bad = tmp_path / "bad.Dockerfile"
+    bad.write_text("FROM ubuntu:latest\nRUN apt-get install curl\nCMD python app.py\n")
+    proc = subprocess.run([hadolint(), "--format", "json", str(bad)],
+                          capture_output=True, text=True, timeout=60)
+    codes = {f["code"] for f in json.loads(proc.stdout)}
+    assert proc.returncode != 0
+    assert {"DL3007", "DL3025"} <= codes, codes
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_file_matches_the_compose_specification(path: Path) -> None:
+    errors = [f"{list(e.absolute_path)}: {e.message}"
+              for e in compose_schema_validator().iter_errors(yaml.safe_load(path.read_text()))]
+    assert not errors, "\n".join(errors)
+
+
+def test_compose_schema_rejects_a_broken_file() -> None:
+    doc = yaml.safe_load((DOCKER / "compose.yaml").read_text())
+    doc["services"]["prefill"]["deploy"]["resources"]["reservations"]["devices"][0].pop(
+        "capabilities")
+    doc["services"]["decode"]["healthcheck"]["intervall"] = "3s"
+    paths = {tuple(e.absolute_path) for e in compose_schema_validator().iter_errors(doc)}
+    assert ("services", "prefill", "deploy", "resources", "reservations", "devices", 0) in paths
+    assert ("services", "decode", "healthcheck") in paths
+
+
+# ---------------------------------------------------------------- versions
+def test_matrix_versions_agree_with_the_install_recipe() -> None:
+    torch_pins = requirement_pins(ROOT / "requirements" / "torch.txt")
+    assert torch_pins["torch"] == STACK["torch"]
+    assert torch_pins["torchvision"] == STACK["torchvision"]
+    cpu_pins = requirement_pins(ROOT / "requirements" / "sglang-cpu.txt")
+    assert cpu_pins["mooncake-transfer-engine-non-cuda"] == STACK["mooncake"]
+    assert cpu_pins["sglang-router"] == STACK["sglang_router"]
+
+    project = pyproject()["project"]
+    deps = pins_of(project["dependencies"])
+    assert deps["torch"] == STACK["torch"]
+    assert deps["transformers"] == requirement_pins(ROOT / "requirements" / "base.txt")["transformers"]
+    gpu = pins_of(project["optional-dependencies"]["gpu"])
+    assert gpu == {"sglang": STACK["sglang"], "mooncake-transfer-engine": STACK["mooncake"],
+                   "sglang-router": STACK["sglang_router"]}
+    assert project["version"] == MATRIX["project_version"]
+    assert f"sglang=={STACK['sglang']}" in (ROOT / "scripts" / "install.sh").read_text()
+
+
+def test_matrix_versions_agree_with_sglang_own_pins() -> None:
+    meta = md.metadata("sglang")
+    assert meta["Version"] == STACK["sglang"]
+    requires = pins_of([r for r in meta.get_all("Requires-Dist") if "extra ==" not in r])
+    assert requires["torch"] == STACK["torch"]
+    assert requires["sglang-kernel"] == STACK["sglang_kernel"]
+    assert requires["transformers"] == pins_of(pyproject()["project"]["dependencies"])["transformers"]
+    # SGLang 0.5.23 is built on CUDA 13: its CUDA-only dependencies name cu13 variants.
+    cuda_major = STACK["cuda"].split(".")[0]
+    cu13 = [r for r in meta.get_all("Requires-Dist") if re.search(r"cu\d+", r)]
+    assert cu13 and all(f"cu{cuda_major}" in r for r in cu13), cu13
+    py = pyproject()["project"]["requires-python"]
+    assert py == f">={STACK['python']},<3.{int(STACK['python'].split('.')[1]) + 1}", py
+
+
+def test_base_images_and_build_args_agree_with_the_matrix() -> None:
+    gpu = DOCKER / "gpu.Dockerfile"
+    defaults = arg_defaults(gpu)
+    assert defaults["CUDA_IMAGE"] == STACK["base_image"]
+    assert defaults["PYTHON_VERSION"] == STACK["python"]
+    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+\.\d+)-devel-ubuntu\d+\.\d+", STACK["base_image"])
+    assert m and m.group(1) == STACK["cuda"]
+    assert STACK["torch_cuda"] == "cu" + "".join(STACK["cuda"].split(".")[:2])
+    # The default build (no --build-arg) is a supported family's.
+    fams = {f["name"]: f for f in MATRIX["families"]}
+    fam = fams[defaults["GPU_FAMILY"]]
+    assert fam["status"] == "supported"
+    assert (defaults["SM"], defaults["TORCH_CUDA_ARCH_LIST"]) == (fam["sm"], fam["torch_cuda_arch_list"])
+    cpu_from = args_of(DOCKER / "cpu.Dockerfile", "FROM")
+    assert cpu_from == [MATRIX["cpu"]["base_image"]]
+    assert f"python:{STACK['python']}-" in cpu_from[0]
+
+
+def test_check_stack_accepts_this_install_and_names_every_mismatch(tmp_path: Path) -> None:
+    # This virtualenv is the CPU install: same torch (CUDA 13.0 build), sglang, router, mooncake.
+    assert check_stack.check(MATRIX, gpu=False, sm=None) == []
+    assert check_stack.torch_cuda_version() == ".".join(STACK["cuda"].split(".")[:2])
+    bad = json.loads(json.dumps(MATRIX))
+    bad["stack"]["torch"] = "9.9.9"
+    bad["stack"]["cuda"] = "12.8.1"
+    problems = check_stack.check(bad, gpu=True, sm="75")
+    text = "\n".join(problems)
+    assert "torch: installed 2.14.1" in text and "9.9.9" in text
+    assert "torch CUDA build: installed 13.0, matrix pins 12.8" in text
+    assert "sm75 is not a supported family" in text
+    # The script form used by the image builds exits non-zero on a mismatch.
+    path = tmp_path / "matrix.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    proc = subprocess.run([sys.executable, str(DOCKER / "check_stack.py"), "--matrix", str(path)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "stack mismatch: torch" in proc.stderr
+
+
+def test_recorded_wheel_archs_explain_the_supported_rows() -> None:
+    # A family is supported iff both torch and sglang-kernel carry code that runs on it
+    # (SASS for sm_XY runs on sm_XZ with Z >= Y; neither wheel ships PTX for older majors).
+    def runs_on(archs: list[str], sm: str) -> bool:
+        major, minor = int(sm[:-1]), int(sm[-1])
+        for arch in archs:
+            digits = arch.removeprefix("sm_").rstrip("a")
+            a_major, a_minor = int(digits[:-1]), int(digits[-1])
+            specific = arch.endswith("a")  # sm_90a code runs on sm_90 only
+            if a_major == major and (a_minor == minor if specific else a_minor <= minor):
+                return True
+        return False
+
+    for fam in MATRIX["families"]:
+        ok = runs_on(STACK["torch_archs"], fam["sm"]) and runs_on(STACK["sglang_kernel_archs"], fam["sm"])
+        assert ok == (fam["status"] == "supported"), fam["name"]
+        if not ok:
+            assert len(fam.get("reason", "")) > 40, fam["name"]
+
+
+# ---------------------------------------------------------------- images
+def guard_script() -> str:
+    runs = args_of(DOCKER / "gpu.Dockerfile", "RUN")
+    assert runs[0].startswith('case "${SM}" in'), "the architecture guard must be the first RUN"
+    return runs[0]
+
+
+@pytest.mark.parametrize("fam", MATRIX["families"], ids=lambda f: f["name"])
+def test_gpu_image_refuses_unsupported_architectures_at_the_first_step(fam: dict[str, Any]) -> None:
+    proc = subprocess.run(["bash", "-c", guard_script()], capture_output=True, text=True,
+                          env={"SM": fam["sm"], "GPU_FAMILY": fam["name"], "PATH": "/usr/bin:/bin"},
+                          timeout=30)
+    if fam["status"] == "supported":
+        assert proc.returncode == 0, proc.stderr
+    else:
+        assert proc.returncode == 1
+        assert f"sm{fam['sm']} is not supported" in proc.stderr and "docs/docker.md" in proc.stderr
+
+
+def test_build_script_builds_supported_families_and_refuses_the_others() -> None:
+    names = build_mod.default_names(MATRIX)
+    assert names[-1] == "cpu"
+    sms = [f["sm"] for f in MATRIX["families"] if f["status"] == "supported"]
+    assert sorted(n for n in names if n != "cpu") == sorted(
+        f["name"] for f in MATRIX["families"] if f["status"] == "supported")
+    for name in names[:-1]:
+        cmd = build_mod.build_command(MATRIX, name)
+        fam = next(f for f in MATRIX["families"] if f["name"] == name)
+        assert f"SM={fam['sm']}" in cmd and f"-t" in cmd
+        assert cmd[cmd.index("-t") + 1] == f"sglang-hack:{MATRIX['project_version']}-sm{fam['sm']}"
+    assert len(set(sms)) == len(sms)
+    for fam in MATRIX["families"]:
+        if fam["status"] != "supported":
+            with pytest.raises(ValueError, match="not supported"):
+                build_mod.build_command(MATRIX, fam["name"])
+    with pytest.raises(ValueError, match="unknown family"):
+        build_mod.build_command(MATRIX, "k80")
+
+
+def test_cpu_image_runs_what_make_demo_runs() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    variables = dict(re.findall(r"^([A-Z_]+)\s*:?=\s*(.+?)\s*$", makefile, re.M))
+    recipe = re.search(r"^demo:\s*(.*)\n((?:\t.*\n)+)", makefile, re.M)
+    assert recipe, "Makefile has no demo target"
+    assert "install" in recipe.group(1).split()
+    lines = [ln.strip() for ln in recipe.group(2).splitlines()]
+    assert len(lines) == 1, lines
+    command = lines[0]
+    for _ in range(5):  # expand $(VAR) references
+        command = re.sub(r"\$\(([A-Z_]+)\)", lambda m: variables[m.group(1)], command)
+    cpu = DOCKER / "cpu.Dockerfile"
+    cmd = json.loads(args_of(cpu, "CMD")[-1])
+    assert cmd == shlex.split(command)
+    # ... from the repository copy, after the same install recipe.
+    assert args_of(cpu, "WORKDIR")[-1] == "/opt/sglang-hack"
+    assert args_of(cpu, "COPY") == [". ."]
+    assert any(r.startswith("make install") for r in args_of(cpu, "RUN"))
+
+
+def test_gpu_image_serves_through_sglang_with_the_plugin() -> None:
+    gpu = DOCKER / "gpu.Dockerfile"
+    assert json.loads(args_of(gpu, "ENTRYPOINT")[-1]) == ["python", "-m", "sglang.launch_server"]
+    cmd = json.loads(args_of(gpu, "CMD")[-1])
+    assert flag(cmd, "--kv-cache-dtype") == "hack"
+    assert flag(cmd, "--model-path").startswith("/models/")
+    assert any('pip install ".[gpu]"' in r for r in args_of(gpu, "RUN"))
+    assert "gpu" in pyproject()["project"]["optional-dependencies"]
+    # Every package the project installs is copied into the image.
+    packages = {p.split("*")[0] for p in pyproject()["tool"]["setuptools"]["packages"]["find"]["include"]}
+    copied = {c.split()[0].rstrip("/") for c in args_of(gpu, "COPY")}
+    assert packages <= copied, packages - copied
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_images_run_unprivileged_with_a_health_check_and_no_secrets(dockerfile: Path) -> None:
+    user = args_of(dockerfile, "USER")
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    health = args_of(dockerfile, "HEALTHCHECK")
+    env = dict(kv.split("=", 1) for e in args_of(dockerfile, "ENV") for kv in shlex.split(e))
+    probe = interpolate(health[0] if health else "", env)
+    assert len(health) == 1 and "--start-period=" in probe
+    assert re.search(r"http://127\.0\.0\.1:\d+/health\b", probe), probe
+    secret = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|HF_TOKEN)", re.I)
+    for word in ("ENV", "ARG"):
+        for value in args_of(dockerfile, word):
+            assert not secret.search(value), f"{dockerfile.name}: {word} {value}"
+    for value in args_of(dockerfile, "COPY"):
+        assert not re.search(r"\.(safetensors|gguf|bin|pt|pth)\b|models?/", value), value
+
+
+def ignore_allows(ignore: Path, path: str) -> bool:
+    """Whether an allow-list .dockerignore (starting with '*') lets `path` into the context."""
+    allowed = False
+    for raw in ignore.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        neg, pat = line.startswith("!"), line.lstrip("!").rstrip("/")
+        if pat == "*" or path == pat or path.startswith(pat + "/"):
+            allowed = neg
+    return allowed
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_build_context_is_an_allow_list_that_holds_every_copied_file(dockerfile: Path) -> None:
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    lines = [ln for ln in ignore.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*", "the context filter must start by excluding everything"
+    for junk in (".venv", "runs", "artifacts", ".git", "tests", ".env", "models"):
+        assert not ignore_allows(ignore, junk), junk
+    for copy in args_of(dockerfile, "COPY"):
+        *sources, _dest = copy.split()
+        for src in sources:
+            if src == ".":
+                continue
+            assert (ROOT / src).exists(), src
+            assert ignore_allows(ignore, src.rstrip("/")), f"{src} is copied but filtered out"
+
+
+def test_cpu_context_covers_every_project_directory() -> None:
+    # `COPY . .` with an allow-list: a new top-level directory must be listed or excluded here.
+    ignore = DOCKER / "cpu.Dockerfile.dockerignore"
+    not_needed_by_the_demo = {"tests", "docs", "docker", ".ci", ".git", ".venv", "runs",
+                              "artifacts", ".pytest_cache"}
+    for entry in sorted(ROOT.iterdir()):
+        if entry.is_dir() and entry.name not in not_needed_by_the_demo \
+                and not entry.name.endswith(".egg-info") and entry.name != "__pycache__":
+            assert ignore_allows(ignore, entry.name), f"{entry.name}/ is missing from {ignore.name}"
+    for needed in ("Makefile", "pyproject.toml", "README.md", "scripts/install.sh", "requirements"):
+        assert ignore_allows(ignore, needed), needed
+
+
+# ---------------------------------------------------------------- compose
+def test_compose_requires_a_model_and_names_no_weights() -> None:
+    with pytest.raises(KeyError, match="HACK_MODEL"):
+        yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text(),
+                                   {"HACK_MODELS_DIR": "/srv/models"}))
+    text = (DOCKER / "compose.yaml").read_text()
+    assert not re.search(r"(HF_TOKEN|API_KEY|PASSWORD|SECRET)\s*[:=]", text)
+
+
+def test_compose_runs_prefill_decode_router_dashboard_on_two_gpus() -> None:
+    doc = compose()
+    services = doc["services"]
+    assert set(services) == {"prefill", "decode", "router", "dashboard"}
+    gpus = {}
+    for role in ("prefill", "decode"):
+        svc = services[role]
+        args = argv(svc)
+        assert flag(args, "--kv-cache-dtype") == "hack"
+        assert flag(args, "--disagg-mode") == role
+        assert flag(args, "--disaggregation-transfer-backend") == "mooncake_tcp"
+        assert flag(args, "--model-path") == "/models/m"
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
+        gpus[role] = dev["device_ids"]
+        assert "/srv/models:/models:ro" in svc["volumes"]
+        assert any(v.startswith("hack-runs:/data/runs") for v in svc["volumes"])
+        port = flag(args, "--port")
+        assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
+        assert svc["environment"]["HACK_PORT"] == port
+        assert svc["image"] == build_mod.image_tag(MATRIX, "sm90")
+    assert gpus == {"prefill": ["0"], "decode": ["1"]}
+    assert compose({"HACK_PREFILL_GPU": "2"})["services"]["prefill"]["deploy"]["resources"][
+        "reservations"]["devices"][0]["device_ids"] == ["2"]
+    assert set(doc["volumes"]) == {"hack-runs"}
+    for role in ("router", "dashboard"):
+        assert services[role]["image"] == build_mod.image_tag(MATRIX, "cpu")
+    dash = argv(services["dashboard"])
+    assert dash[:2] == ["hack", "dashboard"] and flag(dash, "--port") == "8501"
+    assert flag(dash, "--run-dir") == services["prefill"]["environment"]["HACK_RUN_DIR"]
+    assert services["router"]["depends_on"] == {
+        "prefill": {"condition": "service_healthy"}, "decode": {"condition": "service_healthy"}}
+
+
+def test_router_command_parses_and_points_at_the_servers() -> None:
+    import argparse
+
+    from sglang_router.router_args import RouterArgs
+
+    services = compose()["services"]
+    args = argv(services["router"])
+    assert args[:3] == ["python", "-m", "sglang_router.launch_router"]
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    parsed = RouterArgs.from_cli_args(parser.parse_args(args[3:]), use_router_prefix=False)
+    prefill, decode = argv(services["prefill"]), argv(services["decode"])
+    assert parsed.pd_disaggregation
+    assert parsed.prefill_urls == [(f"http://127.0.0.1:{flag(prefill, '--port')}",
+                                    int(flag(prefill, "--disaggregation-bootstrap-port")))]
+    assert parsed.decode_urls == [f"http://127.0.0.1:{flag(decode, '--port')}"]
+    assert services["router"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{parsed.port}/health"
+
+
+def test_transfer_backend_and_extra_args_come_from_the_environment() -> None:
+    env = {"HACK_TRANSFER_BACKEND": "mooncake", "HACK_HOST_IP": "10.0.0.5",
+           "HACK_PREFILL_ARGS": "--disaggregation-ib-device mlx5_0",
+           "HACK_PREFILL_URL": "http://10.0.0.5:30000"}
+    services = compose(env)["services"]
+    prefill = argv(services["prefill"])
+    assert flag(prefill, "--disaggregation-transfer-backend") == "mooncake"
+    assert flag(prefill, "--disaggregation-ib-device") == "mlx5_0"
+    assert "--disaggregation-ib-device" not in argv(services["decode"])
+    assert services["prefill"]["environment"]["SGLANG_HOST_IP"] == "10.0.0.5"
+    assert "http://10.0.0.5:30000" in argv(services["router"])
+    rdma = yaml.safe_load((DOCKER / "compose.rdma.yaml").read_text())["services"]
+    for role in ("prefill", "decode"):
+        assert "/dev/infiniband:/dev/infiniband" in rdma[role]["devices"]
+        assert rdma[role]["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
+
+
+# ---------------------------------------------------------------- docs
+def test_docs_cover_every_image_and_the_unsupported_gpus() -> None:
+    doc = (ROOT / "docs" / "docker.md").read_text()
+    for heading in ("## Which image for which GPU", "## Build", "## Run", "## 1P1D across two hosts",
+                    "## RDMA", "## Unsupported GPUs", "## Checks"):
+        assert heading in doc, heading
+    for fam in MATRIX["families"]:
+        for gpu in fam["gpus"]:
+            assert gpu in doc, gpu
+        if fam["status"] == "supported":
+            assert build_mod.image_tag(MATRIX, f"sm{fam['sm']}") in doc, fam["name"]
+    assert build_mod.image_tag(MATRIX, "cpu") in doc
+    unsupported = doc.split("## Unsupported GPUs", 1)[1].split("\n## ", 1)[0]
+    for needle in ("T4", "V100", "sm_70", "sm_75", "INT8", "sglang-kernel", STACK["sglang_kernel"]):
+        assert needle in unsupported, needle
+    for version in (STACK["sglang"], STACK["torch"], STACK["cuda"], STACK["python"]):
+        assert version in doc, version
