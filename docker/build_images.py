@@ -1,7 +1,7 @@
 """Build the images of docker/matrix.yaml (or print the commands).
 
-    python docker/build.py --print            # every supported GPU family and the CPU image
-    python docker/build.py h100 cpu           # build two of them (needs a Docker engine)
+    python docker/build_images.py --print     # every supported GPU family and the CPU image
+    python docker/build_images.py h100 cpu    # build two of them (needs a Docker engine)
 
 Run from anywhere; the build context is the repository root. Asking for a family the matrix
 marks unsupported (T4, V100) stops with the reason instead of building a broken image.
