@@ -57,15 +57,9 @@ RUN pip install -r requirements/torch.txt \
  && pip install -r requirements/base.txt -c requirements/torch.txt
 
 # The project itself with the `gpu` extra: sglang with all of its CUDA dependencies,
-# the CUDA mooncake transfer engine and the router.
-COPY pyproject.toml README.md ./
-COPY hack_ops/ hack_ops/
-COPY hack_eval/ hack_eval/
-COPY hack_cli/ hack_cli/
-COPY engine/ engine/
-COPY disagg/ disagg/
-COPY dashboard/ dashboard/
-COPY docker/matrix.yaml docker/check_stack.py docker/
+# the CUDA mooncake transfer engine and the router. The context is filtered by
+# gpu.Dockerfile.dockerignore (an allow-list of the packages, README and pyproject).
+COPY . .
 # Fail the build if pip resolved anything but the stack docker/matrix.yaml pins.
 RUN pip install ".[gpu]" -c requirements/torch.txt \
  && python docker/check_stack.py --gpu --sm "${SM}"
