@@ -5,20 +5,26 @@ The 'hack' and 'dequant' modes reproduce what a query sees in the serving cache,
 ("decode-time visibility"). With partition size Π and the query at absolute position t (the
 cache then holds tokens 0..t):
   * pages whose Π tokens are all present, i.e. page p < (t+1)//Π, are closed and quantized;
-  * the open partition (tokens from ((t+1)//Π)*Π to t) is FP16 on the side that needs a tail
-    (K for 'channel_k', V for 'token_k'); the per-token side is quantized as it is written;
-  * the first `sink_tokens` tokens keep FP16 K and V and do not enter page 0's ranges;
-  * with requant_elimination=False the open partition is re-quantized over the tokens it holds.
+  * the open partition (tokens from ((t+1)//Π)*Π to t) is FP16 for the tensors with a tail
+    (config.k_tail / config.v_tail: K and V by default); a per-token tensor without a tail is
+    quantized as each token is written;
+  * the first `sink_tokens` tokens keep FP16 K and V and take no part in page 0's ranges;
+  * with requant_elimination=False the open partition is re-quantized over the tokens it
+    holds at every step (the paper's HACK/RQE ablation).
 So a teacher-forced pass over a whole sequence measures exactly what generation would see.
 
 Homomorphic steps ('hack'):
   channel_k: S = Σ_g sq*(Qq·Kq) + mq*ΣKq + Q·m_K, where Q' = Q ⊙ s_K(page) is quantized to
-      INT8 per (query, page, head_dim group) — K's per-channel scale folded into Q.
-      O = Σ_p sp*(Pq·Vq) + mp*ΣVq + Σ_j P_j m_V(j), where P' = P ⊙ s_V(token) is quantized to
-      INT8 per (query, page, head_dim group) — V's per-token scale folded into P.
-  token_k: plain Eq. 4 for both products (Q per head_dim group, P per page).
-P is the unnormalized softmax numerator exp(S - max); INT8 min/max quantization is invariant to
-the running-max rescaling of an online softmax, so this equals what a flash kernel computes.
+      INT8 per (query, page, head_dim group) — K's per-channel scale folded into Q, and ΣKq
+      are K's stored per-token code sums (summation elimination).
+      O = Σ_p sp*(Pq·Vq) + Σ_j P_j m_V(j), where P' = P ⊙ s_V(token) is quantized to INT8 per
+      (query, page, head_dim group) — V's per-token scale folded into P.
+  token_k: Eq. 4 for Q·K^T (Q INT8 per head_dim group, K per token); for P·V, Eq. 4 with
+      P per (query, page) and V per channel over the page.
+P is the unnormalized softmax numerator exp(S - max). P >= 0, so its INT8 range is [0, max]
+(zero minimum): Eq. 4's terms with P's minimum vanish and V needs no stored code sums. Min/max
+INT8 quantization is invariant to the running-max rescaling of an online softmax, so this
+equals what a flash kernel computes tile by tile.
 """
 from __future__ import annotations
 
@@ -112,9 +118,9 @@ def _pad(x: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if n > x.shape[-2] else x
 
 
-def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor | None = None) -> QTensor:
+def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = False) -> QTensor:
     return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding,
-                    generator=gen, meta_dtype=torch.float32, mask=mask)
+                    generator=gen, meta_dtype=torch.float32, zero_min=zero_min)
 
 
 def _kv_quant(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
@@ -178,12 +184,9 @@ def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig
     mv = _heads(qv.minimum.float(), rep)
     vc = _heads(qv.codes, rep).float().reshape(b, h, npg, p, ng, gd)
     pf = (pw.unsqueeze(-1) * sv.unsqueeze(2)).reshape(b, h, sq, npg, p, ng)  # V scale folded into P
-    wp = w.reshape(1, 1, sq, npg, p, 1).expand(pf.shape)
-    qp = _q8(pf, dim=-2, group=p, cfg=cfg, gen=gen, mask=wp)  # INT8 per (query, page, group)
+    qp = _q8(pf, dim=-2, group=p, cfg=cfg, gen=gen, zero_min=True)  # INT8 per (query, page, group)
     dot = torch.einsum("bhtpjg,bhpjgk->bhtpgk", qp.codes.float(), vc)
-    wsum = torch.einsum("tpj,bhpjgk->bhtpgk", w.reshape(sq, npg, p).float(), vc)  # ΣVq over w
-    out = qp.scale.squeeze(-2).unsqueeze(-1) * dot + qp.minimum.squeeze(-2).unsqueeze(-1) * wsum
-    out = out.sum(3).reshape(b, h, sq, dd)
+    out = (qp.scale.squeeze(-2).unsqueeze(-1) * dot).sum(3).reshape(b, h, sq, dd)
     return out + expand_groups(torch.einsum("bhtj,bhjg->bhtg", pw, mv), -1, gd)
 
 
@@ -194,16 +197,11 @@ def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConf
     qv = _kv_quant(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
     if mode == "dequant":
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
-    qp = _q8(pw, dim=-1, group=p, cfg=cfg, gen=gen, mask=w.expand(pw.shape))
+    qp = _q8(pw, dim=-1, group=p, cfg=cfg, gen=gen, zero_min=True)
     qv_h = QTensor(_heads(qv.codes, rep), _heads(qv.scale, rep), _heads(qv.minimum, rep),
                    _heads(qv.sums, rep), qv.bits, qv.dim, qv.group_size)
-    full = homomorphic_matmul_q(qp, qv_h, cfg.summation_elimination)
-    # A masked P entry has code 0 but Eq. 4 counts it as the group minimum: remove that share.
-    # (Masked keys either have V code 0 — sinks, unfilled slots — or sit in a fully masked
-    # group, whose minimum is 0, so only the min·min term needs the fix.)
-    n_masked = p - w.reshape(w.shape[0], -1, p).sum(-1).float()  # [Sq, npg]
-    fix = torch.einsum("bhtp,bhpd->bhtd", n_masked * qp.minimum.float(), qv_h.minimum.float())
-    return full - fix
+    # P's minimum is 0, so only sp*sv*ΣPqVq + sp*mv*ΣPq remain; ΣPq comes from P's own codes.
+    return homomorphic_matmul_q(qp, qv_h, cfg.summation_elimination)
 
 
 def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep: int, gen) -> Tensor:
@@ -216,6 +214,8 @@ def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep:
     if cfg.k_per_token:
         s_q = _scores_token_k(qs, k, not_sink, cfg, mode, rep, gen)
         q_k = c.valid & not_sink
+        if cfg.k_tail and cfg.requant_elimination:
+            q_k = q_k & c.closed
     else:
         s_q = _scores_channel_k(qs, k, not_sink & c.full_page, cfg, mode, rep, gen)
         q_k = c.valid & not_sink & c.closed
@@ -228,8 +228,11 @@ def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep:
     denom = pr.sum(-1, keepdim=True)
     # Values: same split.
     if cfg.v_per_token:
-        q_v = c.valid & not_sink
-        o = _pv_token_v(pr, q_v, v, not_sink, cfg, mode, rep, gen)
+        if cfg.v_tail and cfg.requant_elimination:
+            q_v, vmask = c.valid & not_sink & c.closed, not_sink & c.full_page
+        else:  # quantized as written (or re-quantized every step: per token, the same thing)
+            q_v, vmask = c.valid & not_sink, not_sink
+        o = _pv_token_v(pr, q_v, v, vmask, cfg, mode, rep, gen)
     else:
         q_v = c.valid & not_sink & c.closed
         o = _pv_channel_v(pr, q_v, v, not_sink & c.full_page, cfg, mode, rep, gen)

@@ -11,8 +11,10 @@ from typing import Literal
 
 Orientation = Literal["channel_k", "token_k"]
 Rounding = Literal["nearest", "stochastic"]
+TailTensors = Literal["kv", "per_channel"]
 
 ORIENTATIONS = ("channel_k", "token_k")
+TAIL_TENSORS = ("kv", "per_channel")
 ROUNDINGS = ("nearest", "stochastic")
 META_DTYPES = ("float16", "float32")
 
@@ -30,9 +32,13 @@ class HackConfig:
     requant_elimination: keep the open (still filling) partition in FP16 and quantize it once
         when it fills (paper's RQE). Off = requantize the open partition at every step.
     orientation: 'channel_k' = K quantized per channel over the partition's tokens and V per
-        token (groups along head_dim), only K needs an FP16 tail; 'token_k' = the paper's
-        layout, K per token (groups along head_dim) and V per channel over the partition,
-        only V needs an FP16 tail.
+        token (groups along head_dim); 'token_k' = the paper's layout, K per token (groups
+        along head_dim) and V per channel over the partition. The per-channel tensor always
+        needs an FP16 tail for its open partition (its ranges span the whole partition).
+    tail_tensors: which tensors keep the open partition in FP16 until it fills: 'kv' = K and
+        V (the page is quantized once, whole, when its last token arrives), 'per_channel' =
+        only the per-channel tensor (the paper's scope; the per-token one is quantized as it is
+        written). Keeping the most recent tokens' V exact matters a lot at 2 bits (the study).
     sink_tokens: the first tokens of every sequence kept in FP16 for K and V (attention sinks).
     meta_dtype: dtype of min/scale side tables.
     """
@@ -44,7 +50,8 @@ class HackConfig:
     summation_elimination: bool = True
     requant_elimination: bool = True
     orientation: Orientation = "channel_k"
-    sink_tokens: int = 4
+    tail_tensors: TailTensors = "kv"
+    sink_tokens: int = 1
     meta_dtype: str = "float16"
 
     def __post_init__(self) -> None:
@@ -59,6 +66,8 @@ class HackConfig:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.orientation not in ORIENTATIONS:
             raise ValueError(f"orientation must be one of {ORIENTATIONS}, got {self.orientation!r}")
+        if self.tail_tensors not in TAIL_TENSORS:
+            raise ValueError(f"tail_tensors must be one of {TAIL_TENSORS}, got {self.tail_tensors!r}")
         s = self.sink_tokens
         if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s <= p:
             raise ValueError(f"sink_tokens must be an integer in 0..partition_size ({p}), got {s!r}")
@@ -83,8 +92,20 @@ class HackConfig:
     def v_per_token(self) -> bool:
         return self.orientation == "channel_k"
 
+    @property
+    def k_tail(self) -> bool:
+        """K of the open partition is held in FP16 (not yet quantized)."""
+        return not self.k_per_token or self.tail_tensors == "kv"
+
+    @property
+    def v_tail(self) -> bool:
+        """V of the open partition is held in FP16 (not yet quantized)."""
+        return not self.v_per_token or self.tail_tensors == "kv"
+
     def label(self) -> str:
         parts = [f"{self.orientation}", f"P{self.partition_size}", f"{self.kv_bits}bit"]
+        if self.tail_tensors != "kv":
+            parts.append("tail-" + self.tail_tensors)
         if self.sink_tokens:
             parts.append(f"sink{self.sink_tokens}")
         if self.rounding != "nearest":

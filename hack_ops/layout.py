@@ -8,21 +8,23 @@ starting at a 16-byte aligned offset, and each is head-major:
   codes  [H, Π, D*bits/8]  uint8  codes packed along head_dim (see hack_ops.packing)
   minimum[H, M]            meta   (fp16 by default)
   scale  [H, M]            meta
-  sums   [H, S]            int    code sums (summation elimination)
+  sums   [H, Π*ng]         int    K only: code sums per token and head_dim group
 
 The per-channel tensor (K for 'channel_k', V for 'token_k') has M = D: one min/scale per
 channel over the page's tokens. The per-token tensor has M = Π*ng (ng = D / Gd groups of
 Gd = min(Π, D) channels per token).
-Sums: K always needs per-token sums over each head_dim group (S = Π*ng), because Q's INT8
-minimum multiplies Σ_d Kq[j, d]; V always needs per-channel sums over the page (S = D),
-because P's INT8 minimum multiplies Σ_j Vq[j, d]. In a page that is still filling (per-token
-side only) the V sums cover the tokens written so far.
+Sums: K needs per-token sums over each head_dim group (Π*ng values), because Q's INT8
+minimum multiplies Σ_d Kq[j, d] (in both orientations); this is the paper's summation
+elimination. V has no sums section: P >= 0 is quantized with a zero minimum, so the term
+that would need Σ_j Vq[j, d] vanishes (format version 2; version 1 stored V sums).
 
 Sink tokens (the first `sink_tokens` of a sequence) take no part in their page's ranges; their
 slots hold code 0 and (per-token side) min 0, scale 0, so they add nothing to any sum.
 
-The FP16 tail is the open partition of the per-channel tensor: [Π, H, D] fp16 per request
-and layer; the sinks are [S, H, D] fp16 for K and for V per sequence.
+FP16 tails hold the open partition of each tensor that has one (`tail_tensors`: K and V by
+default, see HackConfig.tail_tensors): [Π, H, D] fp16 per request row and layer, each; a page
+is quantized once, whole, when its last token arrives. The sinks are [S, H, D] fp16 for K and
+for V per sequence.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 from .config import HackConfig
 from .quant import sums_dtype
 
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 _ALIGN = 16
 
 _META = {"float16": torch.float16, "float32": torch.float32}
@@ -59,12 +61,14 @@ class TensorLayout:
     codes: Section
     minimum: Section
     scale: Section
-    sums: Section
+    sums: Section | None  # None for V (no sums section)
     page_bytes: int
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Typed view of one section for all pages: buf is [num_pages, page_bytes] uint8."""
-        sec: Section = getattr(self, name)
+        sec: Section | None = getattr(self, name)
+        if sec is None:
+            raise ValueError(f"this tensor has no {name!r} section")
         raw = buf[:, sec.offset : sec.offset + sec.nbytes]
         return raw.view(sec.dtype).view(buf.shape[0], *sec.shape)
 
@@ -88,9 +92,9 @@ class PageLayout:
         return self.k.page_bytes + self.v.page_bytes
 
     @property
-    def tail_tensor(self) -> str:
-        """Which tensor keeps its open partition in FP16: 'k' or 'v'."""
-        return "v" if self.config.k_per_token else "k"
+    def tail_tensors(self) -> tuple[str, ...]:
+        """The tensors whose open partition is held in FP16: ('k', 'v'), ('k',) or ('v',)."""
+        return tuple(n for n, on in (("k", self.config.k_tail), ("v", self.config.v_tail)) if on)
 
     def tail_shape(self) -> tuple[int, int, int]:
         return (self.page_size, self.num_heads, self.head_dim)
@@ -110,6 +114,7 @@ class PageLayout:
             "orientation": self.config.orientation,
             "sink_tokens": self.config.sink_tokens,
             "meta_dtype": self.config.meta_dtype,
+            "tail_tensors": list(self.tail_tensors),
             "num_heads": self.num_heads,
             "head_dim": self.head_dim,
             "k_page_bytes": self.k.page_bytes,
@@ -125,21 +130,22 @@ def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool
     msize = torch.tensor([], dtype=meta).element_size()
     row = head_dim * b // 8
     m = head_dim if per_channel else p * ng
-    if is_k:
-        sdt, s = sums_dtype(b, gd), p * ng
-    else:
-        sdt, s = sums_dtype(b, p), head_dim
-    ssize = torch.tensor([], dtype=sdt).element_size()
-    off = 0
-    secs = []
-    for nbytes, dt, shape in (
+    parts = [
         (heads * p * row, torch.uint8, (heads, p, row)),
         (heads * m * msize, meta, (heads, m)),
         (heads * m * msize, meta, (heads, m)),
-        (heads * s * ssize, sdt, (heads, s)),
-    ):
+    ]
+    if is_k:
+        sdt = sums_dtype(b, gd)
+        ssize = torch.tensor([], dtype=sdt).element_size()
+        parts.append((heads * p * ng * ssize, sdt, (heads, p * ng)))
+    off = 0
+    secs: list[Section | None] = []
+    for nbytes, dt, shape in parts:
         secs.append(Section(off, nbytes, dt, shape))
         off = _align(off + nbytes)
+    if not is_k:
+        secs.append(None)
     return TensorLayout(per_channel, *secs, page_bytes=off)
 
 
@@ -168,11 +174,13 @@ def bytes_per_token(layout: PageLayout, context: int, tail_fill: float | None = 
     h, d = layout.num_heads, layout.head_dim
     fp16_tok = h * d * 2
     fills = range(p) if tail_fill is None else [int(tail_fill)]
+    n_tails = len(layout.tail_tensors)
     tot = 0.0
     for r in fills:
         n = context + r
         pages = -(-n // p)
-        tot += (pages * layout.page_bytes + r * fp16_tok + 2 * layout.config.sink_tokens * fp16_tok) / n
+        tails = r * n_tails * fp16_tok
+        tot += (pages * layout.page_bytes + tails + 2 * layout.config.sink_tokens * fp16_tok) / n
     per_tok = tot / len(fills)
     bf16 = 2 * fp16_tok
     return {"bytes_per_token": per_tok, "bf16_bytes_per_token": bf16, "ratio": per_tok / bf16}

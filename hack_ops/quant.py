@@ -96,8 +96,12 @@ def quantize(
     generator: torch.Generator | None = None,
     meta_dtype: torch.dtype = torch.float16,
     mask: Tensor | None = None,
+    zero_min: bool = False,
 ) -> QTensor:
     """Quantize x per group of `group_size` consecutive elements along `dim`.
+
+    zero_min: for non-negative data (softmax numerators P): the range is [0, max], the stored
+    minimum is exactly 0, so Eq. 4's minimum terms vanish (no code sums of the other operand).
 
     mask (optional, bool, x's shape): only True elements take part in a group's range; masked
     elements get code 0 and do not count in the sums. A fully masked group gets m = 0, s = 1.
@@ -105,6 +109,8 @@ def quantize(
     d = _check_input(x, bits, dim, group_size, rounding)
     if not torch.isfinite(x if mask is None else x.masked_fill(~mask, 0)).all():
         raise ValueError("x contains NaN or inf; HACK quantization needs finite values")
+    if zero_min and bool((x < 0).any()):
+        raise ValueError("zero_min quantization needs non-negative x")
     levels = (1 << bits) - 1
     xf = x.float().movedim(d, -1)
     shape = xf.shape
@@ -120,6 +126,8 @@ def quantize(
         empty = ~m.any(-1)
         mn = torch.where(empty, torch.zeros_like(mn), mn)
         mx = torch.where(empty, torch.zeros_like(mx), mx)
+    if zero_min:
+        mn = torch.zeros_like(mn)
     mn_q = _step_toward(mn, meta_dtype, down=True)
     raw_scale = (mx - mn_q.float()) / levels
     s_q = _step_toward(raw_scale, meta_dtype, down=False)
