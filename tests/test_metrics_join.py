@@ -113,11 +113,18 @@ def test_in_flight_request_has_open_spans_to_now(tmp_path):
     p = MetricsSink(tmp_path, "prefill", "0", strict=True)
     p.record("arrival", "a", room=1, t_ns=T)
     p.record("start", "a", phase="prefill", room=1, t_ns=T + 5 * MS)
+    # A failed request's unfinished phase stops at its error, not at "now".
+    p.record("arrival", "b", room=2, t_ns=T)
+    p.record("start", "b", phase="transfer", room=2, t_ns=T + 7 * MS)
+    p.record("error", "b", room=2, t_ns=T + 9 * MS + 3, note="peer closed")
     p.close()
     v = _view(tmp_path, now_ns=T + 505 * MS)
-    span = v.spans.iloc[0]
-    assert bool(span["open"]) and span["end_ns"] == T + 505 * MS
-    assert v.requests["status"].tolist() == ["in_flight"]
+    spans = v.spans.set_index("key")
+    assert bool(spans.loc["room:1", "open"]) and spans.loc["room:1", "end_ns"] == T + 505 * MS
+    assert bool(spans.loc["room:2", "open"]) and spans.loc["room:2", "end_ns"] == T + 9 * MS + 3
+    assert v.requests.set_index("key")["status"].to_dict() == {"room:1": "in_flight",
+                                                              "room:2": "error"}
+    assert v.requests.set_index("key").loc["room:2", "error"] == "peer closed"
     assert len(v.breakdown) == 0                   # only finished requests
     assert analysis.latency_percentiles(v.requests)["count"].tolist() == [0, 0, 0]
 

@@ -89,7 +89,7 @@ def throughput(requests: pd.DataFrame, t0_ns: int, bin_s: float | None = None
     fin = requests[requests["status"] == "finished"] if len(requests) else requests
     if not len(fin):
         return pd.DataFrame(columns=["t_s", "tokens_per_s", "requests_per_s"])
-    t = (fin["finish_ns"].to_numpy(np.float64) - t0_ns) / 1e9
+    t = (fin["finish_ns"] - t0_ns).to_numpy(np.float64) / 1e9
     span = max(float(t.max()), 1e-9)
     if bin_s is None:
         bin_s = max(1.0, span / 60)
@@ -116,7 +116,7 @@ def memory_series(samples: pd.DataFrame, t0_ns: int, max_points: int = 1500
     parts = []
     for server, g in samples.groupby("server"):
         g = g.sort_values("t_ns")
-        d = pd.DataFrame({"t_s": (g["t_ns"].to_numpy(np.float64) - t0_ns) / 1e9})
+        d = pd.DataFrame({"t_s": (g["t_ns"] - t0_ns).to_numpy(np.float64) / 1e9})
         for f in SAMPLE_FIELDS:
             d[f] = pd.to_numeric(g[f], errors="coerce").to_numpy(np.float64)
         if len(d) > max_points:

@@ -15,6 +15,10 @@ import pandas as pd
 
 _SPAN_COLS = ["key", "role", "server", "phase", "start_ns", "end_ns", "open", "bytes",
               "bytes_bf16", "tokens", "method", "steps"]
+REQUEST_COLUMNS = ["key", "room", "roles", "final_role", "rid_prefill", "rid_decode",
+                   "rid_colocated", "arrival_ns", "first_token_ns", "finish_ns", "error",
+                   "prompt_tokens", "bytes", "bytes_bf16", "output_tokens", "status",
+                   "ttft_s", "jct_s", "tpot_s"]
 _FINAL_ROLE_ORDER = ("decode", "colocated", "prefill", "router")
 
 
@@ -80,16 +84,23 @@ def build_spans(ev: pd.DataFrame, now_ns: int) -> pd.DataFrame:
 
 
 def _pair_boundaries(ev: pd.DataFrame, now_ns: int) -> pd.DataFrame:
+    """Pair the i-th start with the i-th end per (request, server, phase). A start without
+    an end runs until the request's finish or error record, or until `now_ns`."""
     b = ev[ev["kind"].isin(["start", "end"])].sort_values(["t_ns", "seq"], kind="stable")
     if not len(b):
         return pd.DataFrame(columns=_SPAN_COLS)
+    closed_at = ev[ev["kind"].isin(["finish", "error"])].groupby("key")["t_ns"].max()
     group = ["key", "server", "phase"]
     b = b.assign(n=b.groupby(group + ["kind"]).cumcount())
     starts = b[b["kind"] == "start"]
     ends = b[b["kind"] == "end"]
     m = starts.merge(ends, on=group + ["n"], how="left", suffixes=("", "_end"))
+    # Merge, not map: nanosecond times must stay integers (a float loses ~256 ns).
+    m = m.merge(closed_at.astype("Int64").rename("closed_at"), left_on="key",
+                right_index=True, how="left")
     is_open = m["t_ns_end"].isna()
-    end_ns = m["t_ns_end"].fillna(max(int(now_ns), 0)).astype("int64")
+    stop = m["closed_at"].astype("Int64").fillna(max(int(now_ns), 0))
+    end_ns = m["t_ns_end"].astype("Int64").fillna(stop).astype("int64")
     end_ns = np.maximum(end_ns.to_numpy(), m["t_ns"].to_numpy())
     pick = lambda col: m[f"{col}_end"].where(m[f"{col}_end"].notna(), m[col])  # noqa: E731
     return pd.DataFrame({
@@ -122,7 +133,7 @@ def _final_role(roles: pd.Series) -> str:
 def build_requests(ev: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
     """One row per joined request: times (ns), latencies (s), tokens, bytes, status."""
     if not len(ev):
-        return pd.DataFrame(columns=["key", "room", "status"])
+        return pd.DataFrame(columns=REQUEST_COLUMNS)
     g = ev.groupby("key")
     req = pd.DataFrame({"room": g["room"].first(),
                         "roles": g["role"].agg(lambda s: ",".join(sorted(set(s)))),
@@ -167,4 +178,5 @@ def build_requests(ev: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
     decode_s = (req["finish_ns"] - req["first_token_ns"]) / 1e9
     req["tpot_s"] = (decode_s / (n - 1)).where(n > 1)
     req.index.name = "key"
-    return req.reset_index().sort_values("arrival_ns", kind="stable").reset_index(drop=True)
+    req = req.reset_index().sort_values("arrival_ns", kind="stable").reset_index(drop=True)
+    return req[REQUEST_COLUMNS]

@@ -130,16 +130,18 @@ def write_synthetic_run(spec: SyntheticSpec, root: str | Path | None = None,
 
 def _samples(spec: SyntheticSpec, prompt, outlen, arrive, rows, horizon) -> list:
     """Pool contents every `sample_every_s` on both servers, from the simulated spans."""
-    end = np.full(len(prompt), horizon)
+    # The prefill server holds a request's KV until its transfer ends; decode until finish.
+    end = {"prefill": np.full(len(prompt), horizon), "decode": np.full(len(prompt), horizon)}
     for t, role, kind, i, f in rows:
-        if kind in ("finish", "error") and role == "decode":
-            end[i] = t
+        if kind == "error" or (kind == "finish" and role == "decode") or \
+                (kind == "end" and f.get("phase") == "transfer"):
+            end[role][i] = min(end[role][i], t)
     ratio_codes = 0.125 if spec.kv_mode != "bf16" else 1.0
     ratio_side = 0.039 if spec.kv_mode != "bf16" else 0.0
     out = []
     for t in np.arange(0.0, horizon + spec.sample_every_s, spec.sample_every_s):
-        live = (arrive <= t) & (t < end)
         for role in ("prefill", "decode"):
+            live = (arrive <= t) & (t < end[role])
             tokens = prompt[live] + (outlen[live] if role == "decode" else 0)
             full_tokens = int((tokens // PAGE * PAGE).sum())
             tail_tokens = int(tokens.sum()) - full_tokens
