@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +81,16 @@ def run(args: argparse.Namespace) -> int:
     print(f"hack dashboard: {what}")
     print(f"hack dashboard: open http://{args.host}:{args.port}", flush=True)
     proc = subprocess.Popen(streamlit_command(args.host, args.port), env=env)
+
+    def stop(signum: int, _frame) -> None:
+        # Stopping `hack dashboard` must stop the app it started, not orphan it.
+        proc.terminate()
+        try:
+            proc.wait(10)
+        finally:
+            sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         return proc.wait()
     except KeyboardInterrupt:

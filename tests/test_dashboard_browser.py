@@ -1,0 +1,233 @@
+"""A real browser (Debian's chromium driven by Selenium and Debian's chromedriver) loads
+`hack dashboard` over recorded runs. Screenshots are kept under artifacts/."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine.metrics import rundir
+from engine.metrics.sink import MetricsSink
+from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "artifacts"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--window-size=1400,1800"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    bf16 = write_synthetic_run(SyntheticSpec(requests=150, seed=4, kv_mode="bf16"), root=root,
+                               label="bf16")
+    hack = write_synthetic_run(SyntheticSpec(requests=150, seed=4), root=root, label="hack")
+    damaged = rundir.create_run("damaged", "hack", root=root)
+    src = write_synthetic_run(SyntheticSpec(requests=30, seed=9), root=root / "src")
+    for f in src.glob("*.arrows"):
+        shutil.copy(f, damaged / f.name)
+    data = (damaged / "decode-0.arrows").read_bytes()
+    (damaged / "decode-0.arrows").write_bytes(data[: len(data) * 2 // 3])   # truncated
+    pre = bytearray((damaged / "prefill-0.arrows").read_bytes())
+    # Garbage over a message header in the middle (random bytes inside a batch body can
+    # be valid numbers; a damaged header never is).
+    mid = pre.find(b"\xff\xff\xff\xff", len(pre) // 2)
+    pre[mid:mid + 16] = b"\x5a" * 16                                        # corrupted
+    (damaged / "prefill-0.arrows").write_bytes(bytes(pre))
+    for f in damaged.glob("*.arrows"):
+        os.utime(f, (1, 1))                     # written long ago: not a live run
+    return {"root": root, "bf16": bf16, "hack": hack, "damaged": damaged}
+
+
+@pytest.fixture(scope="module")
+def dashboard(runs):
+    port = _free_port()
+    env = dict(os.environ, HACK_RUNS_DIR=str(runs["root"]))
+    log = open(runs["root"] / "dashboard.log", "w")
+    # Through the real CLI; its own process group so that teardown stops the app too.
+    proc = subprocess.Popen([sys.executable, "-m", "hack_cli.main", "dashboard", "--port",
+                             str(port), "--refresh", "1"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.5)
+        assert proc.poll() is None, (runs["root"] / "dashboard.log").read_text()
+    else:
+        pytest.fail("the dashboard did not come up in 90 s")
+    yield url
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(20)
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            pytest.fail(f"{path} is missing: `make install` installs Debian's chromium and "
+                        "chromium-driver")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="chromium-profile-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in FLAGS + [f"--user-data-dir={profile}"]:
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
+
+
+def _wait(driver, what, cond, timeout=90.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    ARTIFACTS.mkdir(exist_ok=True)
+    driver.save_screenshot(str(ARTIFACTS / "dashboard-timeout.png"))
+    pytest.fail(f"timed out waiting for {what}; page text: {_text(driver)[:1500]}")
+
+
+def _text(driver) -> str:
+    from selenium.webdriver.common.by import By
+    return driver.find_element(By.TAG_NAME, "body").text
+
+
+def _titles(driver) -> list[str]:
+    from selenium.webdriver.common.by import By
+    return [e.text for e in driver.find_elements(By.CSS_SELECTOR,
+                                                 '[data-testid="stPlotlyChart"] .gtitle')]
+
+
+def _chart(driver, title_start: str):
+    from selenium.webdriver.common.by import By
+    for chart in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"]'):
+        titles = chart.find_elements(By.CSS_SELECTOR, ".gtitle")
+        if titles and titles[0].text.startswith(title_start):
+            return chart
+    return None
+
+
+def _metric(driver, label: str) -> str | None:
+    from selenium.webdriver.common.by import By
+    for m in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stMetric"]'):
+        lab = m.find_elements(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]')
+        if lab and lab[0].text.strip() == label:
+            return m.find_element(By.CSS_SELECTOR, '[data-testid="stMetricValue"]').text
+    return None
+
+
+def _no_crash(driver) -> None:
+    from selenium.webdriver.common.by import By
+    assert not driver.find_elements(By.CSS_SELECTOR, '[data-testid="stException"]')
+    assert "failed on this data" not in _text(driver)
+
+
+def _shot(driver, name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    path = ARTIFACTS / name
+    driver.save_screenshot(str(path))
+    return path
+
+
+def test_run_page_shows_timeline_breakdown_and_memory(dashboard, runs, browser):
+    from selenium.webdriver.common.by import By
+    browser.get(f"{dashboard}/?run={runs['hack'].name}")
+    needed = ("Request timeline", "Phase breakdown per request", "Average JCT breakdown",
+              "KV cache memory over time")
+    _wait(browser, "the four main charts",
+          lambda: all(any(t.startswith(n) for t in _titles(browser)) for n in needed))
+    timeline = _chart(browser, "Request timeline")
+    bars = timeline.find_elements(By.CSS_SELECTOR, ".barlayer .point")
+    assert len(bars) >= 3 * 147          # queue, prefill, transfer, decode, ... per request
+    memory = _chart(browser, "KV cache memory over time")
+    assert len(memory.find_elements(By.CSS_SELECTOR, ".scatterlayer .trace")) == 8
+    assert _metric(browser, "finished") == "147"
+    assert "Synthetic run" in _text(browser)
+    _no_crash(browser)
+    assert _shot(browser, "dashboard-run.png").stat().st_size > 10_000
+
+
+def test_damaged_run_warns_in_the_page(dashboard, runs, browser):
+    from selenium.webdriver.common.by import By
+    browser.get(f"{dashboard}/?run={runs['damaged'].name}")
+
+    def alerts():
+        text = " ".join(a.text for a in browser.find_elements(
+            By.CSS_SELECTOR, '[data-testid="stAlert"]'))
+        return text if "decode-0.arrows" in text and "prefill-0.arrows" in text else None
+
+    text = _wait(browser, "warnings about both damaged streams", alerts)
+    assert "truncated or corrupted" in text and "corrupted" in text
+    _wait(browser, "the timeline of what could be read",
+          lambda: _chart(browser, "Request timeline"))
+    _no_crash(browser)
+    _shot(browser, "dashboard-damaged.png")
+
+
+def test_compare_view_puts_two_runs_side_by_side(dashboard, runs, browser):
+    from selenium.webdriver.common.by import By
+    browser.get(f"{dashboard}/?run={runs['hack'].name}&compare={runs['bf16'].name}")
+    avg = _wait(browser, "the comparison breakdown",
+                lambda: _chart(browser, "Average JCT breakdown"))
+    ticks = [t.text for t in avg.find_elements(By.CSS_SELECTOR, ".xtick text")]
+    assert ticks == ["hack", "bf16"]
+    _no_crash(browser)
+    _shot(browser, "dashboard-compare.png")
+
+
+def test_live_run_refreshes_without_reload(dashboard, runs, browser):
+    run = rundir.create_run("live", "hack", root=runs["root"])
+    sink = MetricsSink(run, "colocated", "0", flush_ms=50)
+    t = time.time_ns()
+
+    def finish(i: int) -> None:
+        sink.record("arrival", f"r{i}", t_ns=t + i * 10**7)
+        sink.record("span", f"r{i}", phase="prefill", t_ns=t + i * 10**7 + 10**6,
+                    dur_ns=10**6)
+        sink.record("finish", f"r{i}", t_ns=t + i * 10**7 + 2 * 10**6, tokens=4)
+
+    try:
+        for i in range(3):
+            finish(i)
+        sink.flush()
+        browser.get(f"{dashboard}/?run={run.name}")
+        _wait(browser, "3 finished requests", lambda: _metric(browser, "finished") == "3")
+        for i in range(3, 7):
+            finish(i)
+        sink.flush()
+        _wait(browser, "7 finished requests without a reload",
+              lambda: _metric(browser, "finished") == "7", timeout=30)
+        assert "live" in _text(browser)
+        _no_crash(browser)
+    finally:
+        sink.close()
