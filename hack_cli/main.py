@@ -7,6 +7,8 @@ import sys
 
 # Each module defines register(subparsers) and sets `func` on the parsers it adds.
 COMMAND_MODULES = [
+    "hack_cli.cmd_model",
+    "hack_cli.cmd_eval",
     "hack_cli.cmd_bench",
     "hack_cli.cmd_dashboard",
 ]

@@ -120,7 +120,7 @@ def _pad(x: Tensor, n: int) -> Tensor:
 
 def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = False) -> QTensor:
     return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding,
-                    generator=gen, meta_dtype=torch.float32, zero_min=zero_min)
+                    generator=gen, meta_dtype=torch.float32, zero_min=zero_min, check=False)
 
 
 def _kv_quant(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:

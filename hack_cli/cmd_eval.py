@@ -1,0 +1,75 @@
+"""`hack eval size` and `hack eval accuracy`."""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="bytes and accuracy of the KV formats on the real model")
+    esub = p.add_subparsers(dest="eval_command", metavar="WHAT")
+    esub.required = True
+
+    size = esub.add_parser("size", help="bytes per token per layer for a model vs BF16")
+    size.add_argument("--model", default="smollm2", help="a model name known to `hack model prepare`")
+    size.add_argument("--context", type=int, default=2048, help="tokens per request (default 2048)")
+    size.add_argument("--json", action="store_true", help="print one JSON object")
+    size.set_defaults(func=_size)
+
+    acc = esub.add_parser("accuracy", help="the accuracy study (perplexity, KL, top-1, generation)")
+    acc.add_argument("--context", type=int, default=2048)
+    acc.add_argument("--essays", type=int, default=3, help="essay windows (default 3)")
+    acc.add_argument("--plays", type=int, default=3, help="Shakespeare windows (default 3)")
+    acc.add_argument("--gen-prompts", type=int, default=5, help="HumanEval prompts for generation")
+    acc.add_argument("--gen-tokens", type=int, default=48, help="greedy tokens per prompt")
+    acc.add_argument("--quick", action="store_true", help="three variants only (a smoke run)")
+    acc.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    acc.add_argument("--out", default="docs/accuracy.md", help="markdown report to write ('' = none)")
+    acc.add_argument("--json-out", default="docs/accuracy.json", help="raw results ('' = none)")
+    acc.set_defaults(func=_accuracy)
+
+
+def _size(args: argparse.Namespace) -> int:
+    from hack_eval.size import size_table
+
+    rows = size_table(args.model, args.context)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    print(f"{'format':<58} {'bytes/token/layer':>18} {'vs BF16':>8}")
+    for r in rows:
+        print(f"{r['format']:<58} {r['bytes_per_token_layer']:>18.1f} {r['ratio'] * 100:>7.2f}%")
+    return 0
+
+
+def _accuracy(args: argparse.Namespace) -> int:
+    from hack_eval.accuracy import run_study, save
+    from hack_eval.report import render
+
+    if args.context < 2 or args.essays < 0 or args.plays < 0 or args.essays + args.plays == 0:
+        raise ValueError("need a context of at least 2 tokens and at least one window")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = run_study(context=args.context, essays=args.essays, plays=args.plays,
+                    gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
+                    quick=args.quick, threads=args.threads, log=log)
+    # The command to rerun, without where this run wrote its files.
+    argv, shown, skip = sys.argv[3:], [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ("--out", "--json-out"):
+            skip = True
+        elif not a.startswith(("--out=", "--json-out=")):
+            shown.append(a)
+    command = "hack eval accuracy " + " ".join(shlex.quote(a) for a in shown)
+    text = render(res, command.strip())
+    if args.json_out:
+        save(res, Path(args.json_out))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    return 0

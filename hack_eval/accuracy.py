@@ -1,0 +1,129 @@
+"""The accuracy study: how far each KV format moves a real model from its exact self.
+
+Teacher-forced over windows of real text (essays and plays): perplexity, mean KL divergence to
+the exact model's next-token distribution, and top-1 agreement with the exact model. Greedy
+generation on HumanEval prompts: character edit similarity of each variant's continuation to
+the exact model's. Results are written as JSON and as docs/accuracy.md.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .models import prepare
+from .runner import EXACT, Variant, greedy, load_model, logits_for
+from .texts import essay_files, humaneval_prompts, play_files, token_windows
+from .variants import byte_ratio, generation_variants, quick_variants, study_variants
+
+
+@dataclass
+class Tally:
+    nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+    tokens: int = 0
+    seq_ppl: list = field(default_factory=list)
+    edit_sim: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def edit_similarity(a: str, b: str) -> float:
+    """1 - Levenshtein(a, b) / max(len): 1.0 for identical strings."""
+    if not a and not b:
+        return 1.0
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return 1.0 - prev[-1] / max(len(a), len(b))
+
+
+def _key(v: Variant) -> str:
+    return f"{v.mode}:{v.name}"
+
+
+def _score(tally: Tally, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
+    logp = torch.log_softmax(logits[:-1], -1)
+    nll = -logp.gather(1, targets[:, None]).squeeze(1)
+    tally.nll += nll.sum().item()
+    tally.tokens += targets.numel()
+    tally.seq_ppl.append(math.exp(nll.mean().item()))
+    p_ref = ref_logp.exp()
+    tally.kl += (p_ref * (ref_logp - logp)).sum(-1).sum().item()
+    tally.top1 += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+
+
+def run_study(
+    context: int = 2048,
+    essays: int = 3,
+    plays: int = 3,
+    gen_prompts: int = 5,
+    gen_tokens: int = 48,
+    quick: bool = False,
+    threads: int | None = None,
+    log=print,
+) -> dict:
+    torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
+    model, tok = load_model(prepare(log=log), threads=threads)
+    cfg = model.config
+    variants = quick_variants() if quick else study_variants()
+    windows = token_windows(tok, essay_files(), context, essays)
+    windows += token_windows(tok, play_files(), context, plays, skip_chars=4000)
+    if len(windows) < essays + plays:
+        raise RuntimeError(f"only {len(windows)} windows of {context} tokens found")
+    tallies = {_key(v): Tally() for v in variants}
+    for i, ids in enumerate(windows):
+        targets = torch.tensor(ids[1:])
+        ref_logp = None
+        for v in variants:
+            t0 = time.time()
+            logits = logits_for(model, ids, v)
+            if ref_logp is None:  # EXACT comes first
+                ref_logp = torch.log_softmax(logits[:-1], -1)
+            _score(tallies[_key(v)], ref_logp, logits, targets)
+            tallies[_key(v)].seconds += time.time() - t0
+        log(f"window {i + 1}/{len(windows)} done")
+    gen_vars = [EXACT, variants[1]] if quick else generation_variants()
+    prompts = humaneval_prompts()[:gen_prompts]
+    for p in prompts:
+        ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
+        ref = tok.decode(greedy(model, ids, EXACT, gen_tokens))
+        for v in gen_vars[1:]:
+            out = tok.decode(greedy(model, ids, v, gen_tokens))
+            tallies.setdefault(_key(v), Tally()).edit_sim.append(edit_similarity(ref, out))
+    log(f"generation on {len(prompts)} prompts done")
+    base = tallies[_key(EXACT)]
+    base_ppl = math.exp(base.nll / base.tokens)
+    rows = []
+    for v in variants:
+        t = tallies[_key(v)]
+        ppl = math.exp(t.nll / t.tokens)
+        ratios = [a / b for a, b in zip(t.seq_ppl, base.seq_ppl)]
+        rows.append({
+            "variant": v.name, "mode": v.mode,
+            "config": None if v.config is None else v.config.label(),
+            "bytes_vs_bf16": byte_ratio(v.config, cfg.num_key_value_heads, cfg.head_dim, context),
+            "ppl": ppl, "ppl_ratio": ppl / base_ppl,
+            "ppl_ratio_min": min(ratios), "ppl_ratio_max": max(ratios),
+            "kl": t.kl / t.tokens, "top1": t.top1 / t.tokens,
+            "edit_similarity": (sum(t.edit_sim) / len(t.edit_sim)) if t.edit_sim else None,
+            "seconds": t.seconds,
+        })
+    return {
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF weights, float32)",
+        "context": context, "windows": {"essays": essays, "plays": plays},
+        "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
+        "quick": quick, "rows": rows,
+    }
+
+
+def save(results: dict, json_path: Path) -> None:
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(results, indent=1))
