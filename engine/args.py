@@ -1,0 +1,182 @@
+"""The server options the plugin adds to SGLang's command line, and their validation.
+
+`--kv-cache-dtype hack` turns the HACK KV cache on. The `--hack-*` options map onto
+hack_ops.HackConfig fields (None = HackConfig's default) or onto EngineSettings. Combinations
+that cannot work are refused at startup with one clear sentence, before the model loads.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hack_ops import HackConfig
+from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS
+
+from .settings import ATTENTION_MODES, BACKEND_NAME, KV_CACHE_DTYPE, PREFILL_MODES, EngineSettings
+
+
+class HackArgumentError(ValueError):
+    """A server option (or combination) that the HACK plugin refuses."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
+    return v
+
+
+# dest -> (flag, argparse kwargs). Defaults are None so that "given" and "defaulted" differ.
+HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "hack_partition_size": ("--hack-partition-size", dict(
+        type=_positive_int, metavar="N",
+        help="HACK partition size = KV page size in tokens (multiple of 16, 16..256).")),
+    "hack_rounding": ("--hack-rounding", dict(
+        choices=list(ROUNDINGS), help="Rounding of K/V codes and INT8 Q/P.")),
+    "hack_disable_summation_elimination": ("--hack-disable-summation-elimination", dict(
+        action="store_true", default=None,
+        help="Ablation: recompute code sums at every attention step instead of storing them.")),
+    "hack_disable_requant_elimination": ("--hack-disable-requant-elimination", dict(
+        action="store_true", default=None,
+        help="Ablation: re-quantize the open partition at every step instead of keeping it FP16.")),
+    "hack_prefill": ("--hack-prefill", dict(
+        choices=list(PREFILL_MODES),
+        help="Extend attention over the chunk's own tokens: homomorphic (default) or exact.")),
+    "hack_orientation": ("--hack-orientation", dict(
+        choices=list(ORIENTATIONS),
+        help="channel_k: K per channel over the page, V per token (default); token_k: the paper's.")),
+    "hack_tail_tensors": ("--hack-tail-tensors", dict(
+        choices=list(TAIL_TENSORS),
+        help="Which tensors keep the open partition in FP16 until it fills: kv (default) or "
+             "per_channel (the paper's scope).")),
+    "hack_sink_tokens": ("--hack-sink-tokens", dict(
+        type=_non_negative_int, metavar="N",
+        help="First N tokens of every sequence kept in FP16 (attention sinks).")),
+    "hack_kv_bits": ("--hack-kv-bits", dict(
+        type=int, choices=[2, 4], help="Bits per K/V code.")),
+    "hack_attention": ("--hack-attention", dict(
+        choices=list(ATTENTION_MODES),
+        help="hack: homomorphic attention on codes (default); dequant: the strawman baseline "
+             "that dequantizes the same pages before attention.")),
+    "hack_kv_budget_mb": ("--hack-kv-budget-mb", dict(
+        type=_positive_float, metavar="MB",
+        help="Size the KV pool from this fixed budget instead of free memory (any "
+             "--kv-cache-dtype; for comparing capacities under the same budget).")),
+}
+
+# HackConfig fields set from options (boolean ablations are inverted below).
+_CONFIG_FIELDS = {
+    "hack_partition_size": "partition_size",
+    "hack_rounding": "rounding",
+    "hack_orientation": "orientation",
+    "hack_tail_tensors": "tail_tensors",
+    "hack_sink_tokens": "sink_tokens",
+    "hack_kv_bits": "kv_bits",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the plugin's options to SGLang's parser: `hack` among the --kv-cache-dtype and
+    --attention-backend choices, the --hack-* options and --disagg-mode."""
+    for action in parser._actions:
+        if action.dest in ("kv_cache_dtype", "attention_backend", "prefill_attention_backend",
+                           "decode_attention_backend") and action.choices is not None:
+            if KV_CACHE_DTYPE not in action.choices:
+                action.choices = [*action.choices, KV_CACHE_DTYPE]
+    existing = set(parser._option_string_actions)
+    group = parser.add_argument_group("HACK KV cache (sglang-hack)")
+    for dest, (flag, kwargs) in HACK_OPTIONS.items():
+        if flag not in existing:
+            group.add_argument(flag, dest=dest, **{"default": None, **kwargs})
+    dis = parser._option_string_actions.get("--disaggregation-mode")
+    if dis is not None and "--disagg-mode" not in existing:
+        # Same dest; SUPPRESS keeps the alias from overwriting the real option's default.
+        parser.add_argument("--disagg-mode", dest=dis.dest, choices=dis.choices,
+                            default=argparse.SUPPRESS, help="Alias of --disaggregation-mode.")
+
+
+def given_hack_options(ns: Any) -> list[str]:
+    return [flag for dest, (flag, _) in HACK_OPTIONS.items() if getattr(ns, dest, None) is not None]
+
+
+def settings_from_options(ns: Any, enabled: bool) -> EngineSettings:
+    """Build EngineSettings from a namespace holding the hack_* attributes (missing = default)."""
+    changes = {f: getattr(ns, d) for d, f in _CONFIG_FIELDS.items() if getattr(ns, d, None) is not None}
+    if getattr(ns, "hack_disable_summation_elimination", None):
+        changes["summation_elimination"] = False
+    if getattr(ns, "hack_disable_requant_elimination", None):
+        changes["requant_elimination"] = False
+    try:
+        cfg = HackConfig().replace(**changes)
+    except ValueError as exc:
+        raise HackArgumentError(f"invalid HACK option: {exc}") from None
+    extra = {}
+    for dest, key in (("hack_prefill", "prefill"), ("hack_attention", "attention"),
+                      ("hack_kv_budget_mb", "kv_budget_mb")):
+        if getattr(ns, dest, None) is not None:
+            extra[key] = getattr(ns, dest)
+    return EngineSettings(enabled=enabled, config=cfg, **extra)
+
+
+def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any]:
+    """Validate the SGLang options that must agree with the HACK cache. Returns the values to
+    set (page_size, attention_backend); raises HackArgumentError with a clear message."""
+    backends = {k: getattr(ns, k, None) for k in
+                ("attention_backend", "prefill_attention_backend", "decode_attention_backend")}
+    kv_dtype = getattr(ns, "kv_cache_dtype", None)
+    if settings is None or not settings.enabled:
+        named = [f"--{k.replace('_', '-')} {v}" for k, v in backends.items() if v == BACKEND_NAME]
+        if named:
+            raise HackArgumentError(
+                f"{named[0]} reads HACK-compressed pages and needs --kv-cache-dtype hack "
+                f"(got --kv-cache-dtype {kv_dtype})")
+        extra = [f for f in given_hack_options(ns) if f != "--hack-kv-budget-mb"]
+        if extra:
+            raise HackArgumentError(
+                f"{', '.join(extra)} only apply with --kv-cache-dtype hack (got {kv_dtype})")
+        return {}
+    out: dict[str, Any] = {}
+    page = getattr(ns, "page_size", None)
+    if page is None:
+        out["page_size"] = settings.page_size
+    elif page != settings.page_size:
+        raise HackArgumentError(
+            f"--page-size {page} conflicts with the HACK partition size {settings.page_size}: "
+            f"a KV page holds exactly one partition. Drop --page-size, or set "
+            f"--hack-partition-size {page} (a multiple of 16 in 16..256)")
+    for key, val in backends.items():
+        if val is not None and val != BACKEND_NAME:
+            raise HackArgumentError(
+                f"--kv-cache-dtype hack stores 2-bit pages that only the '{BACKEND_NAME}' attention "
+                f"backend reads; --{key.replace('_', '-')} {val} cannot use them. Drop that option "
+                f"or set it to {BACKEND_NAME}")
+    if backends["attention_backend"] is None:
+        out["attention_backend"] = BACKEND_NAME
+    if getattr(ns, "speculative_algorithm", None):
+        raise HackArgumentError("--kv-cache-dtype hack does not support speculative decoding yet")
+    if getattr(ns, "enable_hierarchical_cache", False):
+        raise HackArgumentError("--kv-cache-dtype hack does not support --enable-hierarchical-cache")
+    return out

@@ -1,0 +1,144 @@
+"""HackAttnBackend: SGLang's `hack` attention backend, reading HACK pages directly.
+
+Per forward pass, init_forward_metadata builds one plan (page table, new-token positions, sink
+slots) from SGLang's req_to_token table; every layer then stores its new K/V into the pool
+(quantizing into pages, FP16 tail, sinks) and attends over codes and side tables without a
+BF16 copy of the cache. Extend covers prefill, chunked prefill, mixed batches and radix-cache
+prefix hits (the prefix pages are simply part of the page table).
+
+Device: the CPU path of hack_ops.paged on CPU; the Triton kernels of hack_ops.triton on CUDA
+(engine.gpu_attention). Modes come from the server options: `--hack-prefill exact` makes the
+chunk's own tokens attend to each other in full precision, `--hack-attention dequant` runs the
+strawman baseline (same pages, dequantized before attention).
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from hack_ops.paged import decode as paged_decode
+from hack_ops.paged import extend as paged_extend
+
+from .pool import HackKVPool
+
+if TYPE_CHECKING:  # pragma: no cover
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+def _host_list(t: Any) -> list[int]:
+    if t is None:
+        return []
+    if isinstance(t, torch.Tensor):
+        return [int(x) for x in t.tolist()]
+    return [int(x) for x in t]
+
+
+class HackAttnBackend(AttentionBackend):
+    """Extend and decode on HACK pages; see the module docstring."""
+
+    needs_cpu_seq_lens = True
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__()
+        pool = model_runner.token_to_kv_pool
+        if not isinstance(pool, HackKVPool):
+            raise ValueError(
+                "the 'hack' attention backend needs the HACK KV pool (--kv-cache-dtype hack), "
+                f"got {type(pool).__name__}")
+        self.pool = pool
+        self.store = pool.store
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.device = torch.device(model_runner.device)
+        settings = pool.hack_settings
+        self.settings = settings
+        if settings.attention == "dequant":
+            self.extend_mode, self.decode_mode = "dequant", "dequant"
+        else:
+            self.extend_mode = "exact" if settings.prefill == "exact" else "hack"
+            self.decode_mode = "hack"
+        self.generator: Optional[torch.Generator] = None
+        if settings.config.rounding == "stochastic":
+            # Seeded once per server so a run is reproducible for a fixed request order.
+            self.generator = torch.Generator(device="cpu").manual_seed(0)
+        self.gpu = None
+        if self.device.type == "cuda":
+            from .gpu_attention import GpuAttention
+
+            self.gpu = GpuAttention(self.store, settings)
+        self.forward_metadata = None
+
+    # ---- plan (once per forward) -----------------------------------------------------------
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            self.forward_metadata = None
+            return
+        if mode.is_target_verify() or mode.is_draft_extend_v2():
+            raise NotImplementedError("the 'hack' attention backend does not support speculative decoding")
+        rows = _host_list(forward_batch.req_pool_indices)
+        seq_lens = _host_list(forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None
+                              else forward_batch.seq_lens)
+        if mode.is_decode():
+            ext_lens = [1] * len(rows)
+        else:
+            ext_lens = (list(forward_batch.extend_seq_lens_cpu)
+                        if forward_batch.extend_seq_lens_cpu is not None
+                        else _host_list(forward_batch.extend_seq_lens))
+        req_to_token = self.req_to_token_pool.req_to_token
+        if self.gpu is not None:
+            self.forward_metadata = self.gpu.plan(req_to_token, rows, seq_lens, ext_lens)
+        else:
+            self.forward_metadata = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
+
+    def init_forward_metadata_out_graph(self, forward_batch: "ForwardBatch", in_capture: bool = False) -> None:
+        self.init_forward_metadata(forward_batch)
+
+    # ---- per layer ---------------------------------------------------------------------------
+    def _shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention"):
+        if layer.qk_head_dim != layer.v_head_dim:
+            raise ValueError("the 'hack' backend needs equal q/k and v head dims")
+        d = layer.qk_head_dim
+        q3 = q.reshape(-1, layer.tp_q_head_num, d)
+        k3 = None if k is None else k.reshape(-1, layer.tp_k_head_num, d)
+        v3 = None if v is None else v.reshape(-1, layer.tp_v_head_num, d)
+        return q3, k3, v3
+
+    def _check_layer(self, layer: "RadixAttention", save_kv_cache: bool, k: Any) -> int:
+        if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
+            raise NotImplementedError("the 'hack' backend supports causal self-attention without a sliding window")
+        if not save_kv_cache or k is None:
+            raise NotImplementedError("the 'hack' backend stores K/V as it attends; save_kv_cache=False is unsupported")
+        if self.forward_metadata is None:
+            raise RuntimeError("init_forward_metadata was not called for this forward pass")
+        return self.pool.local_layer(layer.layer_id)
+
+    def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        lid = self._check_layer(layer, save_kv_cache, k)
+        q3, k3, v3 = self._shapes(q, k, v, layer)
+        if self.gpu is not None:
+            o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling)
+        else:
+            o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.extend_mode,
+                             scale=layer.scaling, generator=self.generator)
+        return o.reshape(q3.shape[0], -1)
+
+    def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
+                       forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
+        lid = self._check_layer(layer, save_kv_cache, k)
+        q3, k3, v3 = self._shapes(q, k, v, layer)
+        if self.gpu is not None:
+            o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, self.decode_mode, layer.scaling)
+        else:
+            o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.decode_mode,
+                             scale=layer.scaling, generator=self.generator)
+        return o.reshape(q3.shape[0], -1)
+
+    def support_triton(self) -> bool:
+        return self.device.type == "cuda"

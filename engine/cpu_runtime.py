@@ -1,0 +1,67 @@
+"""Running SGLang without a GPU: the CPU engine switch and the `sgl_kernel` stand-in.
+
+Both must be in place before SGLang imports its memory pool (module-level `is_cpu()` checks and
+`from sgl_kernel import ...`), in this process and in every child it spawns. Children are
+started with the spawn method, so they see os.environ (SGLANG_USE_CPU_ENGINE, PYTHONPATH) but
+not this process's sys.modules.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+STANDIN_DIR = Path(__file__).resolve().parent / "standin"
+
+
+def gpu_available() -> bool:
+    """True when a CUDA/ROCm device is usable (then SGLang's own platforms apply)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def cpu_engine_enabled() -> bool:
+    return os.environ.get(CPU_ENGINE_ENV, "0") == "1"
+
+
+def _real_sgl_kernel_importable() -> bool:
+    if "sgl_kernel" in sys.modules:
+        return not getattr(sys.modules["sgl_kernel"], "IS_HACK_STANDIN", False)
+    try:
+        mod = importlib.import_module("sgl_kernel")
+    except Exception:  # ImportError, or OSError from a CUDA-only build's missing libraries
+        sys.modules.pop("sgl_kernel", None)
+        return False
+    return not getattr(mod, "IS_HACK_STANDIN", False)
+
+
+def install_sgl_kernel_standin() -> bool:
+    """Put the stand-in on the import path of this process and its children, only when no
+    real sgl_kernel imports. Returns True when the stand-in is (now) in use."""
+    if _real_sgl_kernel_importable():
+        return False
+    path = str(STANDIN_DIR)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if path not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([path, *parts])
+    importlib.invalidate_caches()
+    logger.info("sglang-hack: no real sgl_kernel could be imported; using the stand-in at %s", path)
+    return True
+
+
+def prepare() -> None:
+    """Without a GPU: enable SGLang's CPU engine and make `sgl_kernel` importable. Idempotent.
+    With a GPU nothing changes (unless the user set SGLANG_USE_CPU_ENGINE=1 on purpose)."""
+    if not cpu_engine_enabled():
+        if gpu_available():
+            return
+        os.environ[CPU_ENGINE_ENV] = "1"
+    install_sgl_kernel_standin()

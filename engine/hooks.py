@@ -1,0 +1,171 @@
+"""Every SGLang symbol the plugin touches, in one place (review this file on a version bump).
+
+Pinned upstream: sglang==0.5.23. Each entry of HOOKS names the upstream target, how it is
+hooked (sglang.srt.plugins.hook_registry.HookType) and why. Two more upstream registries are
+used directly, not hooked, and are listed in DIRECT_USES. The platform class
+(engine.platform) reaches SGLang only through the `sglang.srt.platforms` entry point and
+SRTPlatform.get_kv_pool_cls.
+
+Hook bodies stay thin: they delegate to the module that owns the concern.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+logger = logging.getLogger(__name__)
+
+# Upstream symbols used without a hook.
+DIRECT_USES = (
+    "sglang.srt.layers.attention.attention_registry.register_attention_backend",  # 'hack'
+    "sglang.srt.arg_groups.choices.add_attention_backend_choices",  # 'hack' among the choices
+    "sglang.srt.platforms.cpu.CpuSRTPlatform",  # base class of engine.platform.HackCpuPlatform
+    "sglang.srt.platforms.cuda.CudaSRTPlatform",  # base of engine.platform.HackCudaPlatform
+    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",  # base class of engine.pool.HackKVPool
+    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",  # base of the backend
+)
+
+_CLI_PARSER: list = []  # the parser SGLang built, kept to report option errors the argparse way
+
+
+@dataclass(frozen=True)
+class Hook:
+    target: str  # dotted upstream symbol
+    kind: str  # HookType member name: BEFORE, AFTER, AROUND, REPLACE
+    fn: Callable
+    why: str
+
+
+# ---------------------------------------------------------------- server arguments
+
+def _after_add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> None:
+    from .args import add_arguments
+
+    add_arguments(parser)
+    _CLI_PARSER[:] = [parser]
+
+
+def _around_from_cli_args(original: Callable, cls: Any, ns: Any) -> Any:
+    from .args import HackArgumentError
+    from .server_options import apply_cli_namespace
+
+    try:
+        apply_cli_namespace(ns)
+    except HackArgumentError as exc:
+        if _CLI_PARSER:
+            _CLI_PARSER[0].error(str(exc))  # prints usage + message, exits with status 2
+        raise
+    return original(cls, ns)
+
+
+def _before_resolve_once(server_args: Any, *args: Any, **kwargs: Any) -> None:
+    from .server_options import apply_server_args
+
+    apply_server_args(server_args)
+
+
+def _around_configure_kv_cache_dtype(original: Callable, *args: Any, **kwargs: Any) -> Any:
+    from .settings import KV_CACHE_DTYPE
+
+    if kwargs.get("server_args_kv_cache_dtype") == KV_CACHE_DTYPE:
+        # The pool stores its own byte layout; the dtype SGLang sees is the model's compute
+        # dtype (what queries, new K/V and attention outputs use).
+        return KV_CACHE_DTYPE, kwargs["model_dtype"]
+    return original(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- KV pool sizing
+
+def _around_compute_cell_size(original: Callable, self: Any, kvc: Any, num_layers: int) -> int:
+    from . import capacity
+
+    size = capacity.cell_size_bytes(kvc, num_layers)
+    return original(self, kvc, num_layers) if size is None else size
+
+
+def _around_profile_available_bytes(original: Callable, self: Any, *args: Any, **kwargs: Any) -> int:
+    from . import capacity
+
+    return capacity.kv_budget_bytes(self, lambda: original(self, *args, **kwargs))
+
+
+def _around_resolve_max_num_reqs(original: Callable, self: Any, token_capacity: int) -> int:
+    from . import capacity
+
+    return capacity.cap_max_num_reqs(self, original(self, token_capacity))
+
+
+def _around_build_token_to_kv_pool(original: Callable, self: Any, *args: Any, **kwargs: Any) -> Any:
+    from . import capacity
+    from .pool import pool_build_context
+
+    req_pool = kwargs["req_to_token_pool"]
+    with pool_build_context(rows=req_pool.req_to_token.shape[0], budget=capacity.reserved_budget(self)):
+        return original(self, *args, **kwargs)
+
+
+def _around_release_page_ids(original: Callable, self: Any, *page_ids: Any) -> Any:
+    from .pool import HackKVPool
+
+    pool = self.get_kvcache()
+    if isinstance(pool, HackKVPool):
+        pool.on_pages_freed(page_ids)
+    return original(self, *page_ids)
+
+
+def _after_allocator_clear(result: Any, self: Any, *args: Any, **kwargs: Any) -> None:
+    from .pool import HackKVPool
+
+    pool = self.get_kvcache()
+    if isinstance(pool, HackKVPool):
+        pool.on_all_pages_freed()
+
+
+# ---------------------------------------------------------------- observability
+
+def _after_add_memory_usage(result: Any, self: Any, state: dict, *args: Any, **kwargs: Any) -> None:
+    from .usage import kv_usage
+
+    state["hack_kv"] = kv_usage(self.scheduler)
+
+
+HOOKS: tuple[Hook, ...] = (
+    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", _after_add_cli_args,
+         "add --hack-* options, 'hack' to --kv-cache-dtype/--attention-backend, --disagg-mode"),
+    Hook("sglang.srt.server_args.ServerArgs.from_cli_args", "AROUND", _around_from_cli_args,
+         "validate the HACK options, set page size/backend, publish settings to children"),
+    Hook("sglang.srt.server_args.ServerArgs.resolve_once", "BEFORE", _before_resolve_once,
+         "same checks for ServerArgs built without the CLI (offline Engine API)"),
+    Hook("sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype", "AROUND",
+         _around_configure_kv_cache_dtype, "accept kv_cache_dtype='hack'"),
+    Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",
+         "AROUND", _around_compute_cell_size, "true bytes per token of the HACK pages"),
+    Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes",
+         "AROUND", _around_profile_available_bytes,
+         "fixed budget (--hack-kv-budget-mb); reserve the FP16 tails before sizing pages"),
+    Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator.resolve_max_num_reqs",
+         "AROUND", _around_resolve_max_num_reqs, "request rows limited to the reserved tails"),
+    Hook("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_token_to_kv_pool",
+         "AROUND", _around_build_token_to_kv_pool,
+         "tell the HACK pool how many request rows (FP16 tails) to allocate"),
+    Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator._release_page_ids",
+         "AROUND", _around_release_page_ids, "free the sink slots of freed first pages"),
+    Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear",
+         "AFTER", _after_allocator_clear, "a cleared allocator frees every sink slot"),
+    Hook("sglang.srt.managers.scheduler_components.internal_state."
+         "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
+         "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),
+)
+
+
+def register_all() -> None:
+    """Register every hook with SGLang's HookRegistry, the backend and its CLI choice.
+    Called by the plugin entry point in every SGLang process; SGLang applies the hooks."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .backend_registry import register_backend
+
+    for h in HOOKS:
+        HookRegistry.register(h.target, h.fn, HookType[h.kind])
+    register_backend()

@@ -1,0 +1,48 @@
+"""The `sglang.srt.platforms` entry point: SGLang's own platforms plus the HACK KV pool.
+
+activate() picks SGLang's CPU platform on a machine without a GPU (enabling the CPU engine and
+the sgl_kernel stand-in first) and its CUDA platform otherwise; in both cases the subclass
+returns engine.pool.HackKVPool for MHA models when the server runs `--kv-cache-dtype hack`,
+and SGLang's default pool otherwise. sglang.srt.mem_cache is imported lazily: importing it
+while SGLang resolves its platform would be circular.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang.srt.platforms.cpu import CpuSRTPlatform
+from sglang.srt.platforms.cuda import CudaSRTPlatform
+
+from . import cpu_runtime
+from . import settings as settings_mod
+
+
+class _HackPoolMixin:
+    def get_kv_pool_cls(self, *, kind: str) -> Optional[type]:
+        if kind == "mha" and settings_mod.active() is not None:
+            from .pool import HackKVPool
+
+            return HackKVPool
+        # MLA/DSA classes are resolved too (eagerly) but never built for MHA models; an MLA
+        # model with --kv-cache-dtype hack is refused when the pool is sized (engine.capacity).
+        return super().get_kv_pool_cls(kind=kind)
+
+
+class HackCpuPlatform(_HackPoolMixin, CpuSRTPlatform):
+    """SGLang's CPU platform with the HACK pool."""
+
+
+class HackCudaPlatform(_HackPoolMixin, CudaSRTPlatform):
+    """SGLang's CUDA platform with the HACK pool (attention through hack_ops.triton)."""
+
+
+def activate() -> Optional[str]:
+    cpu_runtime.prepare()
+    if cpu_runtime.cpu_engine_enabled():
+        return f"{__name__}:HackCpuPlatform"
+    if cpu_runtime.gpu_available():
+        import torch
+
+        if torch.version.hip is None:
+            return f"{__name__}:HackCudaPlatform"
+    return None  # other hardware: leave SGLang's own platform selection alone

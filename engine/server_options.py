@@ -1,0 +1,55 @@
+"""Apply the HACK options to SGLang's server arguments, on both entry paths.
+
+CLI: the parsed namespace is checked and adjusted before ServerArgs is built from it, and the
+settings are published (engine.settings) for the scheduler processes.
+Offline Engine API (ServerArgs built in Python, no `--hack-*` options): checked right before
+SGLang resolves the record; HackConfig defaults are published when nothing was.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import settings as settings_mod
+from .args import HackArgumentError, check_combination, given_hack_options, settings_from_options
+from .settings import KV_CACHE_DTYPE
+
+logger = logging.getLogger(__name__)
+
+
+def apply_cli_namespace(ns: Any) -> None:
+    """Validate and complete a parsed SGLang namespace in place; publish the settings."""
+    enabled = getattr(ns, "kv_cache_dtype", None) == KV_CACHE_DTYPE
+    settings = None
+    if enabled or getattr(ns, "hack_kv_budget_mb", None) is not None:
+        settings = settings_from_options(ns, enabled=enabled)
+    for key, value in check_combination(ns, settings).items():
+        setattr(ns, key, value)
+    if settings is not None:
+        settings_mod.publish(settings)
+        if enabled:
+            logger.info("sglang-hack: HACK KV cache %s (prefill %s, attention %s), page size %d",
+                        settings.config.label(), settings.prefill, settings.attention,
+                        settings.page_size)
+    elif given_hack_options(ns):  # unreachable: check_combination refuses these
+        raise HackArgumentError(f"{given_hack_options(ns)} need --kv-cache-dtype hack")
+
+
+def apply_server_args(server_args: Any) -> None:
+    """Before resolution: the same page size/backend rules for records not built from the CLI."""
+    if getattr(server_args, "_resolution_finished", False):
+        return
+    if getattr(server_args, "kv_cache_dtype", None) != KV_CACHE_DTYPE:
+        published = settings_mod.published()
+        if published is not None and published.enabled:
+            raise HackArgumentError(
+                "HACK settings were published for this process but kv_cache_dtype is "
+                f"{server_args.kv_cache_dtype!r}; start a separate process per KV dtype")
+        check_combination(server_args, published)
+        return
+    settings = settings_mod.active()
+    if settings is None:
+        settings = settings_mod.EngineSettings()
+        settings_mod.publish(settings)
+    for key, value in check_combination(server_args, settings).items():
+        setattr(server_args, key, value)

@@ -1,0 +1,96 @@
+"""EngineSettings: what the `--hack-*` server options decided, shared by every SGLang process.
+
+The CLI options are parsed in the launching process, but the KV pool and the attention backend
+are built in scheduler processes started with the spawn method. The settings therefore travel
+as JSON in an environment variable that children inherit. Format knobs live in
+hack_ops.HackConfig (its defaults are the project's defaults); this adds the serving modes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+
+from hack_ops import HackConfig
+
+ENV_VAR = "SGLANG_HACK_ENGINE"
+KV_CACHE_DTYPE = "hack"
+BACKEND_NAME = "hack"
+
+PREFILL_MODES = ("homomorphic", "exact")
+ATTENTION_MODES = ("hack", "dequant")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """config: the KV format. prefill: how extend attention treats the chunk's own tokens
+    ('homomorphic' reads them through the same quantized path as decode would; 'exact' uses
+    their full-precision K/V, cached prefix pages still go through the homomorphic path).
+    attention: 'hack' (homomorphic, no dequantization) or 'dequant' (the paper's strawman:
+    the same pages dequantized before exact attention; for comparisons only).
+    kv_budget_mb: fixed KV pool byte budget instead of profiling free memory (any KV dtype;
+    used to compare capacities under the same budget).
+    enabled: the server's KV cache is HACK (`--kv-cache-dtype hack`); False when only the
+    budget was given for another KV dtype."""
+
+    enabled: bool = True
+    config: HackConfig = field(default_factory=HackConfig)
+    prefill: str = "homomorphic"
+    attention: str = "hack"
+    kv_budget_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, HackConfig):
+            raise ValueError(f"config must be a HackConfig, got {type(self.config).__name__}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        if not isinstance(self.enabled, bool):
+            raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        b = self.kv_budget_mb
+        if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0):
+            raise ValueError(f"kv_budget_mb must be a positive number, got {b!r}")
+
+    @property
+    def page_size(self) -> int:
+        return self.config.partition_size
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "config": asdict(self.config)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineSettings":
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{ENV_VAR} must hold a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"{ENV_VAR} has unknown keys {sorted(unknown)}")
+        cfg = HackConfig(**raw.pop("config", {}))
+        return cls(config=cfg, **raw)
+
+
+def publish(settings: EngineSettings) -> None:
+    """Make the settings visible to this process and every child it starts."""
+    os.environ[ENV_VAR] = settings.to_json()
+
+
+def published() -> EngineSettings | None:
+    text = os.environ.get(ENV_VAR)
+    return EngineSettings.from_json(text) if text else None
+
+
+def active() -> EngineSettings | None:
+    """The settings when this server's KV cache is HACK, else None."""
+    s = published()
+    return s if s is not None and s.enabled else None
+
+
+def budget_bytes() -> int | None:
+    """The fixed KV budget in bytes, if one was published (applies to any KV dtype)."""
+    s = published()
+    if s is None or s.kv_budget_mb is None:
+        return None
+    return int(s.kv_budget_mb * (1 << 20))

@@ -1,0 +1,128 @@
+"""The plugin's server options on SGLang's real argument parser: parsing, mapping onto HackConfig,
+and the combinations refused before a model is loaded."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from engine import cpu_runtime  # noqa: E402
+
+cpu_runtime.prepare()
+
+from sglang.srt.server_args import ServerArgs  # noqa: E402
+
+from engine import settings as settings_mod  # noqa: E402
+from engine.args import HackArgumentError, add_arguments  # noqa: E402
+from engine.server_options import apply_cli_namespace  # noqa: E402
+from hack_ops import HackConfig  # noqa: E402
+
+
+@pytest.fixture()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(p)
+    add_arguments(p)
+    return p
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    monkeypatch.delenv(settings_mod.ENV_VAR, raising=False)
+
+
+def _parse(parser, *extra):
+    return parser.parse_args(["--model-path", "m", *extra])
+
+
+def test_hack_defaults_come_from_hackconfig(parser):
+    ns = _parse(parser, "--kv-cache-dtype", "hack")
+    apply_cli_namespace(ns)
+    s = settings_mod.active()
+    assert s is not None and s.config == HackConfig()
+    assert (s.prefill, s.attention, s.kv_budget_mb) == ("homomorphic", "hack", None)
+    # page size = partition size, backend selected because none was named
+    assert ns.page_size == HackConfig().partition_size
+    assert ns.attention_backend == "hack"
+
+
+def test_every_option_maps_onto_settings(parser):
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-partition-size", "32",
+                "--hack-rounding", "stochastic", "--hack-disable-summation-elimination",
+                "--hack-disable-requant-elimination", "--hack-prefill", "exact",
+                "--hack-orientation", "token_k", "--hack-sink-tokens", "0", "--hack-kv-bits", "4",
+                "--hack-tail-tensors", "per_channel",
+                "--hack-attention", "dequant", "--hack-kv-budget-mb", "64")
+    apply_cli_namespace(ns)
+    s = settings_mod.active()
+    assert s.config == HackConfig(partition_size=32, rounding="stochastic", summation_elimination=False,
+                                  requant_elimination=False, orientation="token_k", sink_tokens=0,
+                                  kv_bits=4, tail_tensors="per_channel")
+    assert (s.prefill, s.attention, s.kv_budget_mb) == ("exact", "dequant", 64.0)
+    assert ns.page_size == 32
+    # what children receive round-trips exactly
+    assert settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]) == s
+
+
+def test_matching_page_size_and_backend_are_accepted(parser):
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--page-size", "64", "--attention-backend", "hack")
+    apply_cli_namespace(ns)
+    assert ns.page_size == 64 and ns.attention_backend == "hack"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kv-cache-dtype", "hack", "--page-size", "16"], "--page-size 16 conflicts with the HACK partition size 64"),
+    (["--kv-cache-dtype", "hack", "--attention-backend", "torch_native"], "only the 'hack' attention backend"),
+    (["--kv-cache-dtype", "hack", "--decode-attention-backend", "triton"], "--decode-attention-backend triton"),
+    (["--kv-cache-dtype", "hack", "--hack-partition-size", "40"], "partition_size must be a multiple of 16"),
+    (["--kv-cache-dtype", "hack", "--hack-sink-tokens", "65"], "sink_tokens must be an integer in 0..partition_size"),
+    (["--attention-backend", "hack"], "needs --kv-cache-dtype hack"),
+    (["--hack-rounding", "stochastic"], "only apply with --kv-cache-dtype hack"),
+    (["--kv-cache-dtype", "hack", "--speculative-algorithm", "EAGLE"], "speculative decoding"),
+])
+def test_bad_combinations_are_refused(parser, argv, message):
+    ns = _parse(parser, *argv)
+    with pytest.raises(HackArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        apply_cli_namespace(ns)
+    assert settings_mod.ENV_VAR not in os.environ  # nothing published on refusal
+
+
+@pytest.mark.parametrize("argv", [
+    ["--hack-partition-size", "-64"],
+    ["--hack-partition-size", "abc"],
+    ["--hack-rounding", "up"],
+    ["--hack-kv-bits", "3"],
+    ["--hack-kv-budget-mb", "0"],
+    ["--kv-cache-dtype", "int3"],
+])
+def test_malformed_values_are_argparse_errors(parser, argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse(parser, *argv)
+    assert exc.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+def test_budget_alone_applies_to_any_kv_dtype(parser):
+    ns = _parse(parser, "--hack-kv-budget-mb", "128")
+    apply_cli_namespace(ns)
+    assert settings_mod.active() is None  # the cache is not HACK
+    assert settings_mod.budget_bytes() == 128 << 20
+    assert ns.page_size is None and ns.attention_backend is None  # untouched
+
+
+def test_disagg_mode_alias(parser):
+    assert _parse(parser, "--disagg-mode", "prefill").disaggregation_mode == "prefill"
+    assert _parse(parser, "--disaggregation-mode", "decode").disaggregation_mode == "decode"
+    assert _parse(parser).disaggregation_mode == "null"  # the alias adds no default of its own
+
+
+def test_settings_json_rejects_unknown_keys():
+    bad = json.dumps({"enabled": True, "bogus": 1})
+    with pytest.raises(ValueError, match="unknown keys"):
+        settings_mod.EngineSettings.from_json(bad)
+    with pytest.raises(ValueError, match="prefill must be one of"):
+        settings_mod.EngineSettings(prefill="approx")
