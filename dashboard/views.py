@@ -25,11 +25,11 @@ def show_problems(view: RunView) -> None:
     """Tell the user what is missing, partial, damaged or of an unknown version."""
     data = view.data
     for msg in data.warnings:
-        st.warning(msg, icon="⚠️")
+        st.warning(msg, icon=":material/warning:")
     for msg in view.notes:
-        st.info(msg, icon="ℹ️")
+        st.info(msg, icon=":material/info:")
     if not data.has_data:
-        st.warning("No metrics records to show for this run yet.", icon="⚠️")
+        st.warning("No metrics records to show for this run yet.", icon=":material/warning:")
 
 
 def header(view: RunView) -> None:
@@ -48,7 +48,7 @@ def header(view: RunView) -> None:
     st.markdown(" · ".join(facts))
     if meta.get("synthetic"):
         st.info("Synthetic run: these timings come from a queueing model written through "
-                "the metrics sink, not from serving a model.", icon="🧪")
+                "the metrics sink, not from serving a model.", icon=":material/science:")
 
 
 def _fmt_s(x: float) -> str:

@@ -155,7 +155,7 @@ def test_synthetic_run_joins_completely(tmp_path):
 
 
 def test_thousands_of_requests_are_downsampled(tmp_path):
-    run = write_synthetic_run(SyntheticSpec(requests=2000, rate_per_s=8.0, seed=1,
+    run = write_synthetic_run(SyntheticSpec(requests=2000, rate_per_s=2.0, seed=1,
                                             sample_every_s=0.1), root=tmp_path)
     v = _view(run)
     assert len(v.requests) == 2000

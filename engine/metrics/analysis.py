@@ -93,9 +93,8 @@ def throughput(requests: pd.DataFrame, t0_ns: int, bin_s: float | None = None
     span = max(float(t.max()), 1e-9)
     if bin_s is None:
         bin_s = max(1.0, span / 60)
-    edges = np.arange(0.0, span + bin_s, bin_s)
-    if edges.size < 2:
-        edges = np.array([0.0, bin_s])
+    # floor + 1 bins always reach past the last finish (arange can stop just short of it).
+    edges = np.arange(int(np.floor(span / bin_s)) + 2) * bin_s
     tok = pd.to_numeric(fin["output_tokens"], errors="coerce").fillna(0).to_numpy()
     tokens, _ = np.histogram(t, bins=edges, weights=tok)
     count, _ = np.histogram(t, bins=edges)

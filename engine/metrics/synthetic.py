@@ -26,7 +26,7 @@ class SyntheticSpec:
     requests: int = 120
     kv_mode: str = "hack"          # hack | bf16 | dequant (a 2-bit dequantize baseline)
     link_mbit: float = 200.0
-    rate_per_s: float = 4.0        # Poisson arrivals
+    rate_per_s: float = 0.5        # Poisson arrivals (the bf16 link saturates near 0.7/s)
     seed: int = 0
     error_every: int = 50          # every n-th request fails in transfer (0: never)
     step_records: int = 10         # the first n requests report every decode step
@@ -45,8 +45,8 @@ def write_synthetic_run(spec: SyntheticSpec, root: str | Path | None = None,
     n = spec.requests
     gaps = rng.exponential(1.0 / spec.rate_per_s, n)
     arrive = np.cumsum(gaps)
-    prompt = np.clip(rng.lognormal(6.3, 0.6, n), 32, 4096).astype(int)
-    outlen = rng.integers(8, 96, n)
+    prompt = np.clip(rng.lognormal(7.2, 0.5, n), 64, 8192).astype(int)   # ~1.3K tokens
+    outlen = rng.integers(8, 64, n)
     link_bps = spec.link_mbit * 1e6 / 8
     ratio = _wire_ratio(spec.kv_mode)
 
