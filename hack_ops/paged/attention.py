@@ -1,0 +1,123 @@
+"""Decode and extend attention on the HACK store (the run step; `HackKVStore.plan` is the plan).
+
+decode(store, layer, plan, q, k, v)   one query per request (q [B, Hq, D]); stores k/v first.
+extend(store, layer, plan, q, k, v)   the new tokens of each request (q [N, Hq, D]), causal over
+                                      the cached prefix and themselves; stores k/v itself, after
+                                      keeping the FP16 tokens of the prefix's open page that the
+                                      write may overwrite.
+Modes: 'hack' (homomorphic, decode-time visibility), 'dequant' (the same cache dequantized then
+attended in float: the strawman baseline), and for extend 'exact' (the new tokens attend to each
+other in FP16; the cached prefix is read as decode reads it).
+Backends: 'torch' (portable), 'cpu' (the compiled kernel, decode only, see cpu_kernel.py),
+'auto' = the compiled kernel when it is available and applies, else torch.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .pages import request_pages
+from .plan import ForwardPlan
+from .store import HackKVStore
+from .torch_attention import RequestView, attend_request
+
+DECODE_MODES = ("hack", "dequant")
+EXTEND_MODES = ("hack", "exact", "dequant")
+
+
+def _check_q(store: HackKVStore, q: Tensor, rows: int, what: str) -> int:
+    h, d = store.num_heads, store.head_dim
+    if not isinstance(q, Tensor) or not q.is_floating_point() or q.dim() != 3:
+        raise ValueError(f"q must be a floating-point tensor [{what}, q_heads, head_dim]")
+    if q.shape[0] != rows or q.shape[2] != d or q.shape[1] % h:
+        raise ValueError(f"q must be [{rows}, a multiple of {h}, {d}], got {tuple(q.shape)}")
+    return q.shape[1] // h
+
+
+def _sinks(store: HackKVStore, layer: int, plan: ForwardPlan, b: int, seq_len: int):
+    s = min(store.config.sink_tokens, seq_len)
+    if not s:
+        return None, None
+    slot = int(plan.sink_slot[b])
+    return store.sink_k[layer][slot, :s].float(), store.sink_v[layer][slot, :s].float()
+
+
+def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor | None = None,
+           v: Tensor | None = None, mode: str = "hack", scale: float | None = None, backend: str = "auto",
+           generator: torch.Generator | None = None) -> Tensor:
+    """Decode attention: returns [B, Hq, D] in q's dtype."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
+    if not plan.is_decode:
+        raise ValueError("decode needs a plan with one new token per request (use extend)")
+    store._check_layer(layer)
+    rep = _check_q(store, q, plan.batch_size, "batch")
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v (to store them first) or neither")
+    if k is not None:
+        store.write(layer, plan, k, v, generator)
+    scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
+    from . import cpu_kernel  # late import: the compiled kernel is optional
+
+    if cpu_kernel.usable(store, mode, backend, generator):
+        return cpu_kernel.decode(store, layer, plan, q, scale).to(q.dtype)
+    if backend == "cpu":
+        raise RuntimeError(f"the compiled CPU kernel is not usable here: {cpu_kernel.why_not(store, mode, generator)}")
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
+    p = store.page_size
+    h, d = store.num_heads, store.head_dim
+    out = torch.empty(plan.batch_size, h * rep, d, dtype=torch.float32)
+    for b, seq_len in enumerate(plan.seq_list):
+        row = int(plan.rows[b])
+        npg = int(plan.num_pages[b])
+        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer], plan.page_table[b, :npg].to(store.device))
+        win_start = (seq_len // p) * p  # the open page (empty when the page just closed)
+        ranges = {name: [(win_start, store.tails[name][layer][row, : seq_len - win_start].float())]
+                  for name in store.tails}
+        sk, sv = _sinks(store, layer, plan, b, seq_len)
+        view = RequestView(seq_len=seq_len, exact_from=seq_len, k16=ranges.get("k", []), v16=ranges.get("v", []),
+                           sink_k=sk, sink_v=sv)
+        qb = (q[b].float() * scale).reshape(1, h, rep, d)
+        t = torch.tensor([seq_len - 1])
+        o = attend_request(qb, t, t.add(1).div(p, rounding_mode="floor"), rp, view, store.config, mode, generator)
+        out[b] = o.reshape(h * rep, d)
+    return out.to(q.dtype)
+
+
+def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
+           mode: str = "hack", scale: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+    """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's dtype."""
+    if mode not in EXTEND_MODES:
+        raise ValueError(f"extend mode must be one of {EXTEND_MODES}, got {mode!r}")
+    store._check_layer(layer)
+    n_new = plan.num_new_tokens
+    rep = _check_q(store, q, n_new, "new_tokens")
+    p = store.page_size
+    h, d = store.num_heads, store.head_dim
+    # The prefix's open page may be overwritten by this write: keep its FP16 tokens first.
+    snaps = {name: [tails[layer][int(plan.rows[b]), : pre - (pre // p) * p].float().clone()
+                    for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
+    store.write(layer, plan, k, v, generator)
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}
+    out = torch.empty(n_new, h * rep, d, dtype=torch.float32)
+    for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        npg = int(plan.num_pages[b])
+        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer], plan.page_table[b, :npg].to(store.device))
+        sk, sv = _sinks(store, layer, plan, b, seq_len)
+        exact = mode == "exact"
+        ranges = {name: [(pre, x[lo:hi])] for name, x in new.items()}  # the new tokens in FP16
+        for name, snap in snaps.items():  # tensors with a tail: the prefix's open page too
+            ranges[name] = [((pre // p) * p, torch.cat([snap[b], new[name][lo:hi]], 0))]
+        view = RequestView(seq_len=seq_len, exact_from=pre if exact else seq_len, k16=ranges["k"], v16=ranges["v"],
+                           sink_k=sk, sink_v=sv)
+        t = torch.arange(pre, seq_len)
+        nc = torch.full_like(t, pre // p) if exact else (t + 1) // p
+        qb = (q[lo:hi].float() * scale).reshape(hi - lo, h, rep, d)
+        o = attend_request(qb, t, nc, rp, view, store.config, "hack" if exact else mode, generator)
+        out[lo:hi] = o.reshape(hi - lo, h * rep, d)
+    return out.to(q.dtype)

@@ -1,0 +1,216 @@
+"""Pure-PyTorch attention of one request's queries over its HACK pages (portable path).
+
+The visibility of each query i (position t_i) is described by:
+  nc_i        pages 0..nc_i-1 are closed (read quantized from the pages);
+  exact_from  keys at positions >= exact_from are read in FP16, K and V (the 'exact'
+              prefill's new tokens; = seq_len otherwise, i.e. none);
+and the FP16 sources in RequestView: the sinks (positions < S) and ranges of FP16 K / V
+(the tails' tokens, the new tokens). A query's open partition (keys of pages >= nc_i, not
+sinks, before exact_from) is read per tensor as `open_mode` says: FP16 from the tail, the
+per-token codes written as tokens arrive, or the open page re-quantized over its tokens (RQE
+ablation). The arithmetic is the dense reference's (hack_ops.attention) step by step; only
+the order of float sums differs. One full softmax per query chunk (scores for every key, then
+P·V) keeps it simple.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..config import HackConfig
+from ..quant import quantize
+from .pages import RequestPages, TensorPages, quantize_open_page
+from .write import open_mode
+
+
+@dataclass
+class RequestView:
+    """What one request's queries may read, besides its pages."""
+
+    seq_len: int
+    exact_from: int
+    k16: list[tuple[int, Tensor]]  # (first key position, float [n, H, D]) FP16 K ranges
+    v16: list[tuple[int, Tensor]]
+    sink_k: Tensor | None  # float [min(S, seq_len), H, D]
+    sink_v: Tensor | None
+
+    def fp16_at(self, name: str, start: int, count: int) -> Tensor:
+        """FP16 tokens [start, start+count) of tensor 'k'/'v' from the range holding them."""
+        for st, x in (self.k16 if name == "k" else self.v16):
+            if st <= start and start + count <= st + x.shape[0]:
+                return x[start - st:start - st + count]
+        raise ValueError(f"no FP16 {name} for positions {start}..{start + count - 1}")
+
+
+def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = False):
+    return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding, generator=gen,
+                    meta_dtype=torch.float32, zero_min=zero_min)
+
+
+def _scores_per_channel(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+    """q [n, H, rep, D] vs K pages quantized per channel -> [n, H, rep, pages * Π]."""
+    n, h, rep, d = q.shape
+    npg, p = kp.codes.shape[1], kp.codes.shape[2]
+    gd = cfg.head_group(d)
+    ng = d // gd
+    if mode == "dequant":
+        kd = kp.codes * kp.scale[:, :, None, :] + kp.minimum[:, :, None, :]
+        return torch.einsum("nhrd,hpjd->nhrpj", q, kd).reshape(n, h, rep, npg * p)
+    qf = q[:, :, :, None, :] * kp.scale[None, :, None]  # K's per-channel scale folded into Q
+    qq = _q8(qf, -1, gd, cfg, gen)
+    qc = qq.codes.float().reshape(n, h, rep, npg, ng, gd)
+    dot = torch.einsum("nhrpgk,hpjgk->nhrpjg", qc, kp.codes.reshape(h, npg, p, ng, gd))
+    s = (qq.scale[..., None, :] * dot + qq.minimum[..., None, :] * kp.sums[None, :, None]).sum(-1)
+    s = s + torch.einsum("nhrd,hpd->nhrp", q, kp.minimum)[..., None]  # Q · min, exact
+    return s.reshape(n, h, rep, npg * p)
+
+
+def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+    """q [n, H, rep, D] vs K quantized per token (head_dim groups): Eq. 4."""
+    n, h, rep, d = q.shape
+    npg, p = kp.codes.shape[1], kp.codes.shape[2]
+    gd = cfg.head_group(d)
+    ng = d // gd
+    sk = kp.scale.reshape(h, npg * p, ng)
+    mk = kp.minimum.reshape(h, npg * p, ng)
+    kc = kp.codes.reshape(h, npg * p, ng, gd)
+    if mode == "dequant":
+        kd = (kc * sk[..., None] + mk[..., None]).reshape(h, npg * p, d)
+        return torch.einsum("nhrd,hjd->nhrj", q, kd)
+    qq = _q8(q, -1, gd, cfg, gen)
+    qc = qq.codes.float().reshape(n, h, rep, ng, gd)
+    dot = torch.einsum("nhrgk,hjgk->nhrjg", qc, kc)
+    sq, mq, qs = (t[:, :, :, None, :] for t in (qq.scale, qq.minimum, qq.sums.float()))
+    s = sq * sk[None, :, None] * dot + sq * mk[None, :, None] * qs
+    s = s + mq * sk[None, :, None] * kp.sums.reshape(h, npg * p, ng)[None, :, None] + gd * mq * mk[None, :, None]
+    return s.sum(-1)
+
+
+def _pv_per_token(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+    """P·V over keys w [n, Kp] with V quantized per token (head_dim groups)."""
+    n, h, rep, kp_ = pr.shape
+    npg, p, d = vp.codes.shape[1], vp.codes.shape[2], vp.codes.shape[3]
+    gd = cfg.head_group(d)
+    ng = d // gd
+    pw = pr * w[:, None, None, :]
+    sv = vp.scale.reshape(h, kp_, ng)
+    mv = vp.minimum.reshape(h, kp_, ng)
+    if mode == "dequant":
+        vd = (vp.codes.reshape(h, kp_, ng, gd) * sv[..., None] + mv[..., None]).reshape(h, kp_, d)
+        return torch.einsum("nhrj,hjd->nhrd", pw, vd)
+    pf = (pw[..., None] * sv[None, :, None]).reshape(n, h, rep, npg, p, ng)  # V scale folded into P
+    qp = _q8(pf, -2, p, cfg, gen, zero_min=True)  # INT8 per (query, page, group), range [0, max]
+    dot = torch.einsum("nhrpjg,hpjgk->nhrpgk", qp.codes.float(), vp.codes.reshape(h, npg, p, ng, gd))
+    out = (qp.scale[:, :, :, :, 0, :, None] * dot).sum(3).reshape(n, h, rep, d)
+    return out + torch.einsum("nhrj,hjg->nhrg", pw, mv).repeat_interleave(gd, -1)
+
+
+def _pv_per_channel(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+    """P·V over keys w [n, pages*Π] with V quantized per channel over each page: Eq. 4 with P's
+    minimum 0 (so neither V's code sums nor the min·min term appear)."""
+    n, h, rep, kp_ = pr.shape
+    npg, p = vp.codes.shape[1], vp.codes.shape[2]
+    pw = (pr * w[:, None, None, :]).reshape(n, h, rep, npg, p)
+    if mode == "dequant":
+        vd = vp.codes * vp.scale[:, :, None, :] + vp.minimum[:, :, None, :]
+        return torch.einsum("nhrpj,hpjd->nhrd", pw, vd)
+    qp = _q8(pw, -1, p, cfg, gen, zero_min=True)
+    dot = torch.einsum("nhrpj,hpjd->nhrpd", qp.codes.float(), vp.codes)
+    sp, ps = qp.scale, qp.sums.float()  # [n, H, rep, pages, 1]
+    sv, mv = vp.scale[None, :, None], vp.minimum[None, :, None]  # [1, H, 1, pages, D]
+    return (sp * sv * dot + sp * mv * ps).sum(3)
+
+
+def _fill_range(x: Tensor, start: int, length: int, s_min: int) -> tuple[int, int]:
+    """Key range [start, start+length) minus the sinks [0, s_min): (first index into x, key start)."""
+    skip = max(0, s_min - start)
+    return skip, start + skip
+
+
+def attend_request(q: Tensor, t: Tensor, nc: Tensor, rp: RequestPages, view: RequestView, cfg: HackConfig,
+                   mode: str, gen: torch.Generator | None = None, chunk: int = 64) -> Tensor:
+    """q [n, H, rep, D] float (already scaled), positions t [n], closed pages nc [n] ->
+    float32 [n, H, rep, D]."""
+    outs = [_attend_chunk(q[i:i + chunk], t[i:i + chunk], nc[i:i + chunk], rp, view, cfg, mode, gen)
+            for i in range(0, q.shape[0], chunk)]
+    return torch.cat(outs, 0)
+
+
+def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig, mode: str, gen) -> Tensor:
+    n, h, rep, d = q.shape
+    p = cfg.partition_size
+    npg = rp.k.codes.shape[1]
+    kp_ = npg * p
+    s_n = min(cfg.sink_tokens, view.seq_len)
+    j = torch.arange(kp_)
+    valid = j[None, :] <= t[:, None]
+    sink = (j < s_n)[None, :]
+    closed = (j // p)[None, :] < nc[:, None]
+    exact = (j >= view.exact_from)[None, :]
+    cached = valid & ~sink & ~exact
+    open_c = cached & ~closed  # the cached open partition, sinks excluded
+    kmode, vmode = open_mode(cfg, "k"), open_mode(cfg, "v")
+    fp16_open = lambda m: open_c if m == "fp16" else torch.zeros_like(open_c)  # noqa: E731
+    k16_mask = valid & (sink | exact | fp16_open(kmode))
+    v16_mask = valid & (sink | exact | fp16_open(vmode))
+    # ---- scores
+    s = torch.full((n, h, rep, kp_), float("-inf"))
+    if cfg.k_per_token:
+        kq = cached & (closed | (open_c if kmode == "quant" else torch.zeros_like(open_c)))
+        s = torch.where(kq[:, None, None], _scores_per_token(q, rp.k, cfg, mode, gen), s)
+    else:
+        n_closed = int(nc.max())
+        if n_closed:
+            sub = TensorPages(*(x[:, :n_closed] for x in (rp.k.codes, rp.k.scale, rp.k.minimum, rp.k.sums)))
+            sc = _scores_per_channel(q, sub, cfg, mode, gen)
+            m = (cached & closed)[:, None, None, : n_closed * p]
+            s[..., : n_closed * p] = torch.where(m, sc, s[..., : n_closed * p])
+    if kmode == "requant":
+        s = _requant_open(q, t, nc, s, view, cfg, mode, gen, open_c, None)
+    s16 = torch.zeros((n, h, rep, kp_))
+    for start, x in view.k16:
+        skip, st = _fill_range(x, start, x.shape[0], s_n)
+        s16[..., st:start + x.shape[0]] = torch.einsum("nhrd,jhd->nhrj", q, x[skip:])
+    if s_n:
+        s16[..., :s_n] = torch.einsum("nhrd,jhd->nhrj", q, view.sink_k)
+    s = torch.where(k16_mask[:, None, None], s16, s)
+    pr = torch.exp(s - s.amax(-1, keepdim=True))
+    denom = pr.sum(-1, keepdim=True)
+    # ---- P·V
+    if cfg.v_per_token:
+        w = cached & (closed | (open_c if vmode == "quant" else torch.zeros_like(open_c)))
+        o = _pv_per_token(pr, w, rp.v, cfg, mode, gen)
+    else:
+        o = _pv_per_channel(pr, cached & closed, rp.v, cfg, mode, gen)
+    if vmode == "requant":
+        o = o + _requant_open(q, t, nc, None, view, cfg, mode, gen, open_c, pr)
+    pv16 = pr * v16_mask[:, None, None]
+    for start, x in view.v16:
+        skip, st = _fill_range(x, start, x.shape[0], s_n)
+        o = o + torch.einsum("nhrj,jhd->nhrd", pv16[..., st:start + x.shape[0]], x[skip:])
+    if s_n:
+        o = o + torch.einsum("nhrj,jhd->nhrd", pv16[..., :s_n], view.sink_v)
+    return o / denom
+
+
+def _requant_open(q, t, nc, s, view: RequestView, cfg: HackConfig, mode: str, gen, open_c, pr):
+    """Requantization-elimination ablation: each query's open page, quantized per channel over
+    the tokens it holds (grouped by page and count). Scores (pr None) or P·V (pr given)."""
+    p = cfg.partition_size
+    count = torch.minimum(t + 1, torch.full_like(t, view.exact_from)) - nc * p
+    out = None if pr is None else torch.zeros(*pr.shape[:-1], q.shape[-1])
+    keys = {(int(a), int(b)) for a, b in zip(nc.tolist(), count.tolist()) if b > 0}
+    is_k = pr is None
+    for page, r in sorted(keys):
+        x = view.fp16_at("k" if is_k else "v", page * p, r)
+        tp = quantize_open_page(x, r, page == 0, cfg, is_k, gen)
+        sel = open_c & ((nc == page) & (count == r))[:, None]
+        cols = slice(page * p, (page + 1) * p)
+        if is_k:
+            sc = _scores_per_channel(q, tp, cfg, mode, gen)
+            s[..., cols] = torch.where(sel[:, None, None, cols], sc, s[..., cols])
+        else:
+            out = out + _pv_per_channel(pr[..., cols], sel[:, cols], tp, cfg, mode, gen)
+    return s if is_k else out

@@ -1,0 +1,170 @@
+"""The store step: quantize new tokens into their pages as they are written.
+
+Per new token (position pos, page, offset = pos % Π):
+  * pos < sink_tokens: FP16 K and V go to the sequence's sink slot; in the page the token gets
+    code 0 and (per-token side) min 0, scale 0, and it takes no part in ranges or sums.
+  * a tensor with an FP16 tail (HackConfig.k_tail / v_tail: both by default; always the
+    per-channel one): written to the row's tail; a page whose last offset (Π-1) arrives is
+    quantized once, whole, over its non-sink tokens (codes, min/scale, K's per-token code
+    sums), per channel or per token (head_dim groups of min(Π, D)) as the orientation says,
+    and its tail is done with (requantization elimination).
+  * a per-token tensor without a tail: quantized at once into its page slot.
+  * requant_elimination=False (ablation): every page the write touches is re-quantized over
+    the tokens it holds so far (per-channel tensor); a per-token tensor is quantized as written
+    (for it that is the same thing); attention then reads the open page from the page.
+All arithmetic goes through hack_ops.quant.quantize, so codes and side tables are bit-identical
+to the dense reference's for the same input values.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ..layout import TensorLayout
+from ..packing import pack
+from ..quant import quantize
+from .plan import ForwardPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store import HackKVStore
+
+_META = {"float16": torch.float16, "float32": torch.float32}
+
+
+def _check_kv(store: "HackKVStore", plan: ForwardPlan, k: Tensor, v: Tensor) -> None:
+    shape = (plan.num_new_tokens, store.num_heads, store.head_dim)
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be [new_tokens, heads, head_dim] = {shape}, got {tuple(t.shape)}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} contains NaN or inf; nothing was written")
+
+
+def write_tokens(store: "HackKVStore", layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
+                 generator: torch.Generator | None = None) -> None:
+    _check_kv(store, plan, k, v)
+    cfg = store.config
+    dev = store.device
+    s = cfg.sink_tokens
+    pos = plan.tok_pos.to(dev)
+    is_sink = pos < s
+    if s and bool(is_sink.any()):
+        slots = plan.sink_slot.to(dev)[plan.tok_req.to(dev)[is_sink]]
+        store.sink_k[layer][slots, pos[is_sink]] = k.to(dev)[is_sink].to(torch.float16)
+        store.sink_v[layer][slots, pos[is_sink]] = v.to(dev)[is_sink].to(torch.float16)
+    for name, x in (("k", k), ("v", v)):
+        tl: TensorLayout = getattr(store.layout, name)
+        buf = (store.k_pages if name == "k" else store.v_pages)[layer]
+        tail = store.tail(name, layer)
+        mode = open_mode(cfg, name)
+        if mode == "quant":  # per-token tensor read quantized as soon as it is written
+            _quantize_tokens(store, tl, buf, plan, x.to(dev), is_sink, name == "k", generator)
+        if tail is not None:
+            pages = "none" if mode == "quant" else ("all" if mode == "requant" else "closed")
+            _write_tail(store, tl, buf, tail, plan, x.to(dev), name == "k", pages, generator)
+
+
+def open_mode(cfg, name: str) -> str:
+    """How attention reads tensor `name` ('k'/'v') in a query's open partition: 'fp16' (the
+    tail), 'quant' (per-token codes written as tokens arrive) or 'requant' (per-channel codes
+    re-quantized over the open partition at every write: the RQE ablation)."""
+    tail = cfg.k_tail if name == "k" else cfg.v_tail
+    per_token = cfg.k_per_token if name == "k" else cfg.v_per_token
+    if tail and cfg.requant_elimination:
+        return "fp16"
+    return "quant" if per_token else "requant"
+
+
+def _quantize_tokens(store, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x: Tensor, is_sink: Tensor,
+                     is_k: bool, gen) -> None:
+    """Per-token quantization of the new tokens straight into their page slots."""
+    cfg = store.config
+    p, h, d = cfg.partition_size, store.num_heads, store.head_dim
+    gd = cfg.head_group(d)
+    ng = d // gd
+    n_pages = buf.shape[0]
+    mask = (~is_sink)[:, None, None].expand(x.shape)
+    qt = quantize(x.float(), cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
+                  meta_dtype=_META[cfg.meta_dtype], mask=mask)
+    scale = qt.scale.masked_fill(is_sink[:, None, None], 0)  # sinks: min 0, scale 0 (layout rule)
+    pages = plan.tok_page.to(buf.device)
+    offs = plan.tok_off.to(buf.device)
+    tl.view(buf, "codes")[pages, :, offs] = pack(qt.codes, cfg.kv_bits)
+    tl.view(buf, "minimum").view(n_pages, h, p, ng)[pages, :, offs] = qt.minimum
+    tl.view(buf, "scale").view(n_pages, h, p, ng)[pages, :, offs] = scale
+    if is_k:  # per-token sums over each head_dim group (summation elimination)
+        sums = tl.view(buf, "sums")
+        sums.view(n_pages, h, p, ng)[pages, :, offs] = qt.sums.to(sums.dtype)
+
+
+def _write_tail(store, tl: TensorLayout, buf: Tensor, tail: Tensor, plan: ForwardPlan, x: Tensor, is_k: bool,
+                pages_to_quantize: str, gen) -> None:
+    """FP16 tail of the open page; pages are quantized whole when they close ('closed'), at
+    every write ('all': RQE ablation), or not at all ('none': the tokens were quantized already)."""
+    cfg = store.config
+    p = cfg.partition_size
+    dev = buf.device
+    x16 = x.to(torch.float16)
+    pages = plan.tok_page.to(dev)
+    offs = plan.tok_off.to(dev)
+    rows = plan.tok_row.to(dev)
+    pos = plan.tok_pos.to(dev)
+    upages, inv = torch.unique(pages, return_inverse=True)
+    nu = upages.shape[0]
+    fill = torch.zeros(nu, dtype=torch.long, device=dev).scatter_reduce_(0, inv, offs + 1, "amax")
+    closes = fill == p
+    if pages_to_quantize != "none":
+        quant = closes if pages_to_quantize == "closed" else torch.ones_like(closes)
+        if bool(quant.any()):
+            row_u = torch.zeros(nu, dtype=torch.long, device=dev).scatter_(0, inv, rows)
+            first_u = torch.zeros(nu, dtype=torch.bool, device=dev).scatter_(0, inv, pos < p)
+            sel = torch.nonzero(quant).flatten()
+            # The page's FP16 content: what earlier writes left in the tail, overlaid with this one.
+            content = tail[row_u[sel]].float()  # [C, Π, H, D]
+            where = torch.full((nu,), -1, dtype=torch.long, device=dev)
+            where[sel] = torch.arange(sel.shape[0], device=dev)
+            mine = where[inv] >= 0
+            content[where[inv[mine]], offs[mine]] = x16[mine].float()
+            j = torch.arange(p, device=dev)
+            valid = (j[None, :] < fill[sel][:, None]) & ~(first_u[sel][:, None] & (j[None, :] < cfg.sink_tokens))
+            quantize_pages(store, tl, buf, upages[sel], content, valid, is_k, gen)
+    if pages_to_quantize == "none":
+        keep = torch.ones_like(pages, dtype=torch.bool)
+    else:
+        keep = ~closes[inv]  # tokens of pages still open stay in the tail
+    if bool(keep.any()):
+        tail[rows[keep], offs[keep]] = x16[keep]
+
+
+def quantize_pages(store, tl: TensorLayout, buf: Tensor, tpages: Tensor, content: Tensor, valid: Tensor,
+                   is_k: bool, gen) -> None:
+    """Quantize whole pages (content [C, Π, H, D], valid [C, Π]) into buf at page ids tpages."""
+    cfg = store.config
+    p, h, d = cfg.partition_size, store.num_heads, store.head_dim
+    gd = cfg.head_group(d)
+    ng = d // gd
+    c = content.shape[0]
+    mask = valid[:, :, None, None].expand(content.shape)
+    meta = _META[cfg.meta_dtype]
+    if tl.per_channel:
+        qt = quantize(content, cfg.kv_bits, dim=1, group_size=p, rounding=cfg.rounding, generator=gen,
+                      meta_dtype=meta, mask=mask)
+        mn, sc = qt.minimum[:, 0], qt.scale[:, 0]  # [C, H, D]
+    else:
+        qt = quantize(content, cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
+                      meta_dtype=meta, mask=mask)
+        sc = qt.scale.masked_fill(~valid[:, :, None, None], 0)  # sinks: min 0, scale 0
+        mn = qt.minimum.transpose(1, 2).reshape(c, h, p * ng)
+        sc = sc.transpose(1, 2).reshape(c, h, p * ng)
+    codes = qt.codes.transpose(1, 2)  # [C, H, Π, D] head-major like the page
+    tl.view(buf, "codes")[tpages] = pack(codes.contiguous(), cfg.kv_bits)
+    tl.view(buf, "minimum")[tpages] = mn
+    tl.view(buf, "scale")[tpages] = sc
+    if is_k:  # per-token sums over each head_dim group
+        sums = tl.view(buf, "sums")
+        ks = codes.reshape(c, h, p, ng, gd).sum(-1, dtype=torch.int32)
+        sums[tpages] = ks.reshape(c, h, p * ng).to(sums.dtype)

@@ -1,0 +1,242 @@
+"""Paged HACK attention (store + decode + extend) against the dense reference hack_ops.attention.
+
+Tolerances. Where the paged path does the reference's arithmetic in another summation order,
+outputs agree to float round-off (~1e-6). The INT8 quantization of Q' and P' rounds values
+that come out of such sums, so now and then a value sitting on a rounding boundary flips one
+INT8 code; that moves one output row by at most ~1e-2 here (one code step of P' times a 2-bit
+V code). So each check asserts: every row within FLIP_TOL, and at least 90% of the rows within
+ROUNDOFF_TOL. For scale: 2-bit quantization itself moves outputs by ~0.1-0.5 (checked below).
+The 'dequant' baseline has no INT8 step and must match everywhere to ROUNDOFF_TOL.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hack_ops import HackConfig, attention
+from hack_ops.paged import HackKVStore, decode, extend
+from hack_ops.paged.fill import scattered_table
+
+ROUNDOFF_TOL = 5e-5
+FLIP_TOL = 1.5e-2
+BACKENDS = ["torch"]
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor, mode: str, what: str) -> torch.Tensor:
+    """Per (query, head) row errors; every row within the tolerance of its mode."""
+    err = (got.float() - ref.float()).abs().amax(-1).flatten()
+    tol = ROUNDOFF_TOL if mode == "dequant" else FLIP_TOL
+    assert float(err.max()) <= tol, f"{what}: max err {float(err.max()):.3g}"
+    return err
+
+
+def assert_mostly_roundoff(errs: list[torch.Tensor], what: str) -> None:
+    err = torch.cat(errs)
+    frac = float((err <= ROUNDOFF_TOL).float().mean())
+    assert frac >= 0.9, f"{what}: only {frac:.0%} of {err.numel()} rows within round-off"
+
+
+class Case:
+    """Sequences with random fp16-representable q/k/v, their reference outputs (decode-time
+    visibility, one teacher-forced reference call per sequence), and a store laid out on
+    shuffled pages."""
+
+    def __init__(self, cfg: HackConfig, lens, heads=2, rep=3, head_dim=64, seed=0, mode="hack"):
+        g = torch.Generator().manual_seed(seed)
+        self.cfg, self.lens, self.mode = cfg, list(lens), mode
+        p = cfg.partition_size
+        b = len(lens)
+        self.rows = [b + 4 - i for i in range(b)]  # reversed, not starting at row 0
+        n_pages = sum(-(-n // p) for n in lens) + 4
+        self.store = HackKVStore(cfg, 2, heads, head_dim, num_pages=n_pages, num_rows=b + 5)
+        self.table = scattered_table(self.lens, p, b + 5, self.rows, n_pages, generator=g)
+        chan = (1 + torch.arange(head_dim) % 7).float()  # uneven channel ranges, as real K has
+        self.q = [torch.randn(n, heads * rep, head_dim, generator=g).half().float() for n in lens]
+        self.k = [(torch.randn(n, heads, head_dim, generator=g) * chan).half().float() for n in lens]
+        self.v = [torch.randn(n, heads, head_dim, generator=g).half().float() for n in lens]
+        self.ref = [self._reference(i, mode) for i in range(b)]
+        self.done = [0] * b
+        self.errs: list[torch.Tensor] = []
+
+    def _reference(self, i: int, mode: str) -> torch.Tensor:
+        t = lambda x: x.transpose(0, 1)[None]  # noqa: E731  [L, H, D] -> [1, H, L, D]
+        return attention(t(self.q[i]), t(self.k[i]), t(self.v[i]), self.cfg, mode=mode)[0].transpose(0, 1)
+
+    def extend(self, upto, mode=None, layer=0):
+        """Extend every request i to length upto[i]; returns per-request outputs."""
+        act = [i for i in range(len(self.lens)) if upto[i] > self.done[i]]
+        ext = [upto[i] - self.done[i] for i in act]
+        plan = self.store.plan(self.table, [self.rows[i] for i in act], [upto[i] for i in act], ext)
+        cat = lambda xs: torch.cat([xs[i][self.done[i]:upto[i]] for i in act])  # noqa: E731
+        o = extend(self.store, layer, plan, cat(self.q), cat(self.k), cat(self.v), mode=mode or self.mode)
+        outs, off = {}, 0
+        for i, e in zip(act, ext):
+            outs[i] = o[off:off + e]
+            off += e
+            self.done[i] = upto[i]
+        return outs
+
+    def decode(self, which=None, backend="torch", layer=0):
+        act = [i for i in (which or range(len(self.lens))) if self.done[i] < self.lens[i]]
+        plan = self.store.plan(self.table, [self.rows[i] for i in act], [self.done[i] + 1 for i in act])
+        pick = lambda xs: torch.stack([xs[i][self.done[i]] for i in act])  # noqa: E731
+        o = decode(self.store, layer, plan, pick(self.q), pick(self.k), pick(self.v), mode=self.mode, backend=backend)
+        outs = {}
+        for j, i in enumerate(act):
+            outs[i] = o[j]
+            self.done[i] += 1
+        return outs
+
+    def check(self, outs, what):
+        for i, o in outs.items():
+            ref = self.ref[i][self.done[i] - o.shape[0]:self.done[i]] if o.dim() == 3 else self.ref[i][self.done[i] - 1]
+            self.errs.append(assert_matches(o, ref, self.mode, f"{what} request {i}"))
+
+    def finish(self):
+        assert_mostly_roundoff(self.errs, "all checks")
+
+
+CONFIGS = [
+    dict(orientation="channel_k", sink_tokens=1, tail_tensors="kv"),
+    dict(orientation="token_k", sink_tokens=1, tail_tensors="kv"),
+    dict(orientation="channel_k", sink_tokens=4, tail_tensors="kv", requant_elimination=False),
+    dict(orientation="token_k", sink_tokens=4, tail_tensors="kv", requant_elimination=False),
+    dict(orientation="channel_k", sink_tokens=4, tail_tensors="per_channel"),
+    dict(orientation="channel_k", sink_tokens=0, tail_tensors="per_channel"),
+    dict(orientation="token_k", sink_tokens=4, tail_tensors="per_channel"),
+    dict(orientation="token_k", sink_tokens=0, tail_tensors="per_channel"),
+    dict(orientation="channel_k", sink_tokens=4, tail_tensors="per_channel", requant_elimination=False),
+    dict(orientation="token_k", sink_tokens=4, tail_tensors="per_channel", requant_elimination=False),
+    dict(orientation="channel_k", sink_tokens=4, kv_bits=4),
+    dict(orientation="token_k", sink_tokens=0, kv_bits=4),
+]
+
+
+@pytest.mark.parametrize("mode", ["hack", "dequant"])
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: HackConfig(partition_size=32, **kw).label())
+def test_chunked_prefill_then_decode(kw, mode):
+    """Two extend chunks (the second starts mid-page and crosses pages, so the prefix's FP16
+    open page must survive the write), then decode steps across a page boundary, for a
+    mixed-length batch on shuffled pages."""
+    cfg = HackConfig(partition_size=32, **kw)
+    case = Case(cfg, lens=[75, 41, 100], mode=mode)
+    case.check(case.extend([20, 3, 45]), "extend 1")
+    case.check(case.extend([62, 37, 90]), "extend 2")
+    for step in range(4):
+        case.check(case.decode(), f"decode {step}")
+    case.finish()
+
+
+@pytest.mark.parametrize("kw", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[8]],
+                         ids=["channel_k", "token_k", "channel_k-tail-per_channel", "channel_k-tail-per_channel-noRQE"])
+def test_decode_every_tail_length(kw):
+    """One decode batch whose requests hold every open-partition length 0..Π-1 after the write."""
+    p = 32
+    cfg = HackConfig(partition_size=p, **kw)
+    lens = [40 + i for i in range(p)]
+    case = Case(cfg, lens=[n + 1 for n in lens], heads=1, rep=2, seed=1)
+    case.extend(lens)
+    outs = case.decode()
+    assert sorted((case.done[i] % p) for i in outs) == list(range(p))
+    case.check(outs, "decode")
+    case.finish()
+
+
+@pytest.mark.parametrize("p,rep,head_dim", [(32, 1, 128), (64, 3, 64), (64, 4, 256), (128, 4, 128), (128, 1, 64)])
+@pytest.mark.parametrize("orientation", ["channel_k", "token_k"])
+def test_shapes(p, rep, head_dim, orientation):
+    """Partition sizes 32/64/128, GQA ratios 1/3/4, head_dim 64/128/256."""
+    cfg = HackConfig(partition_size=p, orientation=orientation)
+    case = Case(cfg, lens=[p + p // 2 + 3, 2 * p + 1], heads=2, rep=rep, head_dim=head_dim, seed=2)
+    case.check(case.extend([p + p // 2 + 1, 2 * p - 1]), "extend")
+    case.check(case.decode(), "decode 1")
+    case.check(case.decode(), "decode 2")
+    case.finish()
+
+
+def test_tolerance_is_meaningful():
+    """2-bit quantization moves the outputs far more than the tolerances allow."""
+    cfg = HackConfig(partition_size=32)
+    case = Case(cfg, lens=[96], seed=3)
+    out = case.extend([96])[0]
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    exact = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
+    gap = (out - exact).abs().amax(-1)[40:]  # past the first page, where quantization starts
+    assert float(gap.mean()) > 10 * FLIP_TOL
+
+
+def test_layers_are_independent():
+    cfg = HackConfig(partition_size=32)
+    case = Case(cfg, lens=[50], seed=4)
+    case.extend([49], layer=1)
+    assert all(int(b.count_nonzero()) == 0 for b in (case.store.k_pages[0], case.store.tails["k"][0]))
+    case.done = [0]
+    case.check(case.extend([49], layer=0), "layer 0")
+
+
+def _exact_reference(case: Case, i: int, prefix: int) -> torch.Tensor:
+    """'exact' prefill with a cached prefix, built from dense pieces: the new tokens attend to
+    each other in FP16; the prefix's closed pages are dequantized (the paged path reads them
+    homomorphically, so it differs by INT8 Q'/P' rounding only); the prefix's open page is
+    FP16 (default config: K and V tails)."""
+    cfg = case.cfg
+    p, s = cfg.partition_size, cfg.sink_tokens
+    q, k, v = case.q[i][prefix:], case.k[i], case.v[i]
+    ln = k.shape[0]
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    # the dense 'dequant' reference at the last prefix position gives the cache's view of K/V
+    from hack_ops.quant import dequantize, quantize
+    nc = prefix // p
+    kd, vd = k.clone(), v.clone()
+    ns = torch.arange(ln) >= s
+    for pg in range(nc):
+        sl = slice(pg * p, (pg + 1) * p)
+        m = ns[sl][:, None, None].expand(p, *k.shape[1:])
+        kd[sl] = torch.where(m, dequantize(quantize(k[sl], cfg.kv_bits, 0, p, mask=m)), k[sl])
+    c = nc * p
+    m = ns[:c][:, None, None].expand(c, *v.shape[1:])
+    gd = cfg.head_group(v.shape[-1])
+    vd[:c] = torch.where(m, dequantize(quantize(v[:c], cfg.kv_bits, -1, gd, mask=m)), v[:c])
+    return attention(t(q), t(kd), t(vd), cfg, mode="exact")[0].transpose(0, 1)
+
+
+def test_exact_prefill():
+    cfg = HackConfig(partition_size=32)
+    # no prefix: plain float attention over the FP16 tokens
+    case = Case(cfg, lens=[70], seed=5, mode="hack")
+    out = case.extend([70], mode="exact")[0]
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    exact = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
+    assert float((out - exact).abs().max()) <= ROUNDOFF_TOL
+    # one new token that does not close its page: exact prefill sees what decode sees
+    case = Case(cfg, lens=[70], seed=6)
+    case.extend([69])
+    case.check(case.extend([70], mode="exact"), "exact one token")
+    # a prefix with closed pages and an open page, then many new tokens
+    case = Case(cfg, lens=[120], seed=7)
+    case.extend([45])
+    out = case.extend([120], mode="exact")[0]
+    ref = _exact_reference(case, 0, 45)
+    full = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)[45:]
+    err, gap = (out - ref).abs().amax(-1), (full - ref).abs().amax(-1)
+    assert float(err.max()) < 0.3 and float(err.mean()) < 0.1 * float(gap.mean()), (float(err.mean()), float(gap.mean()))
+
+
+def test_bad_input_is_rejected():
+    cfg = HackConfig(partition_size=32)
+    case = Case(cfg, lens=[40], seed=8)
+    case.extend([39])
+    plan = case.store.plan(case.table, [case.rows[0]], [40])
+    before = [x.clone() for x in (case.store.k_pages[0], case.store.v_pages[0], case.store.tails["k"][0])]
+    k = case.k[0][39:40].clone()
+    k[0, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        decode(case.store, 0, plan, case.q[0][39:40], k, case.v[0][39:40])
+    with pytest.raises(ValueError, match="q must be"):
+        decode(case.store, 0, plan, case.q[0][39:40, :5], case.k[0][39:40], case.v[0][39:40])
+    with pytest.raises(ValueError, match="mode"):
+        decode(case.store, 0, plan, case.q[0][39:40], mode="exact")
+    with pytest.raises(ValueError, match="layer"):
+        decode(case.store, 2, plan, case.q[0][39:40])
+    after = (case.store.k_pages[0], case.store.v_pages[0], case.store.tails["k"][0])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
