@@ -86,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
         # Stopping `hack dashboard` must stop the app it started, not orphan it.
         proc.terminate()
         try:
-            proc.wait(10)
-        finally:
-            sys.exit(128 + signum)
+            proc.wait(15)   # Streamlit's graceful shutdown takes about 10 s
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        sys.exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stop)
     try:

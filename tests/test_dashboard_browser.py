@@ -80,7 +80,14 @@ def dashboard(runs):
         pytest.fail("the dashboard did not come up in 90 s")
     yield url
     os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(20)
+    try:
+        proc.wait(3)
+    except subprocess.TimeoutExpired:   # Streamlit's graceful stop takes ~10 s: skip it
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(10)
     log.close()
 
 
