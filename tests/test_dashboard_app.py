@@ -91,3 +91,35 @@ def test_bad_refresh_setting_falls_back(monkeypatch, tmp_path, value):
     write_synthetic_run(SyntheticSpec(requests=10, seed=1), root=tmp_path)
     monkeypatch.setenv("HACK_DASHBOARD_REFRESH_S", value)
     assert _charts(_run(monkeypatch, tmp_path)) == 8
+
+
+def test_url_mode_follows_a_live_server(monkeypatch, tmp_path):
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from engine.metrics.http_api import create_app
+
+    run = write_synthetic_run(SyntheticSpec(requests=25, seed=3), root=tmp_path / "runs")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(run), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    try:
+        deadline = time.time() + 20
+        while not server.started and time.time() < deadline:
+            time.sleep(0.05)
+        monkeypatch.setenv("HACK_DASHBOARD_URL", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("HACK_RUNS_DIR", str(tmp_path / "elsewhere"))
+        at = AppTest.from_file(APP, default_timeout=120)
+        at.run()
+        assert not at.exception, at.exception
+        assert _charts(at) == 8
+        assert {m.label: m.value for m in at.metric}["finished"] == "25"
+        assert at.subheader[0].value == rundir.read_run(run)["label"]
+    finally:
+        server.should_exit = True

@@ -169,3 +169,29 @@ def test_corrupted_bytes_keep_what_came_before(tmp_path):
     junk.write_bytes(b"hello, this is not an arrow stream at all")
     table, status = read_stream(junk)
     assert table.num_rows == 0 and "corrupted at byte 0" in status.problem
+
+
+def test_a_forked_child_writes_its_own_stream(tmp_path):
+    import os
+
+    sink = MetricsSink(tmp_path, "decode", "0", flush_ms=20)
+    sink.record("arrival", "parent-1")
+    sink.flush()
+    pid = os.fork()
+    if pid == 0:                                  # child: must not touch the parent's file
+        code = 1
+        try:
+            sink.record("arrival", "child")
+            sink.close()
+            code = 0 if sink.path.name == "decode-0.1.arrows" else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    sink.record("arrival", "parent-2")
+    sink.close()
+    parent, _ = read_stream(tmp_path / "decode-0.arrows")
+    child, st = read_stream(tmp_path / "decode-0.1.arrows")
+    assert parent.column("rid").to_pylist() == ["parent-1", "parent-2"]
+    assert child.column("rid").to_pylist() == ["child"] and st.closed
+    assert child.column("seq").to_pylist() == [1]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import threading
 from pathlib import Path
@@ -33,7 +34,7 @@ from fastapi.responses import Response
 
 from engine.metrics import rundir
 from engine.metrics.reader import StreamTail
-from engine.metrics.schema import SCHEMA_VERSION
+from engine.metrics.schema import SCHEMA_VERSION, arrow_schema
 
 MAX_LIMIT = 100_000
 
@@ -95,10 +96,7 @@ class StreamIndex:
                 picked.append(batch.slice(max(0, since - first + 1)))
             schema = self._tails[name].schema
         table = pa.Table.from_batches(picked, schema=schema) if schema is not None \
-            else None
-        if table is None:
-            from engine.metrics.schema import arrow_schema
-            table = arrow_schema().empty_table()
+            else arrow_schema().empty_table()
         more = table.num_rows > limit
         return name, table.slice(0, limit), more
 
@@ -133,7 +131,6 @@ def make_router(run_dir: str | os.PathLike, server: str | None = None) -> APIRou
                        .decode()[:500]}
             return Response(buf.getvalue(), media_type="application/vnd.apache.arrow.stream",
                             headers=headers)
-        import json
         body = {"schema_version": SCHEMA_VERSION, "stream": name, "next": nxt,
                 "more": more, **st, "events": table.to_pylist()}
         return Response(json.dumps(body), media_type="application/json")

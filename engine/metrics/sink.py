@@ -16,6 +16,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,8 @@ class MetricsSink:
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._pid = os.getpid()
         atexit.register(self.close)
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _reset_in_child(ref))
 
     # ---- hot path -------------------------------------------------------------------
     def record(self, kind: str, rid: str | None = None, **fields: Any) -> None:
@@ -195,6 +198,22 @@ class MetricsSink:
     def closed(self) -> bool:
         return self._closed
 
+    def _after_fork(self) -> None:
+        """In a forked child: drop the parent's buffer, thread and file, start afresh.
+        The child's records go to a stream file of its own (the next free name)."""
+        self._lock, self._io_lock = threading.Lock(), threading.Lock()
+        self._wake = threading.Event()
+        self._thread = None
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = self._writer = self._mem = self.path = None
+        self._buf, self._seq = [], 0
+        self.written = self.dropped = self.errors = 0
+        self._pid = os.getpid()
+
     def _log_error(self, what: str, exc: BaseException) -> None:
         self.errors += 1
         # The first few errors in full, then one line per thousand: a broken disk must
@@ -202,3 +221,9 @@ class MetricsSink:
         if self.errors <= 3 or self.errors % 1000 == 0:
             log.warning("hack metrics (%s): %s: %s (errors so far: %d)",
                         self.server, what, exc, self.errors)
+
+
+def _reset_in_child(ref: "weakref.ref[MetricsSink]") -> None:
+    sink = ref()
+    if sink is not None and not sink.closed:
+        sink._after_fork()
