@@ -181,9 +181,12 @@ def memory_figure(view: RunView, max_points: int = 1500) -> go.Figure:
     servers = list(dict.fromkeys(mem["server"]))
     fig = make_subplots(rows=len(servers), cols=1, shared_xaxes=True,
                         subplot_titles=servers, vertical_spacing=0.08)
+    parts = MEMORY_PARTS
+    if view.data.meta.get("kv_mode") == "bf16":     # a BF16 pool reports its KV as codes
+        parts = (("bytes_codes", "BF16 KV", MEMORY_PARTS[0][2]),) + MEMORY_PARTS[1:]
     for row, server in enumerate(servers, start=1):
         m = mem[mem["server"] == server]
-        for col, name, color in MEMORY_PARTS:
+        for col, name, color in parts:
             fig.add_trace(go.Scatter(x=m["t_s"], y=m[col] / 2**20, name=name, stackgroup=f"s{row}",
                                      line_color=color, legendgroup=name,
                                      showlegend=row == 1), row=row, col=1)

@@ -123,8 +123,17 @@ def compare_page(views: dict[str, RunView]) -> None:
         with col:
             header(views[name])
             show_problems(views[name])
-            if views[name].data.has_data:
-                kpis(views[name])
+    rows = []
+    for name, v in views.items():
+        p = analysis.latency_percentiles(v.requests).set_index("metric")
+        avg = analysis.average_breakdown(v.breakdown)
+        rows.append({"run": name, "finished": len(v.finished),
+                     "errors": int((v.requests["status"] == "error").sum()),
+                     "TTFT p50 s": p.loc["TTFT", "p50"], "TPOT p50 s": p.loc["TPOT", "p50"],
+                     "JCT p50 s": p.loc["JCT", "p50"], "mean JCT s": avg.sum(),
+                     "mean transfer s": avg["transfer"],
+                     "wire ratio": analysis.wire_ratio(v.requests)})
+    st.dataframe(pd.DataFrame(rows).round(4), hide_index=True)
     _chart(F.average_breakdown_figure(views), "cmp-average")
     _chart(F.latency_figure(views), "cmp-latency")
     cols = st.columns(len(names))
@@ -132,13 +141,3 @@ def compare_page(views: dict[str, RunView]) -> None:
         with col:
             _chart(F.memory_figure(views[name]), f"cmp-memory-{i}")
             _chart(F.compression_figure(views[name]), f"cmp-compression-{i}")
-    rows = []
-    for name, v in views.items():
-        p = analysis.latency_percentiles(v.requests).set_index("metric")
-        avg = analysis.average_breakdown(v.breakdown)
-        rows.append({"run": name, "finished": len(v.finished),
-                     "TTFT p50 s": p.loc["TTFT", "p50"], "TPOT p50 s": p.loc["TPOT", "p50"],
-                     "JCT p50 s": p.loc["JCT", "p50"], "mean JCT s": avg.sum(),
-                     "mean transfer s": avg["transfer"],
-                     "wire ratio": analysis.wire_ratio(v.requests)})
-    st.dataframe(pd.DataFrame(rows).round(4), hide_index=True)
