@@ -19,7 +19,7 @@ def study_variants() -> list[Variant]:
         EXACT,
         Variant("default", "hack", d),
         Variant("default", "dequant", d),
-        Variant("default, stochastic rounding", "hack", d.replace(rounding="stochastic")),
+        Variant("default, stochastic rounding", "dequant", d.replace(rounding="stochastic")),
         Variant("paper layout", "hack", PAPER),
         Variant("paper layout", "dequant", PAPER),
         Variant("paper layout + K/V tails + 1 sink", "dequant", PAPER.replace(tail_tensors="kv", sink_tokens=1)),

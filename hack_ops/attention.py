@@ -112,6 +112,8 @@ class _Cache:
         self.in_k = j < sk
         self.full_page = (self.page + 1) * p <= sk  # pages complete within k
         self.open_count = (pos + 1) % p  # tokens in each query's open partition
+        # pages a query reads when its open partition is quantized too
+        self.with_open = torch.clamp(self.n_closed + (self.open_count > 0).long(), max=self.skp // p)
 
 
 def _pad(x: Tensor, n: int) -> Tensor:
@@ -133,27 +135,40 @@ def _heads(t: Tensor, rep: int) -> Tensor:
     return t.repeat_interleave(rep, 1) if rep > 1 else t
 
 
-def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
-    """Scores against K quantized per channel over each page (tokens where kmask is True)."""
+def _row_groups(reach: Tensor):
+    """(rows, n) for every distinct number n > 0 of pages that some queries need: causal
+    queries only read the pages closed before them, so each group computes on n pages."""
+    for n in torch.unique(reach).tolist():
+        if n > 0:
+            yield torch.nonzero(reach == n).squeeze(1), int(n)
+
+
+def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen,
+                      reach: Tensor) -> Tensor:
+    """Scores against K quantized per channel over each page (tokens where kmask is True);
+    query t gets scores for the first reach[t] pages (the rest of its row is left 0)."""
     p, dd = cfg.partition_size, k.shape[-1]
-    gd = cfg.head_group(dd)
+    gd, ng = cfg.head_group(dd), dd // cfg.head_group(dd)
     npg = k.shape[-2] // p
-    mask = kmask[:, None].expand(k.shape)
-    qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask.expand_as(k))
+    qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=kmask[:, None].expand(k.shape))
     if mode == "dequant":
         kd = dequantize(qk) * kmask[:, None]
         return qs @ _heads(kd, rep).transpose(-1, -2)
     sk_ = _heads(qk.scale.float(), rep)  # [B, H, npg, D]
     mk_ = _heads(qk.minimum.float(), rep)
-    codes = _heads(qk.codes, rep).float().reshape(*qs.shape[:2], npg, p, dd // gd, gd)
-    qf = qs.unsqueeze(-2) * sk_.unsqueeze(-3)  # [B, H, Sq, npg, D]: K scale folded into Q
-    qq = _q8(qf, dim=-1, group=gd, cfg=cfg, gen=gen)
-    qc = qq.codes.float().reshape(*qf.shape[:-1], dd // gd, gd)
-    dot = torch.einsum("bhtpgk,bhpjgk->bhtpjg", qc, codes)  # integer-valued, exact in fp32
+    codes = _heads(qk.codes, rep).float().reshape(*qs.shape[:2], npg, p, ng, gd)
     ksum = codes.sum(-1)  # [B, H, npg, P, ng]: code sums per token and head_dim group
-    s = (qq.scale.unsqueeze(-2) * dot + qq.minimum.unsqueeze(-2) * ksum.unsqueeze(2)).sum(-1)
-    s = s + torch.einsum("bhtd,bhpd->bhtp", qs, mk_).unsqueeze(-1)  # Q · min, exact
-    return s.reshape(*qs.shape[:3], npg * p)
+    out = qs.new_zeros(*qs.shape[:3], npg * p)
+    for rows, n in _row_groups(reach):
+        q = qs[:, :, rows]
+        qf = q.unsqueeze(-2) * sk_[:, :, None, :n]  # [B, H, r, n, D]: K scale folded into Q
+        qq = _q8(qf, dim=-1, group=gd, cfg=cfg, gen=gen)
+        qc = qq.codes.float().reshape(*qf.shape[:-1], ng, gd)
+        dot = torch.einsum("bhtpgk,bhpjgk->bhtpjg", qc, codes[:, :, :n])  # integers, exact in fp32
+        sc = (qq.scale.unsqueeze(-2) * dot + qq.minimum.unsqueeze(-2) * ksum[:, :, None, :n]).sum(-1)
+        sc = sc + torch.einsum("bhtd,bhpd->bhtp", q, mk_[:, :, :n]).unsqueeze(-1)  # Q · min, exact
+        out[:, :, rows, : n * p] = sc.reshape(*q.shape[:3], n * p)
+    return out
 
 
 def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
@@ -169,8 +184,10 @@ def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode:
     return homomorphic_matmul_q(qq, qk_h, cfg.summation_elimination)
 
 
-def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
-    """P·V with V quantized per token in head_dim groups, over the keys where w [Sq, Skp]."""
+def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen,
+                reach: Tensor) -> Tensor:
+    """P·V with V quantized per token in head_dim groups, over the keys where w [Sq, Skp]
+    (all within the first reach[t] pages of query t)."""
     p, dd = cfg.partition_size, v.shape[-1]
     gd = cfg.head_group(dd)
     ng = dd // gd
@@ -183,11 +200,14 @@ def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig
     sv = _heads(qv.scale.float(), rep)  # [B, H, Skp, ng]
     mv = _heads(qv.minimum.float(), rep)
     vc = _heads(qv.codes, rep).float().reshape(b, h, npg, p, ng, gd)
-    pf = (pw.unsqueeze(-1) * sv.unsqueeze(2)).reshape(b, h, sq, npg, p, ng)  # V scale folded into P
-    qp = _q8(pf, dim=-2, group=p, cfg=cfg, gen=gen, zero_min=True)  # INT8 per (query, page, group)
-    dot = torch.einsum("bhtpjg,bhpjgk->bhtpgk", qp.codes.float(), vc)
-    out = (qp.scale.squeeze(-2).unsqueeze(-1) * dot).sum(3).reshape(b, h, sq, dd)
-    return out + expand_groups(torch.einsum("bhtj,bhjg->bhtg", pw, mv), -1, gd)
+    out = expand_groups(torch.einsum("bhtj,bhjg->bhtg", pw, mv), -1, gd)  # Σ_j P_j m_V(j), exact
+    for rows, n in _row_groups(reach):
+        pr_ = pw[:, :, rows, : n * p]
+        pf = (pr_.unsqueeze(-1) * sv[:, :, None, : n * p]).reshape(b, h, len(rows), n, p, ng)  # fold s_V
+        qp = _q8(pf, dim=-2, group=p, cfg=cfg, gen=gen, zero_min=True)  # INT8 per (query, page, group)
+        dot = torch.einsum("bhtpjg,bhpjgk->bhtpgk", qp.codes.float(), vc[:, :, :n])
+        out[:, :, rows] += (qp.scale.squeeze(-2).unsqueeze(-1) * dot).sum(3).reshape(b, h, len(rows), dd)
+    return out
 
 
 def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
@@ -217,7 +237,7 @@ def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep:
         if cfg.k_tail and cfg.requant_elimination:
             q_k = q_k & c.closed
     else:
-        s_q = _scores_channel_k(qs, k, not_sink & c.full_page, cfg, mode, rep, gen)
+        s_q = _scores_channel_k(qs, k, not_sink & c.full_page, cfg, mode, rep, gen, c.n_closed)
         q_k = c.valid & not_sink & c.closed
         if not cfg.requant_elimination:
             s_q = _requant_open_scores(qs, k, s_q, c, not_sink, cfg, mode, rep, gen)
@@ -229,10 +249,10 @@ def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep:
     # Values: same split.
     if cfg.v_per_token:
         if cfg.v_tail and cfg.requant_elimination:
-            q_v, vmask = c.valid & not_sink & c.closed, not_sink & c.full_page
+            q_v, vmask, reach = c.valid & not_sink & c.closed, not_sink & c.full_page, c.n_closed
         else:  # quantized as written (or re-quantized every step: per token, the same thing)
-            q_v, vmask = c.valid & not_sink, not_sink
-        o = _pv_token_v(pr, q_v, v, vmask, cfg, mode, rep, gen)
+            q_v, vmask, reach = c.valid & not_sink, not_sink, c.with_open
+        o = _pv_token_v(pr, q_v, v, vmask, cfg, mode, rep, gen, reach)
     else:
         q_v = c.valid & not_sink & c.closed
         o = _pv_channel_v(pr, q_v, v, not_sink & c.full_page, cfg, mode, rep, gen)
@@ -252,7 +272,7 @@ def _requant_open_scores(qs, k, s_q, c: _Cache, not_sink, cfg, mode, rep, gen) -
     """HACK/RQE ablation: the open K partition is re-quantized over its r tokens at each step."""
     is_open = c.valid & ~c.closed
     for r in sorted(set(c.open_count.tolist()) - {0}):
-        s_r = _scores_channel_k(qs, k, _open_mask(c, r, not_sink), cfg, mode, rep, gen)
+        s_r = _scores_channel_k(qs, k, _open_mask(c, r, not_sink), cfg, mode, rep, gen, c.with_open)
         s_q = torch.where(is_open & (c.open_count == r)[:, None], s_r, s_q)
     return s_q
 
