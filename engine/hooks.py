@@ -130,6 +130,21 @@ def _after_add_memory_usage(result: Any, self: Any, state: dict, *args: Any, **k
     state["hack_kv"] = kv_usage(self.scheduler)
 
 
+# ---------------------------------------------------------------- disaggregation (bodies: disagg/)
+
+def _disagg(name: str) -> Callable:
+    """A thin wrapper that imports disagg.sglang_hooks (or disagg.wire_meter) on first call."""
+    module, _, attr = name.rpartition(".")
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(f"disagg.{module}"), attr)(*args, **kwargs)
+
+    call.__name__ = attr
+    return call
+
+
 HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", _after_add_cli_args,
          "add --hack-* options, 'hack' to --kv-cache-dtype/--attention-backend, --disagg-mode"),
@@ -156,6 +171,34 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
          "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),
+    Hook("sglang.srt.disaggregation.utils.setup_state_kv_args", "AFTER",
+         _disagg("sglang_hooks.after_setup_state_kv_args"),
+         "PD: FP16 tails (live slots) and sinks travel as state components; layout fingerprint"),
+    Hook("sglang.srt.disaggregation.checksum.state_indices_for_request", "AROUND",
+         _disagg("sglang_hooks.around_state_indices_for_request"),
+         "PD checksum: a HACK request's state is its request row"),
+    Hook("sglang.srt.disaggregation.checksum.KvChecksumComputer.compute", "AROUND",
+         _disagg("sglang_hooks.around_checksum_compute"), "PD checksum computed on the CPU"),
+    Hook("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
+         "BEFORE", _disagg("sglang_hooks.before_prefill_send_kv_chunk"),
+         "PD prefill: stage the request's FP16 sinks into its row before the last chunk"),
+    Hook("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums",
+         "BEFORE", _disagg("sglang_hooks.before_decode_verify_kv_checksums"),
+         "PD decode: install received sinks before the first step (and test-only fault injection)"),
+    Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info", "AROUND",
+         _disagg("sglang_hooks.around_ensure_prefill_info"),
+         "PD decode: a format mismatch fails the pairing's requests with a clear reason"),
+    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
+         _disagg("sglang_hooks.before_validate_one_request"),
+         "PD: 400 for a request without bootstrap fields (it would crash the decode scheduler)"),
+    Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+         "MooncakeTransferEngine.batch_transfer_sync", "AROUND",
+         _disagg("wire_meter.around_batch_transfer"), "PD: count bytes on the wire"),
+    Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
+         "MooncakeTransferEngine.transfer_sync", "AROUND",
+         _disagg("wire_meter.around_transfer"), "PD: count bytes on the wire"),
+    Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux", "AROUND",
+         _disagg("wire_meter.around_send_aux"), "PD: attribute the counted bytes to the request"),
 )
 
 

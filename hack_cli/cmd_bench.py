@@ -7,7 +7,9 @@ import importlib
 
 # Each module defines register(bench_subparsers) and a `run_default(args) -> int` used by
 # `hack bench all` (which runs every benchmark with its defaults).
-BENCH_MODULES: list[str] = []
+BENCH_MODULES: list[str] = [
+    "hack_cli.bench_disagg",
+]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

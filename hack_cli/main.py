@@ -11,6 +11,7 @@ COMMAND_MODULES = [
     "hack_cli.cmd_eval",
     "hack_cli.cmd_bench",
     "hack_cli.cmd_dashboard",
+    "hack_cli.cmd_cluster",
 ]
 
 

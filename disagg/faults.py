@@ -1,0 +1,62 @@
+"""Test-only fault injection on the receiving side of a transfer.
+
+Off unless the decode server was started with HACK_DISAGG_FAULT_FILE=<path>. When that file
+exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
+wire would have damaged it, and the file is removed (one fault per trigger):
+  corrupt   one byte of the first received page of layer 0 is flipped;
+  truncate  the last received page of every layer is zeroed, as if its bytes never arrived.
+The digest check (SGLang's --disaggregation-enable-kv-checksum, computed on the CPU by
+disagg.checksum) must then fail the request instead of decoding from damaged pages.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FAULT_FILE_ENV = "HACK_DISAGG_FAULT_FILE"
+KINDS = ("corrupt", "truncate")
+
+
+def take_trigger() -> str | None:
+    path = os.environ.get(FAULT_FILE_ENV)
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            kind = f.read().strip()
+        os.unlink(path)
+    except OSError:
+        return None
+    if kind not in KINDS:
+        logger.error("fault trigger %s holds %r; expected one of %s", path, kind, KINDS)
+        return None
+    return kind
+
+
+def received_pages(scheduler: Any, req: Any) -> list[int]:
+    page = scheduler.token_to_kv_pool_allocator.page_size
+    row = int(req.kv.req_pool_idx)
+    start = int(getattr(req.kv, "cache_protected_len", 0) or 0)
+    locs = scheduler.req_to_token_pool.req_to_token[row, start:len(req.origin_input_ids)]
+    return sorted({int(x) // page for x in locs.tolist()})
+
+
+def inject_receive_fault(scheduler: Any, req: Any) -> str | None:
+    kind = take_trigger()
+    if kind is None:
+        return None
+    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+    pages = received_pages(scheduler, req)
+    if not pages:
+        return None
+    if kind == "corrupt":
+        buf = pool.k_buffer[0]
+        buf.view(-1)[pages[0] * buf[0].numel()] ^= 0x5A
+    else:
+        for buf in list(pool.k_buffer) + list(pool.v_buffer):
+            buf[pages[-1]].zero_()
+    logger.warning("fault injection: %s the received KV of request %s", kind, req.rid)
+    return kind

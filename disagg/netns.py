@@ -1,0 +1,147 @@
+"""A shaped link on one machine: prefill in its own network namespace behind a veth pair.
+
+    root namespace  hkv<tag>a  10.211.<n>.1/24  <--veth-->  hkv<tag>b  10.211.<n>.2/24  netns hackpd-<tag>
+Both ends get a tc token-bucket filter (tbf) at the given rate, so every byte between prefill
+and decode (KV pages, bootstrap, metadata) crosses a link of that speed in both directions.
+Needs root (CAP_NET_ADMIN). Only addresses inside 10.211.0.0/16 on links this module creates
+are used. `netem` is not assumed to exist (delay/loss emulation is not offered).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from dataclasses import asdict, dataclass
+
+NS_PREFIX = "hackpd-"
+VETH_PREFIX = "hkv"
+SUBNET = "10.211"
+
+
+class LinkError(RuntimeError):
+    """The link could not be created (not root, missing `ip`/`tc`, ...)."""
+
+
+@dataclass(frozen=True)
+class ShapedLink:
+    tag: str
+    subnet_index: int
+    mbps: float
+
+    @property
+    def namespace(self) -> str:
+        return f"{NS_PREFIX}{self.tag}"
+
+    @property
+    def veth_root(self) -> str:
+        return f"{VETH_PREFIX}{self.tag}a"
+
+    @property
+    def veth_ns(self) -> str:
+        return f"{VETH_PREFIX}{self.tag}b"
+
+    @property
+    def root_ip(self) -> str:
+        return f"{SUBNET}.{self.subnet_index}.1"
+
+    @property
+    def ns_ip(self) -> str:
+        return f"{SUBNET}.{self.subnet_index}.2"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    except FileNotFoundError as exc:
+        raise LinkError(f"{cmd[0]} is not installed (apt-get install iproute2)") from exc
+    if check and proc.returncode != 0:
+        raise LinkError(f"`{' '.join(cmd)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def can_shape() -> tuple[bool, str]:
+    """(True, "") when this process may create namespaces and qdiscs, else (False, why)."""
+    if os.geteuid() != 0:
+        return False, "shaping the link needs root (network namespaces and tc)"
+    for tool in ("ip", "tc"):
+        if subprocess.run(["which", tool], capture_output=True).returncode != 0:
+            return False, f"`{tool}` is missing (apt-get install iproute2)"
+    return True, ""
+
+
+def list_namespaces() -> list[str]:
+    out = _run("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+
+
+def list_veths() -> list[str]:
+    out = _run("ip", "-o", "link", "show", check=False).stdout
+    names = re.findall(r"^\d+:\s+([^:@\s]+)", out, flags=re.M)
+    return [n for n in names if re.fullmatch(rf"{VETH_PREFIX}[0-9a-z]+a", n)]
+
+
+def _used_subnets() -> set[int]:
+    out = _run("ip", "-o", "-4", "addr", "show", check=False).stdout
+    return {int(m) for m in re.findall(rf"inet {re.escape(SUBNET)}\.(\d+)\.", out)}
+
+
+def tbf_args(mbps: float) -> list[str]:
+    # burst must cover one timer tick at the rate (>= rate/HZ); 32 KB minimum as observed to work.
+    burst_bytes = max(32 * 1024, int(mbps * 1e6 / 8 / 250))
+    return ["tbf", "rate", f"{mbps:g}mbit", "burst", str(burst_bytes), "latency", "100ms"]
+
+
+def create(tag: str, mbps: float) -> ShapedLink:
+    """Create the namespace, veth pair, addresses and tbf on both ends."""
+    ok, why = can_shape()
+    if not ok:
+        raise LinkError(why)
+    if not mbps > 0:
+        raise LinkError(f"link rate must be positive, got {mbps}")
+    used = _used_subnets()
+    index = next((i for i in range(10, 250) if i not in used), None)
+    if index is None:
+        raise LinkError(f"no free {SUBNET}.x.0/24 subnet")
+    link = ShapedLink(tag=tag, subnet_index=index, mbps=float(mbps))
+    try:
+        _run("ip", "netns", "add", link.namespace)
+        _run("ip", "link", "add", link.veth_root, "type", "veth", "peer", "name", link.veth_ns)
+        _run("ip", "link", "set", link.veth_ns, "netns", link.namespace)
+        _run("ip", "addr", "add", f"{link.root_ip}/24", "dev", link.veth_root)
+        _run("ip", "link", "set", link.veth_root, "up")
+        nsx = ("ip", "netns", "exec", link.namespace)
+        _run(*nsx, "ip", "addr", "add", f"{link.ns_ip}/24", "dev", link.veth_ns)
+        _run(*nsx, "ip", "link", "set", link.veth_ns, "up")
+        _run(*nsx, "ip", "link", "set", "lo", "up")
+        _run("tc", "qdisc", "add", "dev", link.veth_root, "root", *tbf_args(mbps))
+        _run(*nsx, "tc", "qdisc", "add", "dev", link.veth_ns, "root", *tbf_args(mbps))
+    except LinkError:
+        remove(link.namespace, link.veth_root)
+        raise
+    return link
+
+
+def remove(namespace: str | None, veth_root: str | None) -> list[str]:
+    """Delete a namespace and the root end of its veth (the peer goes with it). Idempotent;
+    returns what was removed."""
+    removed = []
+    if veth_root and veth_root in list_veths():
+        _run("ip", "link", "del", veth_root, check=False)
+        removed.append(veth_root)
+    if namespace and namespace in list_namespaces():
+        _run("ip", "netns", "del", namespace, check=False)
+        removed.append(namespace)
+    return removed
+
+
+def veth_bytes(link: ShapedLink) -> dict:
+    """tx/rx byte counters of the root end (rx = bytes sent by prefill)."""
+    base = f"/sys/class/net/{link.veth_root}/statistics"
+    with open(f"{base}/rx_bytes") as f:
+        rx = int(f.read())
+    with open(f"{base}/tx_bytes") as f:
+        tx = int(f.read())
+    return {"rx": rx, "tx": tx}

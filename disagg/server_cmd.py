@@ -1,0 +1,65 @@
+"""The SGLang command lines of a disaggregated pair, per KV method.
+
+Methods (same launcher, same model, same transfer path; only the KV cache differs):
+  hack     --kv-cache-dtype hack: 2-bit pages, homomorphic attention (this project)
+  dequant  --kv-cache-dtype hack --hack-attention dequant: the same 2-bit pages, dequantized
+           before attention (the paper's CacheGen/KVQuant-style strawman)
+  bf16     the model's BF16 KV cache (the paper's baseline)
+Every method uses page size 64 so the transfer engine moves the same number of items.
+"""
+from __future__ import annotations
+
+import sys
+
+METHODS = ("hack", "dequant", "bf16")
+PAGE_SIZE = 64
+
+# CPU-specific flags, each for a reason observed with SGLang 0.5.23 (see docs/disagg.md).
+COMMON_FLAGS = [
+    "--device", "cpu",
+    "--disable-overlap-schedule",  # the overlap scheduler records CUDA events on early sends
+    "--sleep-on-idle",  # two idle schedulers on 2 cores would otherwise spin
+    "--disaggregation-transfer-backend", "mooncake_tcp",
+    "--disaggregation-enable-kv-checksum",  # damaged transfers fail the request
+    "--mem-fraction-static", "0.2",
+]
+
+
+def method_flags(method: str) -> list[str]:
+    if method == "hack":
+        return ["--kv-cache-dtype", "hack"]
+    if method == "dequant":
+        return ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"]
+    if method == "bf16":
+        return ["--kv-cache-dtype", "auto", "--dtype", "bfloat16", "--attention-backend",
+                "torch_native", "--page-size", str(PAGE_SIZE)]
+    raise ValueError(f"unknown KV method {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def server_command(role: str, method: str, model_path: str, host: str, port: int,
+                   bootstrap_port: int | None, max_total_tokens: int, extra: list[str] | None = None) -> list[str]:
+    if role not in ("prefill", "decode", "colocated"):
+        raise ValueError(f"role must be prefill, decode or colocated, got {role!r}")
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+           "--host", host, "--port", str(port), "--max-total-tokens", str(max_total_tokens),
+           *COMMON_FLAGS, *method_flags(method)]
+    if role != "colocated":
+        cmd += ["--disagg-mode", role]
+    if role == "prefill" and bootstrap_port is not None:
+        cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if role == "decode":
+        # The default backup calls torch.cuda; a CPU tensor copy works on this host.
+        cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
+    if role == "colocated":
+        cmd = [c for c in cmd if c != "--disaggregation-enable-kv-checksum"]
+    return cmd + list(extra or [])
+
+
+def router_command(port: int, prefill: list[tuple[str, int]], decode: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--host", "127.0.0.1", "--port", str(port), "--mini-lb"]
+    for url, bport in prefill:
+        cmd += ["--prefill", url, str(bport)]
+    for url in decode:
+        cmd += ["--decode", url]
+    return cmd

