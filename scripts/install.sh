@@ -23,6 +23,15 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
     fi
 fi
 
+# `hack up --link-mbps` shapes the prefill->decode link with ip netns + tc (iproute2).
+if ! command -v tc >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null
+    else
+        echo "note: iproute2 is missing; hack up --link-mbps will not work (sudo apt-get install -y iproute2)" >&2
+    fi
+fi
+
 # The dashboard's browser test drives Debian's chromium through Debian's chromedriver
 # (never a downloaded browser).
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
