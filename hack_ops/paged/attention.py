@@ -8,8 +8,9 @@ extend(store, layer, plan, q, k, v)   the new tokens of each request (q [N, Hq, 
 Modes: 'hack' (homomorphic, decode-time visibility), 'dequant' (the same cache dequantized then
 attended in float: the strawman baseline), and for extend 'exact' (the new tokens attend to each
 other in FP16; the cached prefix is read as decode reads it).
-Backends: 'torch' (portable), 'cpu' (the compiled kernel, decode only, see cpu_kernel.py),
-'auto' = the compiled kernel when it is available and applies, else torch.
+Backends ('hack' decode): 'torch' (portable), 'cpu' (the compiled kernel, see cpu_kernel.py),
+'auto' = the compiled kernel when it is available and applies, else torch. 'dequant' decode
+dequantizes to dequant_dtype and calls SDPA (dequant.py); extend runs on the torch path.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from .dequant import dequant_decode
 from .pages import request_pages
 from .plan import ForwardPlan
 from .store import HackKVStore
@@ -46,8 +48,9 @@ def _sinks(store: HackKVStore, layer: int, plan: ForwardPlan, b: int, seq_len: i
 
 def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor | None = None,
            v: Tensor | None = None, mode: str = "hack", scale: float | None = None, backend: str = "auto",
-           generator: torch.Generator | None = None) -> Tensor:
-    """Decode attention: returns [B, Hq, D] in q's dtype."""
+           generator: torch.Generator | None = None, dequant_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Decode attention: returns [B, Hq, D] in q's dtype. mode='dequant' dequantizes the
+    visible pages to `dequant_dtype` and calls SDPA (the strawman baseline)."""
     if mode not in DECODE_MODES:
         raise ValueError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
     if not plan.is_decode:
@@ -59,6 +62,8 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     if k is not None:
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
+    if mode == "dequant":
+        return dequant_decode(store, layer, plan, q, scale, dequant_dtype).to(q.dtype)
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
     if cpu_kernel.usable(store, mode, backend, generator):

@@ -1,14 +1,195 @@
-"""The compiled CPU decode kernel (placeholder until the extension lands): never usable."""
+"""The compiled CPU decode kernel (csrc/hack_decode.c): build, load, call.
+
+A plain C file (no torch headers, so it builds in about a second) compiled with the machine's
+gcc: `-O3 -march=native` (AVX-512 VNNI where the CPU has it) into a cache directory keyed by
+the source, flags and compiler, then loaded with ctypes; it reads the store's buffers in
+place. `scripts/install.sh` builds it ahead of time (`python -m hack_ops.paged.cpu_kernel
+build`); otherwise the first decode builds it. Without a compiler, or for what the kernel does
+not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('cpu').
+
+Covered: orientation 'channel_k', mode 'hack', nearest rounding, kv_bits 2/4, head_dim a
+multiple of 64 up to 256, up to 16 query heads per KV head, any tails / sinks / RQE setting.
+Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
+"""
 from __future__ import annotations
 
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
-def why_not(store, mode, generator) -> str:
-    return "the compiled CPU kernel is not built in this version"
+import torch
+
+from .write import open_mode
+
+SOURCE = Path(__file__).parent / "csrc" / "hack_decode.c"
+VARIANTS = {
+    "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+    "portable": ["-O3", "-ffp-contract=off", "-fopenmp"],  # no SIMD intrinsics: the plain C loops
+}
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
 
 
-def usable(store, mode, backend, generator) -> bool:
-    return False
+class _Args(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in (
+        "batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens",
+        "k_open_quantized", "v_open_quantized", "meta_fp32", "max_pages",
+        "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
+        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads")] + [
+        (n, _P) for n in ("seq_lens", "page_table", "rows", "sink_slots", "k_pages", "v_pages",
+                          "k_tail", "v_tail", "sink_k", "sink_v", "q", "out")]
 
 
-def decode(store, layer, plan, q, scale):  # pragma: no cover - never selected
-    raise RuntimeError(why_not(store, "hack", None))
+_libs: dict[str, ctypes.CDLL | None] = {}
+_errors: dict[str, str] = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("HACK_KERNEL_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "sglang-hack" / "cpu-kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def build(variant: str = "native") -> Path:
+    """Compile (if not cached) and return the shared library's path; RuntimeError on failure."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
+    if not SOURCE.exists():
+        raise RuntimeError(f"the kernel source {SOURCE.name} is not installed")
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (install gcc)")
+    flags = VARIANTS[variant]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    # -march=native resolves per machine: key the cache on what it expands to.
+    probe = subprocess.run([cc, *flags, "-Q", "--help=target"], capture_output=True, text=True).stdout
+    key = hashlib.sha256((SOURCE.read_text() + " ".join(flags) + version + probe).encode()).hexdigest()[:16]
+    out = cache_dir() / f"hack_decode_{variant}_{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), str(SOURCE), "-lm"],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"building the CPU kernel failed:\n{res.stderr[-2000:]}")
+        os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written file
+    return out
+
+
+def load(variant: str = "native") -> ctypes.CDLL | None:
+    """The loaded library, building it on first use; None (reason in why_not) if impossible."""
+    if variant in _libs:
+        return _libs[variant]
+    lib = None
+    try:
+        lib = ctypes.CDLL(str(build(variant)))
+        lib.hack_decode.argtypes = [ctypes.POINTER(_Args)]
+        lib.hack_decode.restype = ctypes.c_int
+        lib.hack_decode_simd.restype = ctypes.c_int
+    except (RuntimeError, OSError) as exc:
+        _errors[variant] = str(exc)
+        lib = None
+    _libs[variant] = lib
+    return lib
+
+
+def why_not(store, mode: str, generator=None, variant: str = "native") -> str | None:
+    """Why the kernel cannot run this call (None: it can)."""
+    cfg = store.config
+    d, h = store.head_dim, store.num_heads
+    if os.environ.get("HACK_CPU_KERNEL", "1") == "0":
+        return "disabled by HACK_CPU_KERNEL=0"
+    if store.device.type != "cpu":
+        return f"the store is on {store.device}, not the CPU"
+    if mode != "hack":
+        return f"mode {mode!r} (the kernel does 'hack')"
+    if cfg.orientation != "channel_k":
+        return "orientation 'token_k' (the kernel does 'channel_k')"
+    if cfg.rounding != "nearest" or generator is not None:
+        return "stochastic rounding (the kernel rounds to nearest)"
+    if d % 64 or d > 256 or d // cfg.head_group(d) > 16:
+        return f"head_dim {d} (the kernel needs a multiple of 64 up to 256)"
+    if load(variant) is None:
+        return _errors.get(variant, "the kernel could not be loaded")
+    del h
+    return None
+
+
+def usable(store, mode: str, backend: str, generator=None) -> bool:
+    return backend in ("auto", "cpu") and why_not(store, mode, generator) is None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native") -> torch.Tensor:
+    """Decode attention for the plan's batch: float32 [B, Hq, D]."""
+    lib = load(variant)
+    if lib is None:
+        raise RuntimeError(_errors.get(variant, "the CPU kernel is not available"))
+    cfg, lay = store.config, store.layout
+    b, hq, d = q.shape
+    h = store.num_heads
+    rep = hq // h
+    if rep > 16:
+        raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
+    qs = (q.float() * scale).contiguous()
+    out = torch.empty(b, hq, d, dtype=torch.float32)
+    table = plan.page_table.to(torch.int64).contiguous()
+    seq = plan.seq_lens.to(torch.int64).contiguous()
+    rows = plan.rows.to(torch.int64).contiguous()
+    sinks = plan.sink_slot.clamp(min=0).to(torch.int64).contiguous()
+    ktail, vtail = store.tail("k", layer), store.tail("v", layer)
+    sums = lay.k.sums
+    a = _Args(
+        batch=b, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
+        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
+        k_open_quantized=int(open_mode(cfg, "k") != "fp16"), v_open_quantized=int(open_mode(cfg, "v") != "fp16"),
+        meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
+        k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
+        k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,
+        k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
+        v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
+        v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(),
+        seq_lens=_ptr(seq), page_table=_ptr(table), rows=_ptr(rows), sink_slots=_ptr(sinks),
+        k_pages=_ptr(store.k_pages[layer]), v_pages=_ptr(store.v_pages[layer]),
+        k_tail=_ptr(ktail), v_tail=_ptr(vtail),
+        sink_k=_ptr(store.sink_k[layer]), sink_v=_ptr(store.sink_v[layer]), q=_ptr(qs), out=_ptr(out),
+    )
+    for t in (store.k_pages[layer], store.v_pages[layer], ktail, vtail, store.sink_k[layer], store.sink_v[layer]):
+        if t is not None and not t.is_contiguous():
+            raise RuntimeError("the store's buffers must be contiguous")
+    if lib.hack_decode(ctypes.byref(a)) != 0:
+        raise RuntimeError("the CPU kernel rejected the geometry")
+    return out
+
+
+def simd(variant: str = "native") -> bool:
+    lib = load(variant)
+    return bool(lib is not None and lib.hack_decode_simd())
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["build"]:
+        print("usage: python -m hack_ops.paged.cpu_kernel build", file=sys.stderr)
+        sys.exit(2)
+    try:
+        for v in VARIANTS:
+            print(f"{v}: {build(v)}")
+        print(f"AVX-512 VNNI path: {'yes' if simd() else 'no (plain C loops)'}")
+    except RuntimeError as exc:  # not fatal: decode falls back to the PyTorch path
+        print(f"warning: {exc}", file=sys.stderr)

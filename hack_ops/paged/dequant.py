@@ -1,0 +1,68 @@
+"""The 'dequant' baseline on the HACK pages: dequantize what a query may see, then SDPA.
+
+This is the paper's strawman (a 2-bit cache that is dequantized before ordinary attention, as
+KIVI/KVQuant-style systems do): the same pages and visibility as 'hack', but each decode step
+builds a dense copy of every request's K and V in `dtype` (BF16 for the baseline server and
+the benchmark, float32 to compare with the reference) and calls
+torch.nn.functional.scaled_dot_product_attention.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..layout import TensorLayout
+from ..packing import unpack
+from .plan import ForwardPlan
+from .write import open_mode
+
+
+def _dequant_tensor(tl: TensorLayout, buf: Tensor, pages: Tensor, p: int, d: int, bits: int, gd: int,
+                    dtype: torch.dtype) -> Tensor:
+    """Dequantize whole pages -> [H, n*Π, D] in dtype."""
+    codes = unpack(tl.view(buf, "codes")[pages], bits, d).to(dtype)  # [n, H, Π, D]
+    n, h = codes.shape[:2]
+    sc = tl.view(buf, "scale")[pages].to(dtype)
+    mn = tl.view(buf, "minimum")[pages].to(dtype)
+    if tl.per_channel:  # [n, H, D]
+        x = codes * sc[:, :, None, :] + mn[:, :, None, :]
+    else:  # [n, H, Π*ng] per token and head_dim group
+        ng = d // gd
+        sc = sc.reshape(n, h, p, ng, 1)
+        mn = mn.reshape(n, h, p, ng, 1)
+        x = (codes.reshape(n, h, p, ng, gd) * sc + mn).reshape(n, h, p, d)
+    return x.transpose(0, 1).reshape(h, n * p, d)
+
+
+def dequant_decode(store, layer: int, plan: ForwardPlan, q: Tensor, scale: float,
+                   dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Decode attention over dequantized pages; returns float32 [B, Hq, D]."""
+    cfg, lay = store.config, store.layout
+    p, d, h = cfg.partition_size, store.head_dim, store.num_heads
+    gd = cfg.head_group(d)
+    b_sz, hq, _ = q.shape
+    out = torch.empty(b_sz, hq, d, dtype=torch.float32)
+    for b, seq_len in enumerate(plan.seq_list):
+        npg = int(plan.num_pages[b])
+        pages = plan.page_table[b, :npg].to(store.device)
+        row = int(plan.rows[b])
+        nc = seq_len // p  # closed pages
+        dense = {}
+        for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
+            quant_open = open_mode(cfg, name) != "fp16"
+            n_q = npg if quant_open else nc  # pages read from their codes
+            x = torch.empty(h, npg * p, d, dtype=dtype)
+            if n_q:
+                x[:, : n_q * p] = _dequant_tensor(tl, buf, pages[:n_q], p, d, cfg.kv_bits, gd, dtype)
+            if not quant_open and seq_len > nc * p:  # the open page from the FP16 tail
+                x[:, nc * p:seq_len] = store.tails[name][layer][row, : seq_len - nc * p].transpose(0, 1).to(dtype)
+            s = min(cfg.sink_tokens, seq_len)
+            if s:
+                sink = (store.sink_k if name == "k" else store.sink_v)[layer][int(plan.sink_slot[b]), :s]
+                x[:, :s] = sink.transpose(0, 1).to(dtype)
+            dense[name] = x[:, :seq_len]
+        qb = (q[b].to(dtype)).reshape(1, hq, 1, d)
+        o = F.scaled_dot_product_attention(qb, dense["k"][None], dense["v"][None], scale=scale, enable_gqa=hq != h)
+        out[b] = o.reshape(hq, d).float()
+    return out
