@@ -8,10 +8,13 @@ are used. `netem` is not assumed to exist (delay/loss emulation is not offered).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import subprocess
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 NS_PREFIX = "hackpd-"
 VETH_PREFIX = "hkv"
@@ -94,6 +97,18 @@ def tbf_args(mbps: float) -> list[str]:
     return ["tbf", "rate", f"{mbps:g}mbit", "burst", str(burst_bytes), "latency", "100ms"]
 
 
+@contextlib.contextmanager
+def _subnet_lock() -> Iterator[None]:
+    # Two clusters starting at once must not pick the same 10.211.x.0/24.
+    with open("/run/lock/sglang-hack-netns.lock" if os.path.isdir("/run/lock")
+              else "/tmp/sglang-hack-netns.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def create(tag: str, mbps: float) -> ShapedLink:
     """Create the namespace, veth pair, addresses and tbf on both ends."""
     ok, why = can_shape()
@@ -101,6 +116,11 @@ def create(tag: str, mbps: float) -> ShapedLink:
         raise LinkError(why)
     if not mbps > 0:
         raise LinkError(f"link rate must be positive, got {mbps}")
+    with _subnet_lock():
+        return _create_locked(tag, mbps)
+
+
+def _create_locked(tag: str, mbps: float) -> ShapedLink:
     used = _used_subnets()
     index = next((i for i in range(10, 250) if i not in used), None)
     if index is None:

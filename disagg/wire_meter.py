@@ -42,17 +42,17 @@ def add(nbytes: int) -> None:
     t["calls"] += 1
 
 
-def around_batch_transfer(original: Callable, engine: Any, peer: str, buffers: Sequence[int],
+def around_batch_transfer(original: Callable, engine: Any, target: str, buffers: Sequence[int],
                           peer_addresses: Sequence[int], lengths: Sequence[int], *a: Any, **kw: Any) -> int:
-    ret = original(engine, peer, buffers, peer_addresses, lengths, *a, **kw)
+    ret = original(engine, target, buffers, peer_addresses, lengths, *a, **kw)
     if ret == 0:
         add(sum(int(x) for x in lengths))
     return ret
 
 
-def around_transfer(original: Callable, engine: Any, peer: str, buffer: int, peer: int,
+def around_transfer(original: Callable, engine: Any, target: str, buffer: int, peer: int,
                     length: int, *a: Any, **kw: Any) -> int:
-    ret = original(engine, peer, buffer, peer, length, *a, **kw)
+    ret = original(engine, target, buffer, peer, length, *a, **kw)
     if ret == 0:
         add(int(length))
     return ret

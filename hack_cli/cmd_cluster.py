@@ -76,7 +76,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     if args.name and not states:
         raise ValueError(f"no cluster named {args.name}")
     for st in states:
-        for line in cluster.down(st):
+        lines = cluster.down(st) or ["already stopped; state removed"]
+        for line in lines:
             print(f"{st['name']}: {line}")
     if args.name is None:
         for line in cluster.clean_stale():
