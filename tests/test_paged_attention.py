@@ -62,13 +62,14 @@ class Case:
         t = lambda x: x.transpose(0, 1)[None]  # noqa: E731  [L, H, D] -> [1, H, L, D]
         return attention(t(self.q[i]), t(self.k[i]), t(self.v[i]), self.cfg, mode=mode)[0].transpose(0, 1)
 
-    def extend(self, upto, mode=None, layer=0):
+    def extend(self, upto, mode=None, layer=0, backend="torch"):
         """Extend every request i to length upto[i]; returns per-request outputs."""
         act = [i for i in range(len(self.lens)) if upto[i] > self.done[i]]
         ext = [upto[i] - self.done[i] for i in act]
         plan = self.store.plan(self.table, [self.rows[i] for i in act], [upto[i] for i in act], ext)
         cat = lambda xs: torch.cat([xs[i][self.done[i]:upto[i]] for i in act])  # noqa: E731
-        o = extend(self.store, layer, plan, cat(self.q), cat(self.k), cat(self.v), mode=mode or self.mode)
+        o = extend(self.store, layer, plan, cat(self.q), cat(self.k), cat(self.v), mode=mode or self.mode,
+                   backend=backend)
         outs, off = {}, 0
         for i, e in zip(act, ext):
             outs[i] = o[off:off + e]
@@ -211,22 +212,25 @@ def _exact_reference(case: Case, i: int, prefix: int) -> torch.Tensor:
     return attention(t(q), t(kd), t(vd), cfg, mode="exact")[0].transpose(0, 1)
 
 
-def test_exact_prefill():
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_exact_prefill(backend):
+    if backend == "cpu":
+        _need_kernel("native")
     cfg = HackConfig(partition_size=32)
     # no prefix: plain float attention over the FP16 tokens
     case = Case(cfg, lens=[70], seed=5, mode="hack")
-    out = case.extend([70], mode="exact")[0]
+    out = case.extend([70], mode="exact", backend=backend)[0]
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     exact = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
     assert float((out - exact).abs().max()) <= ROUNDOFF_TOL
     # one new token that does not close its page: exact prefill sees what decode sees
     case = Case(cfg, lens=[70], seed=6)
     case.extend([69])
-    case.check(case.extend([70], mode="exact"), "exact one token")
+    case.check(case.extend([70], mode="exact", backend=backend), "exact one token")
     # a prefix with closed pages and an open page, then many new tokens
     case = Case(cfg, lens=[120], seed=7)
     case.extend([45])
-    out = case.extend([120], mode="exact")[0]
+    out = case.extend([120], mode="exact", backend=backend)[0]
     ref = _exact_reference(case, 0, 45)
     full = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)[45:]
     err, gap = (out - ref).abs().amax(-1), (full - ref).abs().amax(-1)
@@ -270,7 +274,8 @@ def test_cpu_kernel_decode(kw, backend):
     cfg = HackConfig(partition_size=32, **kw)
     lens, _, ext = LENS[cfg.requant_elimination]
     case = Case(cfg, lens=lens, seed=11)
-    case.extend(ext)
+    kernel_extend = backend == "cpu" and cfg.requant_elimination
+    case.check(case.extend(ext, backend="cpu" if kernel_extend else "torch"), "extend")
     for step in range(4):
         case.check(case.decode(backend=backend), f"decode {step}")
     case.finish()
@@ -285,7 +290,7 @@ def test_cpu_kernel_shapes(p, rep, head_dim, bits, backend):
     # long enough for several 16-page work items per head at the smallest page size
     n = 17 * p + 5 if p == 32 else 3 * p + 7
     case = Case(cfg, lens=[n, p + 2], heads=2, rep=rep, head_dim=head_dim, seed=12)
-    case.extend([n - 2, p])
+    case.check(case.extend([n - 2, p], backend="cpu" if backend == "cpu" else "torch"), "extend")
     case.check(case.decode(backend=backend), "decode 1")
     case.check(case.decode(backend=backend), "decode 2")
     case.finish()

@@ -93,7 +93,8 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
 
 
 def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
-           mode: str = "hack", scale: float | None = None, generator: torch.Generator | None = None) -> Tensor:
+           mode: str = "hack", scale: float | None = None, generator: torch.Generator | None = None,
+           backend: str = "auto") -> Tensor:
     """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's dtype."""
     if mode not in EXTEND_MODES:
         raise ValueError(f"extend mode must be one of {EXTEND_MODES}, got {mode!r}")
@@ -107,6 +108,15 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
                     for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
     store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    from . import cpu_kernel  # late import: the compiled kernel is optional
+
+    if cpu_kernel.usable(store, mode, backend, generator, phase="extend"):
+        return _extend_kernel(store, layer, plan, q, k, v, snaps, mode, scale).to(q.dtype)
+    if backend == "cpu":
+        raise RuntimeError("the compiled CPU kernel is not usable here: "
+                           f"{cpu_kernel.why_not(store, mode, generator, phase='extend')}")
+    if backend not in ("auto", "torch"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}
     out = torch.empty(n_new, h * rep, d, dtype=torch.float32)
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
@@ -126,3 +136,36 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         o = attend_request(qb, t, nc, rp, view, store.config, "hack" if exact else mode, generator)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)
+
+
+def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
+                   snaps: dict, mode: str, scale: float) -> Tensor:
+    """Extend on the compiled kernel: one kernel query per new token (position t sees a
+    sequence of length t+1). Its open region is read from a window of FP16 tokens per request:
+    the prefix's open page (kept before the write) followed by the new tokens."""
+    from . import cpu_kernel
+
+    p = store.page_size
+    hd = store.num_heads * store.head_dim
+    wins = {"k": [], "v": []}
+    starts = []  # window start position (a page start) and element offset of each request
+    off = 0
+    for b, pre in enumerate(plan.prefix_list):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        for name, x in (("k", k), ("v", v)):
+            head = snaps[name][b].to(torch.float16) if name in snaps else torch.zeros(pre % p, *x.shape[1:], dtype=torch.float16)
+            wins[name].append(torch.cat([head, x[lo:hi].to(torch.float16)], 0))
+        starts.append(((pre // p) * p, off))
+        off += wins["k"][-1].shape[0] * hd
+    kw, vw = (torch.cat(wins[n], 0).contiguous() for n in ("k", "v"))
+    pos = plan.tok_pos
+    seq = pos + 1
+    if mode == "exact":
+        n_closed = plan.prefix_lens[plan.tok_req] // p
+    else:
+        n_closed = seq // p
+    wstart = torch.tensor([s for s, _ in starts])[plan.tok_req]
+    woff = torch.tensor([o for _, o in starts])[plan.tok_req]
+    open_off = woff + (n_closed * p - wstart) * hd
+    return cpu_kernel.attend(store, layer, q, scale, seq, n_closed, plan.page_table, plan.tok_req,
+                             plan.sink_slot.clamp(min=0)[plan.tok_req], kw, open_off, vw, open_off)

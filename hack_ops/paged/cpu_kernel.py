@@ -7,8 +7,9 @@ place. `scripts/install.sh` builds it ahead of time (`python -m hack_ops.paged.c
 build`); otherwise the first decode builds it. Without a compiler, or for what the kernel does
 not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('cpu').
 
-Covered: orientation 'channel_k', mode 'hack', nearest rounding, kv_bits 2/4, head_dim a
-multiple of 64 up to 256, up to 16 query heads per KV head, any tails / sinks / RQE setting.
+Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a multiple of 64 up
+to 256, up to 16 query heads per KV head; decode 'hack' with any tails / sinks / RQE setting;
+extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on), one kernel "request" per query.
 Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
 """
 from __future__ import annotations
@@ -41,8 +42,8 @@ class _Args(ctypes.Structure):
         "k_open_quantized", "v_open_quantized", "meta_fp32", "max_pages",
         "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
         "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads")] + [
-        (n, _P) for n in ("seq_lens", "page_table", "rows", "sink_slots", "k_pages", "v_pages",
-                          "k_tail", "v_tail", "sink_k", "sink_v", "q", "out")]
+        (n, _P) for n in ("seq_lens", "n_closed", "page_table", "table_rows", "sink_slots", "k_open_off",
+                          "v_open_off", "k_pages", "v_pages", "k_open", "v_open", "sink_k", "sink_v", "q", "out")]
 
 
 _libs: dict[str, ctypes.CDLL | None] = {}
@@ -106,57 +107,69 @@ def load(variant: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native") -> str | None:
-    """Why the kernel cannot run this call (None: it can)."""
+def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode") -> str | None:
+    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'."""
     cfg = store.config
-    d, h = store.head_dim, store.num_heads
+    d = store.head_dim
     if os.environ.get("HACK_CPU_KERNEL", "1") == "0":
         return "disabled by HACK_CPU_KERNEL=0"
     if store.device.type != "cpu":
         return f"the store is on {store.device}, not the CPU"
-    if mode != "hack":
-        return f"mode {mode!r} (the kernel does 'hack')"
+    if mode not in (("hack",) if phase == "decode" else ("hack", "exact")):
+        return f"mode {mode!r} (the kernel does 'hack' decode, 'hack'/'exact' extend)"
     if cfg.orientation != "channel_k":
         return "orientation 'token_k' (the kernel does 'channel_k')"
     if cfg.rounding != "nearest" or generator is not None:
         return "stochastic rounding (the kernel rounds to nearest)"
     if d % 64 or d > 256 or d // cfg.head_group(d) > 16:
         return f"head_dim {d} (the kernel needs a multiple of 64 up to 256)"
+    if phase == "extend" and open_mode(cfg, "k") == "requant":
+        return "extend with requant_elimination=False (each query needs its own re-quantized page)"
+    if mode == "exact" and open_mode(cfg, "v") != "fp16":
+        return "'exact' extend without a V tail"
     if load(variant) is None:
         return _errors.get(variant, "the kernel could not be loaded")
-    del h
     return None
 
 
-def usable(store, mode: str, backend: str, generator=None) -> bool:
-    return backend in ("auto", "cpu") and why_not(store, mode, generator) is None
+def usable(store, mode: str, backend: str, generator=None, phase: str = "decode") -> bool:
+    return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase) is None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native") -> torch.Tensor:
-    """Decode attention for the plan's batch: float32 [B, Hq, D]."""
+def _i64(x) -> torch.Tensor:
+    return torch.as_tensor(x).to(torch.int64).contiguous()
+
+
+def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed, page_table, table_rows,
+           sink_slots, k_open: torch.Tensor | None, k_open_off, v_open: torch.Tensor | None, v_open_off,
+           variant: str = "native") -> torch.Tensor:
+    """One query per row of q [N, Hq, D] at position seq_lens[i]-1: pages < n_closed[i] of
+    page_table[table_rows[i]] read from codes, pages from n_closed[i] on from the FP16 tokens
+    at k_open/v_open (fp16 [.., H, D], element offsets *_open_off[i]) unless the config reads
+    them quantized. Returns float32 [N, Hq, D]."""
     lib = load(variant)
     if lib is None:
         raise RuntimeError(_errors.get(variant, "the CPU kernel is not available"))
     cfg, lay = store.config, store.layout
-    b, hq, d = q.shape
+    n, hq, d = q.shape
     h = store.num_heads
     rep = hq // h
     if rep > 16:
         raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
+    for t in (store.k_pages[layer], store.v_pages[layer], k_open, v_open, store.sink_k[layer], store.sink_v[layer]):
+        if t is not None and not t.is_contiguous():
+            raise RuntimeError("the buffers the kernel reads must be contiguous")
     qs = (q.float() * scale).contiguous()
-    out = torch.empty(b, hq, d, dtype=torch.float32)
-    table = plan.page_table.to(torch.int64).contiguous()
-    seq = plan.seq_lens.to(torch.int64).contiguous()
-    rows = plan.rows.to(torch.int64).contiguous()
-    sinks = plan.sink_slot.clamp(min=0).to(torch.int64).contiguous()
-    ktail, vtail = store.tail("k", layer), store.tail("v", layer)
+    out = torch.empty(n, hq, d, dtype=torch.float32)
+    keep = [_i64(x) for x in (seq_lens, n_closed, page_table, table_rows, sink_slots, k_open_off, v_open_off)]
+    seq, ncl, table, trows, sinks, koff, voff = keep
     sums = lay.k.sums
     a = _Args(
-        batch=b, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
+        batch=n, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
         group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
         k_open_quantized=int(open_mode(cfg, "k") != "fp16"), v_open_quantized=int(open_mode(cfg, "v") != "fp16"),
         meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
@@ -165,17 +178,26 @@ def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str 
         k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
         v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
         v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(),
-        seq_lens=_ptr(seq), page_table=_ptr(table), rows=_ptr(rows), sink_slots=_ptr(sinks),
-        k_pages=_ptr(store.k_pages[layer]), v_pages=_ptr(store.v_pages[layer]),
-        k_tail=_ptr(ktail), v_tail=_ptr(vtail),
-        sink_k=_ptr(store.sink_k[layer]), sink_v=_ptr(store.sink_v[layer]), q=_ptr(qs), out=_ptr(out),
+        seq_lens=_ptr(seq), n_closed=_ptr(ncl), page_table=_ptr(table), table_rows=_ptr(trows),
+        sink_slots=_ptr(sinks), k_open_off=_ptr(koff), v_open_off=_ptr(voff),
+        k_pages=_ptr(store.k_pages[layer]), v_pages=_ptr(store.v_pages[layer]), k_open=_ptr(k_open),
+        v_open=_ptr(v_open), sink_k=_ptr(store.sink_k[layer]), sink_v=_ptr(store.sink_v[layer]),
+        q=_ptr(qs), out=_ptr(out),
     )
-    for t in (store.k_pages[layer], store.v_pages[layer], ktail, vtail, store.sink_k[layer], store.sink_v[layer]):
-        if t is not None and not t.is_contiguous():
-            raise RuntimeError("the store's buffers must be contiguous")
     if lib.hack_decode(ctypes.byref(a)) != 0:
         raise RuntimeError("the CPU kernel rejected the geometry")
     return out
+
+
+def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native") -> torch.Tensor:
+    """Decode attention for the plan's batch (one query per request): float32 [B, Hq, D]."""
+    p = store.page_size
+    hd = store.num_heads * store.head_dim
+    rows = plan.rows.to(torch.int64)
+    off = rows * (p * hd)  # each request's tail row
+    return attend(store, layer, q, scale, plan.seq_lens, plan.seq_lens // p, plan.page_table,
+                  torch.arange(plan.batch_size), plan.sink_slot.clamp(min=0), store.tail("k", layer), off,
+                  store.tail("v", layer), off, variant)
 
 
 def simd(variant: str = "native") -> bool:

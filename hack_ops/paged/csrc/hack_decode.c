@@ -7,6 +7,10 @@
  * sinks and for the open page of a tensor with a tail. Same arithmetic as hack_ops.attention,
  * other summation order.
  *
+ * A "request" here is one query: decode passes one per sequence, extend one per new token
+ * (position t: seq_len t+1), each with its own count of closed pages and a pointer to the FP16
+ * tokens of its open region (the tail row in decode, a window of the new tokens in extend).
+ *
  * Work split (flash-decoding): one item = (request, KV head, run of up to CHUNK_PAGES pages),
  * all query heads of the GQA group together; each item keeps its own softmax max, the items
  * of a head are merged at the end in a fixed order, so results do not depend on the thread
@@ -40,9 +44,10 @@ typedef struct {
     int64_t k_page_bytes, k_codes_off, k_min_off, k_scale_off, k_sums_off, k_sums_bytes;
     int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
     int64_t nthreads;
-    const int64_t *seq_lens, *page_table, *rows, *sink_slots;
+    const int64_t *seq_lens, *n_closed, *page_table, *table_rows, *sink_slots;
+    const int64_t *k_open_off, *v_open_off; /* element offset of each query's open region */
     const uint8_t *k_pages, *v_pages;
-    const uint16_t *k_tail, *v_tail, *sink_k, *sink_v; /* fp16; tails [rows, P, H, D] */
+    const uint16_t *k_open, *v_open, *sink_k, *sink_v; /* fp16, [.., H, D] per token */
     const float *q;                                    /* [B, H*rep, D], already scaled */
     float *out;                                        /* [B, H*rep, D] */
 } hack_decode_args;
@@ -306,18 +311,18 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out)
     const int64_t H = a->heads, L = it->seq_len, nc = it->n_closed;
     const int64_t tok0 = it->p0 * P, tok1 = it->p1 * P < L ? it->p1 * P : L, nt = tok1 - tok0;
     const int64_t sinks = a->sink_tokens < L ? a->sink_tokens : L;
-    const int64_t row = a->rows[it->b], hd = H * d;
+    const int64_t hd = H * d, trow = a->table_rows[it->b] * a->max_pages;
     const float *q = a->q + (it->b * H * rep + it->h * rep) * d;
     float *s = (float *)malloc(sizeof(float) * rep * nt);
     /* scores */
     for (int64_t p = it->p0; p < it->p1; p++) {
-        int64_t page_id = a->page_table[it->b * a->max_pages + p];
+        int64_t page_id = a->page_table[trow + p];
         int n = (int)((p + 1) * P <= L ? P : L - p * P);
         float *sp = s + (p * P - tok0);
         if (p < nc || a->k_open_quantized)
             page_scores_quant(it, page_id, n, q, sp, nt);
         else
-            fp16_scores(a->k_tail + row * P * hd + it->h * d, n, hd, d, rep, q, sp, nt);
+            fp16_scores(a->k_open + a->k_open_off[it->b] + (p - nc) * P * hd + it->h * d, n, hd, d, rep, q, sp, nt);
     }
     if (it->p0 == 0 && sinks)
         fp16_scores(a->sink_k + a->sink_slots[it->b] * a->sink_tokens * hd + it->h * d, (int)sinks, hd, d, rep, q, s, nt);
@@ -331,14 +336,14 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out)
     }
     memset(o_out, 0, sizeof(float) * rep * d);
     for (int64_t p = it->p0; p < it->p1; p++) {
-        int64_t page_id = a->page_table[it->b * a->max_pages + p];
+        int64_t page_id = a->page_table[trow + p];
         int n = (int)((p + 1) * P <= L ? P : L - p * P);
         int skip = p == 0 ? (int)sinks : 0;
         const float *prp = s + (p * P - tok0);
         if (p < nc || a->v_open_quantized) {
             page_pv_quant(it, page_id, n, skip, prp, nt, o_out);
         } else {
-            const uint16_t *t = a->v_tail + row * P * hd + it->h * d;
+            const uint16_t *t = a->v_open + a->v_open_off[it->b] + (p - nc) * P * hd + it->h * d;
             fp16_pv(t + skip * hd, n - skip, hd, d, rep, prp + skip, nt, o_out);
         }
     }
@@ -359,7 +364,7 @@ int hack_decode(const hack_decode_args *a) {
         int64_t L = a->seq_lens[b], np = (L + P - 1) / P;
         for (int64_t h = 0; h < H; h++)
             for (int64_t p0 = 0; p0 < np; p0 += CHUNK_PAGES) {
-                item_t it = {a, b, h, p0, p0 + CHUNK_PAGES < np ? p0 + CHUNK_PAGES : np, L, L / P};
+                item_t it = {a, b, h, p0, p0 + CHUNK_PAGES < np ? p0 + CHUNK_PAGES : np, L, a->n_closed[b]};
                 items[k++] = it;
             }
     }
