@@ -69,7 +69,8 @@ def kv_budget_bytes(kvc: Any, profile: Callable[[], int]) -> int:
     rows = _requested_rows(kvc)
     if rows is None:
         rows = max(1, min(MAX_DEFAULT_ROWS, int(budget * DEFAULT_ROW_SHARE) // per_row))
-    reserve = rows * per_row
+    # SGLang's request table has one row more than the requests it admits (a padding row).
+    reserve = (rows + 1) * per_row
     if reserve >= budget:
         raise ValueError(
             f"the KV budget ({budget / (1 << 20):.1f} MB) cannot hold the FP16 tails of {rows} "

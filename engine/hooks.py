@@ -122,6 +122,14 @@ def _after_allocator_clear(result: Any, self: Any, *args: Any, **kwargs: Any) ->
         pool.on_all_pages_freed()
 
 
+# ---------------------------------------------------------------- request validation
+
+def _before_validate_one_request(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
+    from .request_checks import check_input_ids
+
+    check_input_ids(self.model_config.vocab_size, input_ids)
+
+
 # ---------------------------------------------------------------- observability
 
 def _after_add_memory_usage(result: Any, self: Any, state: dict, *args: Any, **kwargs: Any) -> None:
@@ -168,6 +176,9 @@ HOOKS: tuple[Hook, ...] = (
          "AROUND", _around_release_page_ids, "free the sink slots of freed first pages"),
     Hook("sglang.srt.mem_cache.allocator.paged.PagedTokenToKVPoolAllocator.clear",
          "AFTER", _after_allocator_clear, "a cleared allocator frees every sink slot"),
+    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
+         _before_validate_one_request,
+         "refuse out-of-vocabulary input_ids with a 400 (upstream crashes the scheduler)"),
     Hook("sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
          "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),

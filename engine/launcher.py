@@ -1,0 +1,139 @@
+"""Start and stop real SGLang servers (with this plugin) as child processes, with bounded waits.
+
+Used by the integration tests and `hack bench serve`. A server runs in its own process group so
+that stopping it (by the pid we started) also ends its scheduler and detokenizer children.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+STARTUP_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become healthy in time; the message holds its log tail."""
+
+
+@dataclass
+class SGLangServer:
+    """One `python -m sglang.launch_server` process on 127.0.0.1."""
+
+    model_path: str
+    args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path),
+                "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+
+    def start(self) -> "SGLangServer":
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        self.port = self.port or free_port()
+        if self.log_path is None:
+            self.log_path = Path(f"/tmp/sglang-hack-server-{self.port}.log")
+        env = {**os.environ, **self.env}
+        # Settings are per server: never inherit another server's published HACK options.
+        env.pop("SGLANG_HACK_ENGINE", None)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        return self
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> "SGLangServer":
+        """Wait until the server answers /model_info and finished its warmup (/health 200)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerStartError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200 and \
+                        "fired up and ready" in Path(self.log_path).read_text(errors="replace"):
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def wait_exit(self, timeout: float) -> int:
+        """For servers expected to refuse their options: the exit code (killed on timeout)."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=timeout)
+        else:  # the leader is gone; children left in its group must go too
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self._log.close()
+
+    # ---- requests ------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], max_new_tokens: int, timeout: float = 300.0,
+                 **sampling: Any) -> dict:
+        """Greedy /generate; returns the JSON (text, output_ids, meta_info)."""
+        key = "input_ids" if isinstance(prompt, list) else "text"
+        body = {key: prompt, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                                                  **sampling}}
+        r = requests.post(self.url + "/generate", json=body, timeout=timeout)
+        r.raise_for_status()
+        return r.json()
+
+    def kv_usage(self) -> dict:
+        info = requests.get(self.url + "/server_info", timeout=30).json()
+        return info["internal_states"][0]["hack_kv"]
+
+    def server_info(self) -> dict:
+        return requests.get(self.url + "/server_info", timeout=30).json()
+
+    def flush_cache(self) -> None:
+        requests.post(self.url + "/flush_cache", timeout=30).raise_for_status()

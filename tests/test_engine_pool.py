@@ -1,0 +1,133 @@
+"""HackKVPool in process: buffers follow hack_ops.layout, sizes are reported truthfully (so
+capacity grows), pages move as opaque bytes, sink slots follow page lifetimes, and token-row
+paths that would misread the bytes are refused."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+
+from engine import cpu_runtime  # noqa: E402
+
+cpu_runtime.prepare()
+
+from engine import hooks  # noqa: E402
+from engine import settings as settings_mod  # noqa: E402
+from engine.pool import HackKVPool, pool_build_context  # noqa: E402
+from engine.pool_geometry import row_bytes, token_bytes, unit_bytes  # noqa: E402
+from hack_ops import HackConfig  # noqa: E402
+from hack_ops.paged import decode, extend  # noqa: E402
+
+# SmolLM2-135M: 30 layers, 3 KV heads of 64
+LAYERS, HEADS, DIM = 30, 3, 64
+BF16_TOKEN_BYTES = LAYERS * 2 * HEADS * DIM * 2
+
+
+@pytest.fixture()
+def hack_env(monkeypatch):
+    monkeypatch.setenv(settings_mod.ENV_VAR, settings_mod.EngineSettings().to_json())
+
+
+def _pool(rows=4, pages=20, layers=2, **kw) -> HackKVPool:
+    with pool_build_context(rows=rows, budget=None):
+        return HackKVPool(size=64 * pages, page_size=64, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM,
+                          layer_num=layers, device="cpu", enable_memory_saver=False, v_head_dim=DIM,
+                          start_layer=0, end_layer=layers - 1, **kw)
+
+
+def test_capacity_at_least_five_times_bf16_under_one_budget():
+    u = unit_bytes(HackConfig(), HEADS, DIM)
+    per_token = token_bytes(u, LAYERS)
+    assert BF16_TOKEN_BYTES / per_token > 6.0  # pages alone: ~16% of BF16
+    budget = 256 << 20
+    rows = int(budget * 0.125) // row_bytes(u, LAYERS)  # the default share for request rows
+    hack_tokens = (budget - (rows + 1) * row_bytes(u, LAYERS)) // per_token
+    assert hack_tokens / (budget // BF16_TOKEN_BYTES) >= 5.0
+
+
+def test_buffers_and_sizes_follow_the_layout(hack_env):
+    pool = _pool()
+    lay = pool.layout
+    assert len(pool.k_buffer) == 2 and pool.k_buffer[0].dtype == torch.uint8
+    assert tuple(pool.k_buffer[0].shape) == (21, lay.k.page_bytes)  # page 0 = SGLang's padding page
+    assert tuple(pool.v_buffer[1].shape) == (21, lay.v.page_bytes)
+    assert all(t.is_contiguous() for t in pool.k_buffer + pool.v_buffer)
+    k, v = pool.get_kv_size_bytes()
+    nb = pool.store.nbytes()
+    assert k + v == sum(nb.values())  # pages, tails and sinks all reported
+    assert pool.get_v_head_dim() == DIM  # never inferred from byte buffers
+    # the transfer engine sees whole pages as items
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    assert items == [lay.k.page_bytes] * 2 + [lay.v.page_bytes] * 2
+    assert ptrs[0] == pool.k_buffer[0].data_ptr() and ptrs[2] == pool.v_buffer[0].data_ptr()
+    assert lens[0] == 21 * lay.k.page_bytes
+
+
+def test_token_row_paths_are_refused(hack_env):
+    pool = _pool()
+    for call in (lambda: pool.set_kv_buffer(None, torch.tensor([1]), torch.zeros(1, 3, 64), torch.zeros(1, 3, 64)),
+                 lambda: pool.move_kv_cache(torch.tensor([1]), torch.tensor([2])),
+                 lambda: pool.get_cpu_copy(torch.tensor([1]))):
+        with pytest.raises(NotImplementedError, match="only by the 'hack' attention backend"):
+            call()
+
+
+def test_pool_needs_hack_settings_and_matching_page_size(monkeypatch):
+    monkeypatch.delenv(settings_mod.ENV_VAR, raising=False)
+    with pytest.raises(RuntimeError, match="needs --kv-cache-dtype hack"):
+        _pool()
+    monkeypatch.setenv(settings_mod.ENV_VAR, settings_mod.EngineSettings(
+        config=HackConfig(partition_size=32)).to_json())
+    with pytest.raises(ValueError, match="page_size 64 != HACK partition size 32"):
+        _pool()
+
+
+def test_sink_slots_follow_the_first_page(hack_env):
+    pool = _pool()
+    store = pool.store
+    r2t = torch.zeros(4, 512, dtype=torch.int64)
+    r2t[1, :128] = torch.arange(128) + 5 * 64  # pages 5 and 6
+    plan = store.plan(r2t, [1], [100], [100])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(100, n, DIM, generator=g) for n in (9, 3, 3))
+    extend(store, 0, plan, q, k, v)
+    assert pool.usage()["sink_slots_in_use"] == 1
+    released = []
+
+    def original(alloc, *page_ids):
+        released.append(torch.cat(page_ids).tolist())
+
+    class Alloc:
+        def get_kvcache(self):
+            return pool
+
+    hooks._around_release_page_ids(original, Alloc(), torch.tensor([6]))  # not a first page
+    assert pool.usage()["sink_slots_in_use"] == 1
+    hooks._around_release_page_ids(original, Alloc(), torch.tensor([5]))
+    assert pool.usage()["sink_slots_in_use"] == 0
+    assert released == [[6], [5]]  # the allocator still frees the pages itself
+
+
+def test_decode_reads_the_pool_it_wrote(hack_env):
+    """A store written through the pool answers decode like a fresh dense reference would
+    (the detailed math is hack_ops.paged's tests; here: the pool wires it without copies)."""
+    pool = _pool(layers=1)
+    store = pool.store
+    r2t = torch.zeros(4, 512, dtype=torch.int64)
+    r2t[2, :192] = torch.arange(192) + 64
+    g = torch.Generator().manual_seed(1)
+    n = 130
+    k, v = torch.randn(n + 1, 3, DIM, generator=g), torch.randn(n + 1, 3, DIM, generator=g)
+    q = torch.randn(n + 1, 9, DIM, generator=g)
+    extend(store, 0, store.plan(r2t, [2], [n], [n]), q[:n], k[:n], v[:n])
+    out = decode(store, 0, store.plan(r2t, [2], [n + 1], [1]), q[n:], k[n:], v[n:])
+    from hack_ops import attention
+
+    ref = attention(q[n:].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    config=HackConfig(), mode="exact", causal=True)[0].transpose(0, 1)
+    # 2-bit cache vs exact: close but not equal (random data is the worst case for 2 bits)
+    err = (out.float() - ref).abs().max().item()
+    assert 1e-4 < err < 0.5, err

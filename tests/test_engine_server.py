@@ -1,0 +1,225 @@
+"""Real SGLang servers on the CPU with the plugin: `--kv-cache-dtype hack` next to a BF16 server
+on the same model (SmolLM2-135M from `hack model prepare smollm2`), same fixed KV budget.
+
+Both servers are started once for the module (`--sleep-on-idle` so the idle one does not take a
+core from the busy one), stopped by pid in the finalizer, with bounded waits everywhere.
+
+Accuracy threshold. The project's accuracy study (docs/accuracy.md, hack eval accuracy) measures
+how often the 2-bit cache's next-token argmax equals the exact model's, teacher-forced over
+essays and plays; the earlier probe (notes: per-channel K + sinks) found ~72% at 2K tokens,
+with a BF16-rounding-only floor of 99.6%. Here the same quantity is measured through the
+servers (input_top_logprobs over the same token ids) and must stay above
+TEACHER_FORCED_MIN; greedy free-running agreement is reported, not asserted (two greedy
+sequences that differ once follow different paths afterwards).
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import requests
+
+from engine.launcher import SGLangServer
+from engine.workload import SHORT_PROMPTS, common_prefix, essay_ids
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BUDGET_MB = "256"
+TEACHER_FORCED_MIN = 0.60
+CAPACITY_MIN_RATIO = 5.0
+IDLE_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from hack_eval.models import prepare
+
+    return str(prepare("smollm2", log=lambda *a, **k: None))
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("servers")
+    common = ["--hack-kv-budget-mb", BUDGET_MB, "--sleep-on-idle", "--random-seed", "0"]
+    hack = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log")
+    bf16 = SGLangServer(model_path, ["--attention-backend", "torch_native", *common],
+                        log_path=logs / "bf16.log")
+    try:
+        hack.start()
+        bf16.start()
+        hack.wait_ready()
+        bf16.wait_ready()
+        yield {"hack": hack, "bf16": bf16}
+    finally:
+        hack.stop()
+        bf16.stop()
+
+
+def _ids(out: dict) -> list[int]:
+    return list(out["output_ids"])
+
+
+def _argmax_over(server: SGLangServer, ids: list[int], start: int) -> list[int]:
+    """The server's top-1 next-token prediction at every position >= start of `ids`."""
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": start, "top_logprobs_num": 1,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 1}}
+    r = requests.post(server.url + "/generate", json=body, timeout=900)
+    r.raise_for_status()
+    tops = r.json()["meta_info"]["input_top_logprobs"]
+    return [int(t[0][1]) for t in tops if t]
+
+
+def _wait_idle(server: SGLangServer, timeout: float = IDLE_TIMEOUT_S) -> dict:
+    deadline = time.monotonic() + timeout
+    usage = server.kv_usage()
+    while time.monotonic() < deadline:
+        usage = server.kv_usage()
+        if usage["request_rows_in_use"] == 0 and usage["used_tokens"] == usage["radix_cached_tokens"]:
+            return usage
+        time.sleep(0.5)
+    raise AssertionError(f"KV memory did not return to idle within {timeout}s: {usage}")
+
+
+def test_capacity_same_budget(servers):
+    hack, bf16 = servers["hack"].kv_usage(), servers["bf16"].kv_usage()
+    ratio = hack["max_total_num_tokens"] / bf16["max_total_num_tokens"]
+    print(f"\nmax total tokens with a {BUDGET_MB} MB KV budget: HACK {hack['max_total_num_tokens']}, "
+          f"BF16 {bf16['max_total_num_tokens']} (x{ratio:.2f})")
+    assert hack["hack"] is not None and bf16["hack"] is None
+    assert ratio >= CAPACITY_MIN_RATIO
+    # everything the HACK pool holds (pages, tails, sinks) fits the same budget
+    held = sum(hack["hack"]["bytes"].values())
+    assert held <= int(BUDGET_MB) * (1 << 20) * 1.01, held
+
+
+def test_greedy_agreement_with_bf16(servers, model_path):
+    n_new = 24
+    tf_hits = tf_total = 0
+    report = []
+    for prompt in SHORT_PROMPTS:
+        ref = servers["bf16"].generate(prompt, n_new)
+        got = servers["hack"].generate(prompt, n_new)
+        a, b = _ids(ref), _ids(got)
+        assert len(b) == len(a) or got["meta_info"]["finish_reason"]["type"] == "stop"
+        prompt_ids = list(ref["meta_info"].get("input_ids") or [])
+        # teacher-forced: HACK's argmax on BF16's own continuation
+        from engine.workload import tokenizer
+
+        p_ids = prompt_ids or tokenizer(model_path)(prompt)["input_ids"]
+        preds = _argmax_over(servers["hack"], p_ids + a, len(p_ids) - 1)[: len(a)]
+        tf_hits += sum(int(x == y) for x, y in zip(preds, a))
+        tf_total += len(a)
+        report.append((common_prefix(a, b), len(a), got["text"][:40]))
+    tf = tf_hits / tf_total
+    print("\ngreedy common prefix (tokens) per prompt:", [(c, n) for c, n, _ in report])
+    print(f"teacher-forced top-1 agreement with BF16 over {tf_total} tokens: {tf:.3f}")
+    assert tf >= TEACHER_FORCED_MIN
+
+
+def test_long_prompt_over_many_pages(servers, model_path):
+    ids = essay_ids(model_path, 1800)  # 29 pages of 64 tokens
+    servers["hack"].flush_cache()
+    ref_pred = _argmax_over(servers["bf16"], ids, 0)
+    got_pred = _argmax_over(servers["hack"], ids, 0)
+    n = min(len(ref_pred), len(got_pred))
+    assert n >= len(ids) - 2
+    agree = sum(int(x == y) for x, y in zip(ref_pred[:n], got_pred[:n])) / n
+    print(f"\n1800-token essay: teacher-forced top-1 agreement HACK vs BF16 {agree:.3f} over {n} positions")
+    assert agree >= TEACHER_FORCED_MIN
+    out = servers["hack"].generate(ids, 16)
+    assert out["meta_info"]["completion_tokens"] >= 1
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_eight_concurrent_requests(servers):
+    solo = {p: _ids(servers["hack"].generate(p, 12)) for p in SHORT_PROMPTS}
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(p: str) -> None:
+        try:
+            results[p] = _ids(servers["hack"].generate(p, 12))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in SHORT_PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    assert not errors, errors
+    assert set(results) == set(SHORT_PROMPTS)
+    same = [common_prefix(solo[p], results[p]) for p in SHORT_PROMPTS]
+    print("\nbatched vs solo common prefix:", same)
+    # batching changes only float summation order in the model's matmuls
+    assert sum(s >= 8 for s in same) >= 7
+    _wait_idle(servers["hack"])
+
+
+def test_prefix_reuse(servers, model_path):
+    hack = servers["hack"]
+    ids = essay_ids(model_path, 700, index=1)
+    hack.flush_cache()
+    cold = hack.generate(ids, 16)
+    warm = hack.generate(ids, 16)
+    print(f"\ncached tokens: cold {cold['meta_info']['cached_tokens']}, warm {warm['meta_info']['cached_tokens']}")
+    assert cold["meta_info"]["cached_tokens"] == 0
+    assert warm["meta_info"]["cached_tokens"] >= 640  # 10 full pages of 64 reused
+    assert _ids(warm) == _ids(cold)
+    usage = _wait_idle(hack)
+    assert usage["radix_cached_tokens"] >= 640
+
+
+def test_abort_and_disconnect_free_memory(servers):
+    hack = servers["hack"]
+    hack.flush_cache()
+    idle = _wait_idle(hack)
+    assert idle["used_tokens"] == 0
+    # client disconnect in the middle of a streamed generation
+    body = {"text": SHORT_PROMPTS[3], "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}}
+    with requests.post(hack.url + "/generate", json=body, stream=True, timeout=300) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            if line:
+                chunks += 1
+            if chunks >= 3:
+                break
+    usage = _wait_idle(hack)
+    assert usage["hack"]["sink_slots_in_use"] <= 1  # only a cached first page may keep its sinks
+    # explicit abort of a running request
+    rid = "abort-me-1"
+    body = {"text": SHORT_PROMPTS[6], "rid": rid,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: requests.post(hack.url + "/generate", json=body, timeout=300))
+    t.start()
+    deadline = time.monotonic() + 60
+    while hack.kv_usage()["request_rows_in_use"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    requests.post(hack.url + "/abort_request", json={"rid": rid}, timeout=30).raise_for_status()
+    t.join(timeout=120)
+    _wait_idle(hack)
+    hack.flush_cache()
+    usage = _wait_idle(hack)
+    assert usage["used_tokens"] == 0 and usage["hack"]["sink_slots_in_use"] == 0
+
+
+@pytest.mark.parametrize("payload", [
+    "{not json",
+    json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": -5}}),
+    json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 12}}),
+    json.dumps({"input_ids": list(range(1, 10000)), "sampling_params": {"max_new_tokens": 4}}),
+    json.dumps({"text": 12345, "sampling_params": {"max_new_tokens": 4}}),
+    json.dumps({"text": "hi", "sampling_params": {"max_new_tokens": "ten"}}),
+    json.dumps({"text": "hi", "sampling_params": {"temperature": "hot"}}),
+    json.dumps({"input_ids": [-3, 5], "sampling_params": {"max_new_tokens": 4}}),
+])
+def test_malformed_requests_get_4xx(servers, payload):
+    hack = servers["hack"]
+    r = requests.post(hack.url + "/generate", data=payload, headers={"Content-Type": "application/json"},
+                      timeout=120)
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    # and the server keeps serving
+    assert hack.generate("The capital of France is", 2)["meta_info"]["completion_tokens"] >= 1

@@ -1,0 +1,91 @@
+"""`python -m sglang.launch_server` with the plugin installed: bad flag combinations stop the
+launcher before any model is loaded, with exit status 2 and one clear sentence; the sgl_kernel
+stand-in is used only when no real sgl_kernel imports, and names the kernel it lacks."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from engine.launcher import SGLangServer
+
+pytestmark = [pytest.mark.integration]
+
+EXIT_TIMEOUT_S = 120  # importing SGLang alone takes 6-9 s; nothing here loads a model
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-cache-dtype", "hack", "--page-size", "16"],
+     "--page-size 16 conflicts with the HACK partition size 64"),
+    (["--kv-cache-dtype", "hack", "--attention-backend", "torch_native"],
+     "only the 'hack' attention backend reads"),
+    (["--kv-cache-dtype", "hack", "--hack-partition-size", "40"],
+     "partition_size must be a multiple of 16"),
+    (["--attention-backend", "hack"], "needs --kv-cache-dtype hack"),
+    (["--hack-orientation", "token_k"], "only apply with --kv-cache-dtype hack"),
+    (["--kv-cache-dtype", "hack", "--hack-kv-bits", "3"], "argument --hack-kv-bits: invalid choice"),
+])
+def test_bad_flags_fail_at_startup(tmp_path, args, message):
+    # The model path does not even exist: the refusal must come before anything loads it.
+    server = SGLangServer(str(tmp_path / "no-model"), args, log_path=tmp_path / "launch.log")
+    server.start()
+    try:
+        code = server.wait_exit(EXIT_TIMEOUT_S)
+    finally:
+        server.stop()
+    out = server.log_path.read_text(errors="replace")
+    assert code == 2, out[-2000:]
+    assert message in out, out[-2000:]
+    assert "Traceback" not in out
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def _clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SGLANG_USE_CPU_ENGINE")}
+    env.update(extra)
+    return env
+
+
+def test_standin_only_without_real_kernel_and_names_the_kernel():
+    res = _run("""
+        import os
+        from engine import cpu_runtime
+        cpu_runtime.prepare()
+        assert os.environ["SGLANG_USE_CPU_ENGINE"] == "1"
+        import sgl_kernel
+        assert sgl_kernel.IS_HACK_STANDIN
+        from sgl_kernel import copy_all_layer_kv_cache_cpu  # what SGLang's CPU engine imports
+        try:
+            copy_all_layer_kv_cache_cpu(1, 2)
+        except RuntimeError as exc:
+            print("ERR", exc)
+        # children inherit the stand-in through PYTHONPATH
+        import subprocess, sys
+        r = subprocess.run([sys.executable, "-c", "import sgl_kernel; print(sgl_kernel.IS_HACK_STANDIN)"],
+                           capture_output=True, text=True)
+        print("CHILD", r.stdout.strip())
+    """, _clean_env())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "ERR sgl_kernel.copy_all_layer_kv_cache_cpu was called" in res.stdout
+    assert "CHILD True" in res.stdout
+
+
+def test_a_real_sgl_kernel_is_never_shadowed(tmp_path):
+    real = tmp_path / "sgl_kernel"
+    real.mkdir()
+    (real / "__init__.py").write_text("REAL = True\n")
+    res = _run("""
+        from engine import cpu_runtime
+        cpu_runtime.prepare()
+        import sgl_kernel
+        print("REAL", getattr(sgl_kernel, "REAL", False), getattr(sgl_kernel, "IS_HACK_STANDIN", False))
+    """, _clean_env(PYTHONPATH=str(tmp_path)))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "REAL True False" in res.stdout
