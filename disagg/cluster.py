@@ -153,7 +153,7 @@ def up(spec: ClusterSpec, log=print) -> dict:
                                  "url": f"http://127.0.0.1:{rport}", "log": str(rlog)})
         state["router_url"] = f"http://127.0.0.1:{rport}"
         save()
-        wait_healthy([state["router_url"] + "/health"], [rpid], 120, [rlog])
+        wait_healthy([state["router_url"] + "/health"], [rpid], spec.health_timeout_s, [rlog])
         state["ready"] = time.time()
         save()
         (run_dir / "cluster.json").write_text(json.dumps(state, indent=1))

@@ -4,7 +4,8 @@ Off unless the decode server was started with HACK_DISAGG_FAULT_FILE=<path>. Whe
 exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
 wire would have damaged it, and the file is removed (one fault per trigger):
   corrupt   one byte of the first received page of layer 0 is flipped;
-  truncate  the last received page of every layer is zeroed, as if its bytes never arrived.
+  truncate  the first received page of every layer is zeroed, as if its bytes never arrived
+            (the open partition's page holds no codes yet, so it would not show a loss).
 The digest check (SGLang's --disaggregation-enable-kv-checksum, computed on the CPU by
 disagg.checksum) must then fail the request instead of decoding from damaged pages.
 """
@@ -57,6 +58,6 @@ def inject_receive_fault(scheduler: Any, req: Any) -> str | None:
         buf.view(-1)[pages[0] * buf[0].numel()] ^= 0x5A
     else:
         for buf in list(pool.k_buffer) + list(pool.v_buffer):
-            buf[pages[-1]].zero_()
+            buf[pages[0]].zero_()
     logger.warning("fault injection: %s the received KV of request %s", kind, req.rid)
     return kind

@@ -21,7 +21,8 @@ COMMON_FLAGS = [
     "--sleep-on-idle",  # two idle schedulers on 2 cores would otherwise spin
     "--disaggregation-transfer-backend", "mooncake_tcp",
     "--disaggregation-enable-kv-checksum",  # damaged transfers fail the request
-    "--mem-fraction-static", "0.2",
+    # A fixed KV budget (any KV dtype): profiling free host memory fails when it is shared.
+    "--hack-kv-budget-mb", "1536",
 ]
 
 

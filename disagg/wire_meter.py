@@ -34,27 +34,30 @@ def _tally() -> dict:
     return t
 
 
-def add(nbytes: int) -> None:
+def add(nbytes: int, started: float) -> None:
+    """Count `nbytes` moved by a call that began at `started` (wall clock)."""
     t = _tally()
     if t["t0"] is None:
-        t["t0"] = time.time()
+        t["t0"] = started
     t["bytes"] += int(nbytes)
     t["calls"] += 1
 
 
 def around_batch_transfer(original: Callable, engine: Any, target: str, buffers: Sequence[int],
                           peer_addresses: Sequence[int], lengths: Sequence[int], *a: Any, **kw: Any) -> int:
+    started = time.time()
     ret = original(engine, target, buffers, peer_addresses, lengths, *a, **kw)
     if ret == 0:
-        add(sum(int(x) for x in lengths))
+        add(sum(int(x) for x in lengths), started)
     return ret
 
 
 def around_transfer(original: Callable, engine: Any, target: str, buffer: int, peer: int,
                     length: int, *a: Any, **kw: Any) -> int:
+    started = time.time()
     ret = original(engine, target, buffer, peer, length, *a, **kw)
     if ret == 0:
-        add(int(length))
+        add(int(length), started)
     return ret
 
 

@@ -174,3 +174,28 @@ def test_workloads_build_from_every_source():
         assert len(items) == 3 and all(w.input_ids and w.max_new_tokens >= 1 for w in items)
     with pytest.raises(ValueError, match="unknown workload"):
         build("nope", tok, 1, None)
+
+
+def test_wire_meter_attributes_bytes_and_time_to_the_room(tmp_path, monkeypatch):
+    import time as _time
+
+    from disagg import wire_meter
+
+    log = tmp_path / "wire.jsonl"
+    monkeypatch.setenv(wire_meter.WIRE_LOG_ENV, str(log))
+
+    def slow_ok(engine, target, bufs, peers, lengths):
+        _time.sleep(0.2)
+        return 0
+
+    fail = lambda *a: -1  # noqa: E731 - a failed call moves nothing
+    wire_meter.around_batch_transfer(slow_ok, None, "t", [0, 0], [0, 0], [1000, 24])
+    wire_meter.around_batch_transfer(fail, None, "t", [0], [0], [999])
+    wire_meter.around_transfer(lambda *a: 0, None, "t", 0, 0, 76)
+    wire_meter.around_send_aux(lambda mgr, req: 0, None, SimpleNamespace(room=42))
+    wire_meter.around_send_aux(lambda mgr, req: 0, None, SimpleNamespace(room=43))
+    recs = wire_meter.read_log(log)
+    assert [r["room"] for r in recs] == [42, 43]
+    assert recs[0]["bytes"] == 1100 and recs[0]["calls"] == 2
+    assert recs[0]["t_end"] - recs[0]["t_start"] >= 0.19  # the first call's duration counts
+    assert recs[1]["bytes"] == 0
