@@ -198,8 +198,9 @@ def clean_stale() -> list[str]:
         detached = owner == "detached"
         servers_alive = any(procs.alive(int(s["pid"])) for s in st.get("servers", []))
         if (detached and servers_alive) or (not detached and owner and procs.alive(int(owner))):
-            if st.get("link"):
-                live_links.add(st["link"]["namespace"])
+            # A link is named after its cluster, and the state is written before the link is
+            # created: a cluster still starting up keeps its (future) link.
+            live_links.add(f"{netns.NS_PREFIX}{st['name']}")
             continue
         msgs += [f"cluster {st['name']}: {m}" for m in down(st)] or [f"cluster {st['name']}: state removed"]
     if netns.can_shape()[0]:

@@ -199,3 +199,19 @@ def test_wire_meter_attributes_bytes_and_time_to_the_room(tmp_path, monkeypatch)
     assert recs[0]["bytes"] == 1100 and recs[0]["calls"] == 2
     assert recs[0]["t_end"] - recs[0]["t_start"] >= 0.19  # the first call's duration counts
     assert recs[1]["bytes"] == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_clean_stale_keeps_the_link_of_a_cluster_still_starting(tmp_path, monkeypatch):
+    monkeypatch.setenv("HACK_CLUSTER_STATE_DIR", str(tmp_path))
+    name = "ut" + os.urandom(2).hex()
+    # The state is written (owner alive, no link recorded yet) before the link exists.
+    (tmp_path / f"{name}.json").write_text(json.dumps({"name": name, "owner_pid": os.getpid(),
+                                                       "pids": [], "servers": [], "link": None}))
+    link = netns.create(name, 100)
+    try:
+        cluster.clean_stale()
+        assert link.namespace in netns.list_namespaces()
+        assert link.veth_root in netns.list_veths()
+    finally:
+        netns.remove(link.namespace, link.veth_root)
