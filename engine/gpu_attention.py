@@ -1,12 +1,92 @@
-"""GPU path of the `hack` backend: hack_ops.triton kernels behind the backend's plan/run calls.
+"""GPU path of the `hack` backend: hack_ops.triton kernels on the pool's own buffers.
 
-Cannot run on this project's CI machine (no GPU); filled against hack_ops.triton's API.
+The plan is the same HackKVStore.plan the CPU path uses (page table, request rows, sink slots,
+all checks), turned into the CSR page table the Triton wrappers take. Per layer: decode stores
+the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
+which stores the chunk's pages, attends, then appends the tails.
+
+This module cannot run on the project's CI machine (no GPU). What can be checked there is
+checked: the format is accepted by kernel_spec at startup, and the plan conversion is pure
+torch. Formats the kernels do not implement are refused when the server starts.
 """
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from torch import Tensor
+
+from hack_ops.paged.plan import ForwardPlan
+
+
+def csr_pages(plan: ForwardPlan, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(kv_indptr, kv_indices) int32 from a ForwardPlan's padded page table."""
+    npg = plan.num_pages.to(torch.long)
+    indptr = torch.zeros(npg.shape[0] + 1, dtype=torch.int32)
+    indptr[1:] = torch.cumsum(npg, 0).to(torch.int32)
+    cols = torch.arange(plan.page_table.shape[1])[None, :] < npg[:, None]
+    indices = plan.page_table.cpu()[cols].to(torch.int32)
+    return indptr.to(device), indices.to(device)
+
 
 class GpuAttention:
     def __init__(self, store: Any, settings: Any) -> None:
-        raise NotImplementedError("the CUDA path of the 'hack' backend is not wired yet")
+        from hack_ops.triton.spec import kernel_spec
+
+        if settings.attention != "hack":
+            raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
+        if settings.prefill != "homomorphic":
+            raise NotImplementedError("--hack-prefill exact runs on the CPU path only")
+        kernel_spec(store.layout)  # refuses formats the kernels do not implement, with the reason
+        self.store = store
+        self.layout = store.layout
+        self.device = store.device
+        self._decode: dict[int, Any] = {}  # by number of query heads
+        self._prefill: dict[int, Any] = {}
+        self._csr: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+
+    def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
+        plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
+        indptr, indices = csr_pages(plan, self.device)
+        self._csr = (indptr, indices, plan.seq_lens.to(self.device), plan.qo_indptr.to(self.device),
+                     plan.rows.to(self.device))
+        self._decode.clear()
+        self._prefill.clear()
+        return plan
+
+    def _cache(self, layer: int) -> tuple:
+        s = self.store
+        return (s.k_pages[layer], s.v_pages[layer], s.tail("k", layer), s.tail("v", layer),
+                s.sink_k[layer] if s.config.sink_tokens else None,
+                s.sink_v[layer] if s.config.sink_tokens else None)
+
+    def decode(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, mode: str,
+               scale: float) -> Tensor:
+        from hack_ops.triton.decode import HackDecodeAttention
+        from hack_ops.triton.store import store as store_tokens
+
+        indptr, indices, lens, _, rows = self._csr
+        hq = q.shape[1]
+        attn = self._decode.get(hq)
+        if attn is None:
+            attn = HackDecodeAttention(self.layout, hq, sm_scale=scale)
+            attn.plan(indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
+            self._decode[hq] = attn
+        attn.sm_scale = float(scale)
+        cache = self._cache(layer)
+        store_tokens(self.layout, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
+        return attn.run(q.contiguous(), *cache)
+
+    def extend(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, mode: str,
+               scale: float) -> Tensor:
+        from hack_ops.triton.prefill import HackPrefillAttention
+
+        indptr, indices, lens, qo, rows = self._csr
+        hq = q.shape[1]
+        attn = self._prefill.get(hq)
+        if attn is None:
+            attn = HackPrefillAttention(self.layout, hq, sm_scale=scale)
+            attn.plan(qo, indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
+            self._prefill[hq] = attn
+        attn.sm_scale = float(scale)
+        return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer))

@@ -118,7 +118,7 @@ class SGLangServer:
         self._log.close()
 
     # ---- requests ------------------------------------------------------------------------------
-    def generate(self, prompt: str | list[int], max_new_tokens: int, timeout: float = 300.0,
+    def generate(self, prompt: str | list[int], max_new_tokens: int, timeout: float = 900.0,
                  **sampling: Any) -> dict:
         """Greedy /generate; returns the JSON (text, output_ids, meta_info)."""
         key = "input_ids" if isinstance(prompt, list) else "text"

@@ -1,0 +1,184 @@
+"""`hack bench serve`: real SGLang servers on this machine, HACK vs BF16 in the same run.
+
+Each method gets its own colocated server on the same model with the same KV byte budget
+(`--hack-kv-budget-mb`), started one after the other so they never share the CPU:
+  bf16     SGLang's own CPU path: torch_native attention over a BF16 cache (the baseline)
+  hack     --kv-cache-dtype hack (homomorphic attention on 2-bit pages)
+  dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
+Measured per server: max total tokens (capacity); batch-1 decode tokens/s and prefill tokens/s
+at each context (cold cache, streamed, decode rate from the first to the last streamed token);
+throughput and latency of a fixed number of requests at a fixed concurrency.
+Ratios are against bf16 measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+METHODS = {
+    "bf16": ["--attention-backend", "torch_native"],
+    "hack": ["--kv-cache-dtype", "hack"],
+    "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
+}
+
+
+def register(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("serve", help="real servers: capacity, decode/prefill speed, throughput (HACK vs BF16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--quick", action="store_true", help="contexts 128 and 2K, fewer tokens and requests")
+    p.add_argument("--methods", default="bf16,hack", help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--contexts", default=None, help="comma-separated prompt lengths (default 128,2048,8000)")
+    p.add_argument("--decode-tokens", type=int, default=None, help="tokens generated per decode run (default 32)")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
+    p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
+    p.add_argument("--model", default="smollm2", help="model name for `hack model prepare`")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.set_defaults(func=run)
+
+
+def run_default(args: argparse.Namespace) -> int:
+    return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
+                                  decode_tokens=None, concurrency=8, requests=None, budget_mb=256.0,
+                                  model="smollm2", out=None))
+
+
+def _stream(url: str, ids: list[int], n: int) -> dict:
+    """One streamed greedy request: time to first token and decode rate after it."""
+    body = {"input_ids": ids, "stream": True,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
+    t0 = time.perf_counter()
+    stamps: list[tuple[float, int]] = []
+    with requests.post(url + "/generate", json=body, stream=True, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            meta = json.loads(line[5:])["meta_info"]
+            stamps.append((time.perf_counter(), int(meta["completion_tokens"])))
+    if len(stamps) < 2:
+        raise RuntimeError(f"the server streamed {len(stamps)} chunks for {n} tokens")
+    (t_first, n_first), (t_last, n_last) = stamps[0], stamps[-1]
+    return {"ttft_s": t_first - t0, "prefill_tok_s": len(ids) / (t_first - t0),
+            "decode_tok_s": (n_last - n_first) / (t_last - t_first), "tokens": n_last}
+
+
+def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) -> dict:
+    lat: list[float] = []
+    out_tokens = [0]
+    errors: list[str] = []
+    todo = list(prompts)
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                if not todo:
+                    return
+                ids = todo.pop()
+            body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": n,
+                                                          "ignore_eos": True}}
+            t0 = time.perf_counter()
+            try:
+                r = requests.post(url + "/generate", json=body, timeout=3600)
+                r.raise_for_status()
+                got = r.json()["meta_info"]["completion_tokens"]
+            except Exception as exc:  # reported in the result, the run goes on
+                errors.append(str(exc)[:200])
+                continue
+            with lock:
+                lat.append(time.perf_counter() - t0)
+                out_tokens[0] += got
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    lat.sort()
+    return {"requests": len(prompts), "concurrency": concurrency, "errors": errors,
+            "output_tok_s": out_tokens[0] / wall, "wall_s": wall,
+            "latency_mean_s": statistics.mean(lat) if lat else None,
+            "latency_p50_s": lat[len(lat) // 2] if lat else None,
+            "latency_p90_s": lat[min(len(lat) - 1, int(len(lat) * 0.9))] if lat else None}
+
+
+def _measure(method: str, model_path: str, cfg: dict, say) -> dict:
+    from engine.launcher import SGLangServer
+    from engine.workload import essay_ids
+
+    server = SGLangServer(model_path, [*METHODS[method], "--hack-kv-budget-mb", str(cfg["budget_mb"])])
+    say(f"[{method}] starting server (log {server.log_path or 'in /tmp'})")
+    server.start()
+    try:
+        server.wait_ready()
+        usage = server.kv_usage()
+        res = {"max_total_num_tokens": usage["max_total_num_tokens"], "contexts": {}}
+        for c in cfg["contexts"]:
+            server.flush_cache()
+            m = _stream(server.url, essay_ids(model_path, c, index=2), cfg["decode_tokens"])
+            res["contexts"][str(c)] = m
+            say(f"[{method}] context {c}: decode {m['decode_tok_s']:.2f} tok/s, prefill {m['prefill_tok_s']:.0f} tok/s")
+        server.flush_cache()
+        prompts = [essay_ids(model_path, cfg["tp_prompt"], index=i % 8) for i in range(cfg["requests"])]
+        res["throughput"] = _throughput(server.url, prompts, cfg["tp_tokens"], cfg["concurrency"])
+        say(f"[{method}] throughput {res['throughput']['output_tok_s']:.2f} tok/s at concurrency {cfg['concurrency']}")
+        return res
+    finally:
+        server.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from hack_eval.models import prepare
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS]
+    if bad or "bf16" not in methods:
+        raise ValueError(f"--methods must include bf16 and only name {list(METHODS)}, got {args.methods!r}")
+    contexts = ([int(x) for x in args.contexts.split(",")] if args.contexts
+                else ([128, 2048] if args.quick else [128, 2048, 8000]))
+    if min(contexts) <= 0 or max(contexts) > 8100:
+        raise ValueError("contexts must be in 1..8100 (the model's window is 8192)")
+    cfg = {"contexts": contexts, "decode_tokens": args.decode_tokens or (16 if args.quick else 32),
+           "concurrency": args.concurrency, "requests": args.requests or (8 if args.quick else 16),
+           "tp_prompt": 256 if args.quick else 512, "tp_tokens": 32 if args.quick else 64,
+           "budget_mb": args.budget_mb}
+    if cfg["decode_tokens"] < 2 or cfg["concurrency"] < 1 or cfg["requests"] < 1:
+        raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1")
+    say = (lambda *a: None) if args.json else print
+    model_path = str(prepare(args.model, log=say))
+    result = {"bench": "serve", "model": args.model, "machine": platform.processor() or platform.machine(),
+              "config": cfg, "methods": {}}
+    for m in methods:
+        result["methods"][m] = _measure(m, model_path, cfg, say)
+    base = result["methods"]["bf16"]
+    ratios = {}
+    for m, r in result["methods"].items():
+        if m == "bf16":
+            continue
+        ratios[m] = {
+            "capacity": r["max_total_num_tokens"] / base["max_total_num_tokens"],
+            "decode": {c: r["contexts"][c]["decode_tok_s"] / base["contexts"][c]["decode_tok_s"] for c in r["contexts"]},
+            "prefill": {c: r["contexts"][c]["prefill_tok_s"] / base["contexts"][c]["prefill_tok_s"] for c in r["contexts"]},
+            "throughput": r["throughput"]["output_tok_s"] / base["throughput"]["output_tok_s"],
+        }
+    result["ratios_vs_bf16"] = ratios
+    text = json.dumps(result, indent=1)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.json:
+        print(text)
+    else:
+        for m, r in ratios.items():
+            dec = ", ".join(f"{c}: x{v:.2f}" for c, v in r["decode"].items())
+            print(f"{m} vs bf16: capacity x{r['capacity']:.2f}; decode {dec}; throughput x{r['throughput']:.2f}")
+    return 0
