@@ -22,7 +22,7 @@ COMMON_FLAGS = [
     "--disaggregation-transfer-backend", "mooncake_tcp",
     "--disaggregation-enable-kv-checksum",  # damaged transfers fail the request
     # A fixed KV budget (any KV dtype): profiling free host memory fails when it is shared.
-    "--hack-kv-budget-mb", "1536",
+    "--hack-kv-budget-mb", "768",
 ]
 
 
