@@ -1,0 +1,124 @@
+"""Decode attention on HACK pages with Triton: a plan/run wrapper (FlashInfer style)."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..layout import PageLayout
+from .batch import PagedBatch, plan_batch
+from .decode_kernel import hack_decode_combine, hack_decode_kernel
+from .launch import Launch
+from .spec import CacheArgs, KernelSpec, cache_args, int8_mma_supported, kernel_spec, triton_next_pow2
+
+MAX_SPLITS = 64
+DECODE_WARPS = 4
+
+
+def choose_splits(batch_size: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
+    """Flash-decoding split count: enough programs to fill the GPU about twice, never more
+    splits than pages; a power of two so few variants get compiled."""
+    if max_pages <= 1:
+        return 1
+    if device.type == "cuda":
+        slots = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        slots = 4  # interpreter: exercise the split path without many programs
+    want = max(1, -(-slots // max(1, batch_size * kv_heads)))
+    return min(triton_next_pow2(want), triton_next_pow2(max_pages), MAX_SPLITS)
+
+
+def check_queries(name: str, q: Tensor, shape: tuple[int, ...]) -> None:
+    if not q.is_floating_point() or tuple(q.shape) != shape or q.stride(-1) != 1:
+        raise ValueError(f"{name} must be floating point {list(shape)}, contiguous along head_dim; got "
+                         f"{q.dtype} {tuple(q.shape)}")
+
+
+class HackDecodeAttention:
+    """One query token per request over a paged HACK cache (plus FP16 tail and sinks).
+
+    plan() takes the page table once per batch (all layers share it); run() is called per
+    layer. The new token must already be stored (hack_ops.triton.store, phase='all').
+    dot_f16 forces the fp16-MMA integer product (default: only where INT8 MMA is missing).
+    """
+
+    def __init__(self, layout: PageLayout, num_qo_heads: int, sm_scale: float | None = None,
+                 num_splits: int | None = None, dot_f16: bool | None = None) -> None:
+        self.layout = layout
+        self.spec = kernel_spec(layout)
+        if num_qo_heads <= 0 or num_qo_heads % self.spec.heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of the "
+                             f"KV heads ({self.spec.heads})")
+        if num_splits is not None and not 1 <= num_splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in 1..{MAX_SPLITS}, got {num_splits}")
+        self.num_qo_heads = num_qo_heads
+        self.sm_scale = 1.0 / math.sqrt(layout.head_dim) if sm_scale is None else float(sm_scale)
+        self.fixed_splits = num_splits
+        self.dot_f16 = dot_f16
+        self.batch: PagedBatch | None = None
+        self.num_splits = 1
+        self.pages_per_split = 1
+
+    def plan(self, kv_indptr: Tensor, kv_indices: Tensor, seq_lens: Tensor,
+             tail_rows: Tensor | None = None, sink_slots: Tensor | None = None) -> None:
+        """seq_lens count the new token. tail_rows: FP16 tail row per request (default: its
+        index); sink_slots: sink row per request (default: the sequence's first page)."""
+        b = plan_batch(kv_indptr, kv_indices, seq_lens, self.spec.page, None, tail_rows, sink_slots)
+        splits = self.fixed_splits or choose_splits(b.batch_size, self.spec.heads, b.max_pages, kv_indices.device)
+        self.num_splits = max(1, min(splits, b.max_pages))
+        self.pages_per_split = max(1, -(-b.max_pages // self.num_splits))
+        self.batch = b
+
+    def run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, tail_k: Tensor, tail_v: Tensor | None = None,
+            sink_k: Tensor | None = None, sink_v: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+        """q [B, Hq, D] -> out [B, Hq, D] (q's dtype unless `out` is given). Cache tensors as in
+        hack_ops.triton.store.store (tail_v / sinks may be None when the format has none)."""
+        if self.batch is None:
+            raise RuntimeError("call plan() before run()")
+        b = self.batch
+        shape = (b.batch_size, self.num_qo_heads, self.spec.head_dim)
+        check_queries("q", q, shape)
+        cache = cache_args(self.layout, k_buf, v_buf, tail_k, tail_v, sink_k, sink_v)
+        if out is None:
+            out = torch.empty(shape, dtype=q.dtype, device=q.device)
+        check_queries("out", out, shape)
+        if b.batch_size == 0:
+            return out
+        for launch in decode_launches(self.spec, b, q, cache, out, self.sm_scale, self.num_splits,
+                                      self.pages_per_split, self._dot_f16(q.device)):
+            launch()
+        return out
+
+    def _dot_f16(self, device: torch.device) -> bool:
+        return (not int8_mma_supported(device)) if self.dot_f16 is None else self.dot_f16
+
+
+def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs, out: Tensor, sm_scale: float,
+                    num_splits: int, pages_per_split: int, dot_f16: bool) -> list[Launch]:
+    """The split kernel, plus the combine kernel when the sequence is split."""
+    hq = q.shape[1]
+    rep = hq // spec.heads
+    if num_splits == 1:
+        o_arg = m_part = l_part = out
+    else:
+        o_arg = torch.empty(b.batch_size, hq, num_splits, spec.head_dim, dtype=torch.float32, device=q.device)
+        m_part = torch.empty(b.batch_size, hq, num_splits, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+    launches = [Launch(
+        hack_decode_kernel, (b.batch_size, spec.heads, num_splits),
+        [q, q.stride(0), q.stride(1), *cache.args(),
+         b.kv_indptr, b.kv_indices, b.seq_lens, b.tail_rows, b.sink_slots,
+         o_arg, out.stride(0), out.stride(1), m_part, l_part, sm_scale, pages_per_split],
+        dict(REP=rep, BLOCK_H=max(16, triton_next_pow2(rep)), P=spec.page, D=spec.head_dim, GD=spec.group,
+             NG=spec.ngroups, BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail,
+             NSPLIT=num_splits, DOT_F16=dot_f16),
+        dict(num_warps=DECODE_WARPS, num_stages=1),
+    )]
+    if num_splits > 1:
+        launches.append(Launch(
+            hack_decode_combine, (b.batch_size, hq),
+            [o_arg, m_part, l_part, out, out.stride(0), out.stride(1)],
+            dict(D=spec.head_dim, NSPLIT=num_splits, BLOCK_SPLIT=max(2, triton_next_pow2(num_splits))),
+        ))
+    return launches
