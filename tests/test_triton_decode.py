@@ -6,10 +6,6 @@ its own tests. Tolerances: hack_ops.triton.testing (TOL_*), stated and argued th
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: no GPU here
-
 import pytest
 import torch
 
@@ -17,9 +13,14 @@ from hack_ops import HackConfig
 from hack_ops.layout import page_layout
 from hack_ops.triton.decode import HackDecodeAttention
 from hack_ops.triton.store import cache_kwargs
-from hack_ops.triton.testing import assert_matches_reference, dense_reference, random_batch
+from hack_ops.triton.testing import assert_matches_reference, dense_reference, random_batch, require_interpreter
 
 KV_HEADS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _interpreter():
+    require_interpreter()  # no GPU here: the kernels run in Triton's interpreter on CPU tensors
 
 
 def _run_decode(cfg: HackConfig, head_dim: int, rep: int, lens: list[int], seed: int = 0, **kw):

@@ -15,6 +15,17 @@ from ..quant import quantize
 
 _META = {"float16": torch.float16, "float32": torch.float32}
 
+def require_interpreter() -> None:
+    """Fail clearly unless the kernels run in Triton's CPU interpreter (tests/conftest.py turns
+    it on before triton is imported; TRITON_INTERPRET=1 does the same from the shell)."""
+    import triton
+
+    from .decode_kernel import hack_decode_kernel
+
+    if not triton.knobs.runtime.interpret or type(hack_decode_kernel).__name__ != "InterpretedFunction":
+        raise RuntimeError("the Triton kernels need the interpreter here (no GPU): set TRITON_INTERPRET=1 "
+                           "before triton is imported")
+
 
 def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Tensor, pages: list[int],
                   tail_row: int, sink_slot: int) -> None:

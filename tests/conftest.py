@@ -1,0 +1,22 @@
+"""Shared pytest setup."""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def pytest_configure(config) -> None:
+    # There is no GPU here: Triton kernels (hack_ops.triton) run in Triton's CPU interpreter.
+    # Triton fixes the mode when it decorates functions, its own library included, so it is
+    # switched on before triton is first imported; only for this process (the environment
+    # variable is removed again, so servers started by tests do not inherit it).
+    if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET"):
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+    except ImportError:
+        return
+    finally:
+        del os.environ["TRITON_INTERPRET"]
+    triton.knobs.runtime.__dict__["interpret"] = True  # in-process override, no setenv
