@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--gen-prompts", type=int, default=5, help="HumanEval prompts for generation")
     acc.add_argument("--gen-tokens", type=int, default=48, help="greedy tokens per prompt")
     acc.add_argument("--quick", action="store_true", help="three variants only (a smoke run)")
+    acc.add_argument("--core", action="store_true", help="the rows that carry the decisions only")
     acc.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     acc.add_argument("--out", default="docs/accuracy.md", help="markdown report to write ('' = none)")
     acc.add_argument("--json-out", default="docs/accuracy.json", help="raw results ('' = none)")
@@ -54,7 +55,7 @@ def _accuracy(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
-                    quick=args.quick, threads=args.threads, log=log)
+                    quick=args.quick, core=args.core, threads=args.threads, log=log)
     # The command to rerun, without where this run wrote its files.
     argv, shown, skip = sys.argv[3:], [], False
     for a in argv:

@@ -18,7 +18,7 @@ import torch
 from .models import prepare
 from .runner import EXACT, Variant, greedy, load_model, logits_for
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
-from .variants import byte_ratio, generation_variants, quick_variants, study_variants
+from .variants import byte_ratio, core_variants, generation_variants, quick_variants, study_variants
 
 
 @dataclass
@@ -67,13 +67,14 @@ def run_study(
     gen_prompts: int = 5,
     gen_tokens: int = 48,
     quick: bool = False,
+    core: bool = False,
     threads: int | None = None,
     log=print,
 ) -> dict:
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(log=log), threads=threads)
     cfg = model.config
-    variants = quick_variants() if quick else study_variants()
+    variants = quick_variants() if quick else core_variants() if core else study_variants()
     windows = token_windows(tok, essay_files(), context, essays)
     windows += token_windows(tok, play_files(), context, plays, skip_chars=4000)
     if len(windows) < essays + plays:
@@ -90,7 +91,7 @@ def run_study(
             _score(tallies[_key(v)], ref_logp, logits, targets)
             tallies[_key(v)].seconds += time.time() - t0
         log(f"window {i + 1}/{len(windows)} done")
-    gen_vars = [EXACT, variants[1]] if quick else generation_variants()
+    gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
@@ -120,7 +121,7 @@ def run_study(
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF weights, float32)",
         "context": context, "windows": {"essays": essays, "plays": plays},
         "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
-        "quick": quick, "rows": rows,
+        "variant_set": "quick" if quick else "core" if core else "full", "rows": rows,
     }
 
 

@@ -19,6 +19,7 @@ def study_variants() -> list[Variant]:
         EXACT,
         Variant("default", "hack", d),
         Variant("default", "dequant", d),
+        Variant("default, plain min/max ranges (no range search)", "dequant", d.replace(range_search=False)),
         Variant("default, stochastic rounding", "dequant", d.replace(rounding="stochastic")),
         Variant("paper layout", "hack", PAPER),
         Variant("paper layout", "dequant", PAPER),
@@ -28,6 +29,22 @@ def study_variants() -> list[Variant]:
         Variant("default, 4 sinks", "dequant", d.replace(sink_tokens=4)),
         Variant("default, partition 32", "dequant", d.replace(partition_size=32)),
         Variant("default, partition 128", "dequant", d.replace(partition_size=128)),
+        Variant("default, 4-bit K/V", "hack", d.replace(kv_bits=4)),
+    ]
+
+
+def core_variants() -> list[Variant]:
+    """The rows that carry the decisions, for a shorter run: the default (hack and dequant),
+    what each of its choices buys, the paper's layout and the 4-bit option."""
+    d = DEFAULT
+    return [
+        EXACT,
+        Variant("default", "hack", d),
+        Variant("default", "dequant", d),
+        Variant("default, plain min/max ranges (no range search)", "dequant", d.replace(range_search=False)),
+        Variant("default, K tail only (V quantized as written)", "dequant", d.replace(tail_tensors="per_channel")),
+        Variant("default, no sink", "dequant", d.replace(sink_tokens=0)),
+        Variant("paper layout", "hack", PAPER),
         Variant("default, 4-bit K/V", "hack", d.replace(kv_bits=4)),
     ]
 

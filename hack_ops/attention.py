@@ -82,6 +82,8 @@ def attention(
     _check(q, k, v, mode)
     cfg = config or HackConfig()
     d = q.shape[-1]
+    if mode != "exact" and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
+        raise ValueError(f"head_dim {d} must be a multiple of the head_dim group {cfg.head_group(d)}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rep = q.shape[1] // k.shape[1]
     pos = _positions(q.shape[2], k.shape[2], causal)
@@ -128,7 +130,7 @@ def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = 
 def _kv_quant(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
     return quantize(x, cfg.kv_bits, dim=dim, group_size=group, rounding=cfg.rounding,
-                    generator=gen, meta_dtype=meta, mask=mask)
+                    generator=gen, meta_dtype=meta, mask=mask, range_search=cfg.range_search)
 
 
 def _heads(t: Tensor, rep: int) -> Tensor:

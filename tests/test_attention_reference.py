@@ -89,11 +89,13 @@ def _quantize_block(x: torch.Tensor, idx: list[int], page: int, per_channel: boo
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
     xs = x[:, idx]  # [H, n, D]
     if per_channel:  # one group per channel over these tokens
-        qt = quantize(xs, cfg.kv_bits, dim=1, group_size=len(idx), meta_dtype=meta)
+        qt = quantize(xs, cfg.kv_bits, dim=1, group_size=len(idx), meta_dtype=meta,
+                      range_search=cfg.range_search)
         s = qt.scale.double().expand(xs.shape)
         m = qt.minimum.double().expand(xs.shape)
         return Block(page, idx, qt.codes.double(), s, m, None, None)
-    qt = quantize(xs, cfg.kv_bits, dim=2, group_size=gd, meta_dtype=meta)  # [H, n, ng]
+    qt = quantize(xs, cfg.kv_bits, dim=2, group_size=gd, meta_dtype=meta,
+                  range_search=cfg.range_search)  # [H, n, ng]
     s = qt.scale.double().repeat_interleave(gd, dim=2)
     m = qt.minimum.double().repeat_interleave(gd, dim=2)
     return Block(page, idx, qt.codes.double(), s, m, qt.scale.double(), qt.minimum.double())
@@ -249,8 +251,11 @@ def assert_close_to_reference(got, ref, bound, what):
         raise AssertionError(f"{what}: {int(bad.sum())} of {err.numel()} elements outside the bound; "
                              f"worst excess {float(excess.max()):.3g} at [b, h, q, d] = {at}, "
                              f"got {float(got[at]):.6f}, reference {float(ref[at]):.6f}")
-    rows_with_ties = float((bound.amax(-1) > 0).float().mean())
-    assert rows_with_ties < 0.25, f"{what}: {rows_with_ties:.0%} of rows have P' ties (margin too wide)"
+    # The tie margin must stay rare, or the comparison would say little. With a handful of rows
+    # (decode shapes: 8 rows) a couple of rows is already a large fraction, so two are allowed.
+    tie_rows = int((bound.amax(-1) > 0).sum())
+    rows = bound[..., 0].numel()
+    assert tie_rows <= 2 or tie_rows < 0.25 * rows, f"{what}: {tie_rows} of {rows} rows have P' ties (margin too wide)"
     return err
 
 
@@ -335,7 +340,7 @@ BASE = HackConfig(partition_size=16, sink_tokens=1)
 @pytest.mark.parametrize("wrong", [
     dict(sink_tokens=0), dict(sink_tokens=4), dict(requant_elimination=False),
     dict(tail_tensors="per_channel"), dict(orientation="token_k"), dict(partition_size=32),
-    dict(kv_bits=4), dict(meta_dtype="float32"),
+    dict(kv_bits=4), dict(meta_dtype="float32"), dict(range_search=False),
 ], ids=lambda w: ",".join(f"{k}={v}" for k, v in w.items()))
 def test_comparison_detects_other_semantics(wrong):
     """The comparison has power: the implementation run with BASE does not pass against the
@@ -532,11 +537,7 @@ def test_invalid_inputs_raise(bad, match, mode):
 
 
 @pytest.mark.parametrize("orientation,mode", [
-    pytest.param("channel_k", "hack", marks=pytest.mark.xfail(strict=True, reason=(
-        "attention(q, k, v [1, 1, 8, 48], HackConfig(partition_size=32), mode='hack') raises "
-        "RuntimeError \"shape '[1, 1, 1, 32, 1, 32]' is invalid for input of size 1536\" from a "
-        "reshape in _scores_channel_k instead of a ValueError naming head_dim and the group size "
-        "(min(Π, D) = 32 does not divide D = 48)"))),
+    ("channel_k", "hack"),
     ("channel_k", "dequant"),
     ("token_k", "hack"),
     ("token_k", "dequant"),

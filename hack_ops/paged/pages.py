@@ -73,7 +73,8 @@ def quantize_open_page(x: Tensor, count: int, first_page: bool, cfg: HackConfig,
     valid = (j < count) & ~((j < cfg.sink_tokens) & first_page)
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
     qt = quantize(content, cfg.kv_bits, dim=0, group_size=p, rounding=cfg.rounding, generator=gen,
-                  meta_dtype=meta, mask=valid[:, None, None].expand(content.shape))
+                  meta_dtype=meta, mask=valid[:, None, None].expand(content.shape),
+                  range_search=cfg.range_search)
     codes = qt.codes.permute(1, 0, 2).float().unsqueeze(1)  # [H, 1, Π, D]
     sums = codes.reshape(h, 1, p, d // gd, gd).sum(-1) if is_k else None
     return TensorPages(codes, qt.scale.float().permute(1, 0, 2), qt.minimum.float().permute(1, 0, 2), sums)

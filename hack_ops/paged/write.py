@@ -89,7 +89,7 @@ def _quantize_tokens(store, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x:
     n_pages = buf.shape[0]
     mask = (~is_sink)[:, None, None].expand(x.shape)
     qt = quantize(x.float(), cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
-                  meta_dtype=_META[cfg.meta_dtype], mask=mask)
+                  meta_dtype=_META[cfg.meta_dtype], mask=mask, range_search=cfg.range_search)
     scale = qt.scale.masked_fill(is_sink[:, None, None], 0)  # sinks: min 0, scale 0 (layout rule)
     pages = plan.tok_page.to(buf.device)
     offs = plan.tok_off.to(buf.device)
@@ -152,11 +152,11 @@ def quantize_pages(store, tl: TensorLayout, buf: Tensor, tpages: Tensor, content
     meta = _META[cfg.meta_dtype]
     if tl.per_channel:
         qt = quantize(content, cfg.kv_bits, dim=1, group_size=p, rounding=cfg.rounding, generator=gen,
-                      meta_dtype=meta, mask=mask)
+                      meta_dtype=meta, mask=mask, range_search=cfg.range_search)
         mn, sc = qt.minimum[:, 0], qt.scale[:, 0]  # [C, H, D]
     else:
         qt = quantize(content, cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
-                      meta_dtype=meta, mask=mask)
+                      meta_dtype=meta, mask=mask, range_search=cfg.range_search)
         sc = qt.scale.masked_fill(~valid[:, :, None, None], 0)  # sinks: min 0, scale 0
         mn = qt.minimum.transpose(1, 2).reshape(c, h, p * ng)
         sc = sc.transpose(1, 2).reshape(c, h, p * ng)
