@@ -235,8 +235,10 @@ def test_prefill_death_fails_the_waiting_request_and_frees_decode_pages(bf16_pd)
     procs.kill_hard(_pid(bf16_pd, "prefill"))
     t.join(400)
     res = out[0]
+    # The router sees the prefill connection die and answers 5xx; had it kept waiting, decode
+    # would fail the request itself once its heartbeat to the dead prefill's bootstrap fails.
     assert not res.ok and res.error, "the request must fail"
-    assert "prefill" in res.error.lower() or "timed out" in res.error.lower() or "transfer" in res.error.lower()
+    assert res.status is None or res.status >= 500, res
     assert requests.get(f"{decode_url}/health", timeout=30).status_code == 200
     deadline = time.time() + 60
     usage = _kv_usage(decode_url)
