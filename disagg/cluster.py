@@ -43,7 +43,7 @@ class ClusterSpec:
     health_timeout_s: float = 600.0
     extra_server_args: list[str] = field(default_factory=list)
     # Seconds a decode waits for a silent prefill before failing the request.
-    waiting_timeout_s: int = 60
+    waiting_timeout_s: int = 300
 
     def validate(self) -> None:
         if self.kv not in METHODS:
