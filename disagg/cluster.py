@@ -204,13 +204,16 @@ def clean_stale() -> list[str]:
             continue
         msgs += [f"cluster {st['name']}: {m}" for m in down(st)] or [f"cluster {st['name']}: state removed"]
     if netns.can_shape()[0]:
+        # A namespace with processes inside belongs to a running cluster, possibly one recorded
+        # in another state directory: only empty, unowned namespaces are orphans.
         for ns in netns.list_namespaces():
-            if ns not in live_links:
+            if ns not in live_links and not netns.in_use(ns):
                 tag = ns[len(netns.NS_PREFIX):]
                 msgs += [f"orphan: removed {x}" for x in netns.remove(ns, f"{netns.VETH_PREFIX}{tag}a")]
+        remaining = set(netns.list_namespaces())
         for veth in netns.list_veths():
             tag = veth[len(netns.VETH_PREFIX):-1]
-            if f"{netns.NS_PREFIX}{tag}" not in live_links:
+            if f"{netns.NS_PREFIX}{tag}" not in live_links | remaining:
                 msgs += [f"orphan: removed {x}" for x in netns.remove(None, veth)]
     return msgs
 

@@ -80,6 +80,12 @@ def list_namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
 
 
+def in_use(namespace: str) -> bool:
+    """True when some process runs inside the namespace (another cluster's servers)."""
+    out = _run("ip", "netns", "pids", namespace, check=False).stdout
+    return bool(out.strip())
+
+
 def list_veths() -> list[str]:
     out = _run("ip", "-o", "link", "show", check=False).stdout
     names = re.findall(r"^\d+:\s+([^:@\s]+)", out, flags=re.M)
