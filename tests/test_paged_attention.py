@@ -18,6 +18,15 @@ from hack_ops.paged import HackKVStore, cpu_kernel, decode, extend
 from hack_ops.paged.fill import scattered_table
 
 ROUNDOFF_TOL = 5e-5
+
+
+def make_cfg(**kw) -> HackConfig:
+    """A config for these tests. Clipped-range search (when the config has it) makes every
+    quantization ~25x dearer in the store and the reference alike without changing what is
+    compared, so it is off here except where a test turns it on (test_range_search)."""
+    if "range_search" in HackConfig.__dataclass_fields__:
+        kw.setdefault("range_search", False)
+    return HackConfig(**kw)
 FLIP_TOL = 1.5e-2
 BACKENDS = ["torch"]
 
@@ -125,12 +134,12 @@ LENS = {True: ([75, 41, 100], [20, 3, 45], [62, 37, 90]), False: ([45, 41, 70], 
 
 
 @pytest.mark.parametrize("mode", ["hack", "dequant"])
-@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: HackConfig(partition_size=32, **kw).label())
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: make_cfg(partition_size=32, **kw).label())
 def test_chunked_prefill_then_decode(kw, mode):
     """Two extend chunks (the second starts mid-page and crosses pages, so the prefix's FP16
     open page must survive the write), then decode steps across a page boundary, for a
     mixed-length batch on shuffled pages."""
-    cfg = HackConfig(partition_size=32, **kw)
+    cfg = make_cfg(partition_size=32, **kw)
     lens, ext1, ext2 = LENS[cfg.requant_elimination]
     case = Case(cfg, lens=lens, mode=mode)
     case.check(case.extend(ext1), "extend 1")
@@ -144,7 +153,7 @@ def test_chunked_prefill_then_decode(kw, mode):
 def test_decode_every_tail_length(kw):
     """One decode batch whose requests hold every open-partition length 0..Π-1 after the write."""
     p = 32
-    cfg = HackConfig(partition_size=p, **kw)
+    cfg = make_cfg(partition_size=p, **kw)
     lens = [40 + i for i in range(p)]
     case = Case(cfg, lens=[n + 1 for n in lens], heads=1, rep=2, seed=1)
     case.extend(lens)
@@ -158,7 +167,7 @@ def test_decode_every_tail_length(kw):
 @pytest.mark.parametrize("orientation", ["channel_k", "token_k"])
 def test_shapes(p, rep, head_dim, orientation):
     """Partition sizes 32/64/128, GQA ratios 1/3/4, head_dim 64/128/256."""
-    cfg = HackConfig(partition_size=p, orientation=orientation)
+    cfg = make_cfg(partition_size=p, orientation=orientation)
     case = Case(cfg, lens=[p + p // 2 + 3, 2 * p + 1], heads=2, rep=rep, head_dim=head_dim, seed=2)
     case.check(case.extend([p + p // 2 + 1, 2 * p - 1]), "extend")
     case.check(case.decode(), "decode 1")
@@ -168,7 +177,7 @@ def test_shapes(p, rep, head_dim, orientation):
 
 def test_tolerance_is_meaningful():
     """2-bit quantization moves the outputs far more than the tolerances allow."""
-    cfg = HackConfig(partition_size=32)
+    cfg = make_cfg(partition_size=32)
     case = Case(cfg, lens=[96], seed=3)
     out = case.extend([96])[0]
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
@@ -178,7 +187,7 @@ def test_tolerance_is_meaningful():
 
 
 def test_layers_are_independent():
-    cfg = HackConfig(partition_size=32)
+    cfg = make_cfg(partition_size=32)
     case = Case(cfg, lens=[50], seed=4)
     case.extend([49], layer=1)
     assert all(int(b.count_nonzero()) == 0 for b in (case.store.k_pages[0], case.store.tails["k"][0]))
@@ -198,17 +207,18 @@ def _exact_reference(case: Case, i: int, prefix: int) -> torch.Tensor:
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     # the dense 'dequant' reference at the last prefix position gives the cache's view of K/V
     from hack_ops.quant import dequantize, quantize
+    from test_paged_store import store_quant_kw
     nc = prefix // p
     kd, vd = k.clone(), v.clone()
     ns = torch.arange(ln) >= s
     for pg in range(nc):
         sl = slice(pg * p, (pg + 1) * p)
         m = ns[sl][:, None, None].expand(p, *k.shape[1:])
-        kd[sl] = torch.where(m, dequantize(quantize(k[sl], cfg.kv_bits, 0, p, mask=m)), k[sl])
+        kd[sl] = torch.where(m, dequantize(quantize(k[sl], cfg.kv_bits, 0, p, mask=m, **store_quant_kw(cfg))), k[sl])
     c = nc * p
     m = ns[:c][:, None, None].expand(c, *v.shape[1:])
     gd = cfg.head_group(v.shape[-1])
-    vd[:c] = torch.where(m, dequantize(quantize(v[:c], cfg.kv_bits, -1, gd, mask=m)), v[:c])
+    vd[:c] = torch.where(m, dequantize(quantize(v[:c], cfg.kv_bits, -1, gd, mask=m, **store_quant_kw(cfg))), v[:c])
     return attention(t(q), t(kd), t(vd), cfg, mode="exact")[0].transpose(0, 1)
 
 
@@ -216,7 +226,7 @@ def _exact_reference(case: Case, i: int, prefix: int) -> torch.Tensor:
 def test_exact_prefill(backend):
     if backend == "cpu":
         _need_kernel("native")
-    cfg = HackConfig(partition_size=32)
+    cfg = make_cfg(partition_size=32)
     # no prefix: plain float attention over the FP16 tokens
     case = Case(cfg, lens=[70], seed=5, mode="hack")
     out = case.extend([70], mode="exact", backend=backend)[0]
@@ -238,7 +248,7 @@ def test_exact_prefill(backend):
 
 
 def test_bad_input_is_rejected():
-    cfg = HackConfig(partition_size=32)
+    cfg = make_cfg(partition_size=32)
     case = Case(cfg, lens=[40], seed=8)
     case.extend([39])
     plan = case.store.plan(case.table, [case.rows[0]], [40])
@@ -266,12 +276,12 @@ KERNEL_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5], CONFIGS[8], CO
 
 
 @pytest.mark.parametrize("backend", ["cpu", "portable"])
-@pytest.mark.parametrize("kw", KERNEL_CONFIGS, ids=lambda kw: HackConfig(partition_size=32, **kw).label())
+@pytest.mark.parametrize("kw", KERNEL_CONFIGS, ids=lambda kw: make_cfg(partition_size=32, **kw).label())
 def test_cpu_kernel_decode(kw, backend):
     """The compiled kernel (AVX-512 build and plain-C build) against the reference, for a
     mixed-length batch whose decode steps cross page boundaries."""
     _need_kernel("native" if backend == "cpu" else "portable")
-    cfg = HackConfig(partition_size=32, **kw)
+    cfg = make_cfg(partition_size=32, **kw)
     lens, _, ext = LENS[cfg.requant_elimination]
     case = Case(cfg, lens=lens, seed=11)
     kernel_extend = backend == "cpu" and cfg.requant_elimination
@@ -286,7 +296,7 @@ def test_cpu_kernel_decode(kw, backend):
                                                  (128, 8, 64, 4)])
 def test_cpu_kernel_shapes(p, rep, head_dim, bits, backend):
     _need_kernel("native" if backend == "cpu" else "portable")
-    cfg = HackConfig(partition_size=p, kv_bits=bits)
+    cfg = make_cfg(partition_size=p, kv_bits=bits)
     # long enough for several 16-page work items per head at the smallest page size
     n = 17 * p + 5 if p == 32 else 3 * p + 7
     case = Case(cfg, lens=[n, p + 2], heads=2, rep=rep, head_dim=head_dim, seed=12)
@@ -297,7 +307,7 @@ def test_cpu_kernel_shapes(p, rep, head_dim, bits, backend):
 
 
 def test_auto_backend_choice():
-    cfg = HackConfig(partition_size=32)
+    cfg = make_cfg(partition_size=32)
     store = HackKVStore(cfg, 1, 2, 64, num_pages=4, num_rows=2)
     if cpu_kernel.load("native") is not None:
         assert cpu_kernel.why_not(store, "hack") is None
@@ -309,3 +319,17 @@ def test_auto_backend_choice():
     plan = tk.plan(torch.arange(64, dtype=torch.int32).reshape(2, 32) + 32, [0], [1])
     with pytest.raises(RuntimeError, match="not usable"):
         decode(tk, 0, plan, torch.zeros(1, 6, 64), torch.zeros(1, 2, 64), torch.zeros(1, 2, 64), backend="cpu")
+
+
+@pytest.mark.skipif("range_search" not in HackConfig.__dataclass_fields__, reason="this HackConfig has no range_search")
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_range_search(backend):
+    """The default config (clipped-range search when pages are quantized) end to end."""
+    if backend == "cpu":
+        _need_kernel("native")
+    cfg = make_cfg(partition_size=32, range_search=True)
+    case = Case(cfg, lens=[70, 40], seed=13)
+    case.check(case.extend([66, 31], backend=backend), "extend")
+    case.check(case.decode(backend=backend), "decode 1")
+    case.check(case.decode(backend=backend), "decode 2")
+    case.finish()

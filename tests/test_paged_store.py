@@ -12,6 +12,12 @@ from hack_ops.paged.fill import scattered_table, write_context
 P = 32
 
 
+def store_quant_kw(cfg: HackConfig) -> dict:
+    """The options the store passes to quantize() for K/V pages (range search when the
+    config has it)."""
+    return {"range_search": cfg.range_search} if hasattr(cfg, "range_search") else {}
+
+
 def _seq(n, heads=2, d=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     chan = (1 + torch.arange(d) % 7).float()
@@ -53,10 +59,10 @@ def test_pages_hold_the_reference_quantization(orientation, tails):
             xs = x[pg * P:(pg + 1) * P]
             m = (~sink[pg * P:(pg + 1) * P])[:, None, None].expand(xs.shape)
             if tl.per_channel:
-                qt = quantize(xs, cfg.kv_bits, 0, P, mask=m)
+                qt = quantize(xs, cfg.kv_bits, 0, P, mask=m, **store_quant_kw(cfg))
                 mn, sc = qt.minimum[0], qt.scale[0]
             else:
-                qt = quantize(xs, cfg.kv_bits, -1, gd, mask=m)
+                qt = quantize(xs, cfg.kv_bits, -1, gd, mask=m, **store_quant_kw(cfg))
                 sc = qt.scale.masked_fill(~m[:, :, :1], 0)
                 mn, sc = qt.minimum.transpose(0, 1).reshape(2, -1), sc.transpose(0, 1).reshape(2, -1)
             codes = qt.codes.transpose(0, 1).contiguous()
@@ -81,7 +87,7 @@ def test_requant_ablation_requantizes_the_open_page():
     _, k, v = _seq(40, seed=2)
     write_context(store, table, [1], [k[:37]], [v[:37]])
     page_id = int(table[1, P]) // P
-    qt = quantize(k[P:37], cfg.kv_bits, 0, 5)  # the open page's 5 tokens, per channel
+    qt = quantize(k[P:37], cfg.kv_bits, 0, 5, **store_quant_kw(cfg))  # the open page's 5 tokens, per channel
     codes = store.layout.k.view(store.k_pages[0], "codes")[page_id, :, :5]
     assert torch.equal(codes, pack(qt.codes.transpose(0, 1).contiguous(), cfg.kv_bits))
     assert torch.equal(store.layout.k.view(store.k_pages[0], "minimum")[page_id], qt.minimum[0])

@@ -1,6 +1,6 @@
-"""The compiled CPU decode kernel (csrc/hack_decode.c): build, load, call.
+"""The compiled CPU attention kernel (csrc/: hack_decode.c, hack_pages.c): build, load, call.
 
-A plain C file (no torch headers, so it builds in about a second) compiled with the machine's
+Plain C (no torch headers, so it builds in about a second) compiled with the machine's
 gcc: `-O3 -march=native` (AVX-512 VNNI where the CPU has it) into a cache directory keyed by
 the source, flags and compiler, then loaded with ctypes; it reads the store's buffers in
 place. `scripts/install.sh` builds it ahead of time (`python -m hack_ops.paged.cpu_kernel
@@ -27,7 +27,9 @@ import torch
 
 from .write import open_mode
 
-SOURCE = Path(__file__).parent / "csrc" / "hack_decode.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c"]
+HEADERS = [CSRC / "hack_kernel.h"]
 VARIANTS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
     "portable": ["-O3", "-ffp-contract=off", "-fopenmp"],  # no SIMD intrinsics: the plain C loops
@@ -66,8 +68,9 @@ def build(variant: str = "native") -> Path:
     """Compile (if not cached) and return the shared library's path; RuntimeError on failure."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
-    if not SOURCE.exists():
-        raise RuntimeError(f"the kernel source {SOURCE.name} is not installed")
+    missing = [p.name for p in SOURCES + HEADERS if not p.exists()]
+    if missing:
+        raise RuntimeError(f"the kernel sources {missing} are not installed")
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (install gcc)")
@@ -75,14 +78,15 @@ def build(variant: str = "native") -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     # -march=native resolves per machine: key the cache on what it expands to.
     probe = subprocess.run([cc, *flags, "-Q", "--help=target"], capture_output=True, text=True).stdout
-    key = hashlib.sha256((SOURCE.read_text() + " ".join(flags) + version + probe).encode()).hexdigest()[:16]
+    text = "".join(p.read_text() for p in SOURCES + HEADERS)
+    key = hashlib.sha256((text + " ".join(flags) + version + probe).encode()).hexdigest()[:16]
     out = cache_dir() / f"hack_decode_{variant}_{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), str(SOURCE), "-lm"],
+        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), *map(str, SOURCES), "-lm"],
                              capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building the CPU kernel failed:\n{res.stderr[-2000:]}")

@@ -1,0 +1,76 @@
+/* Shared definitions of the HACK CPU kernel (hack_decode.c, hack_pages.c). */
+#ifndef HACK_KERNEL_H
+#define HACK_KERNEL_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define HACK_SIMD 1
+#else
+#define HACK_SIMD 0
+#endif
+#if HACK_SIMD || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#define CHUNK_PAGES 16 /* pages per work item */
+#define MAX_D 256
+#define MAX_REP 16
+#define MAX_G 16
+#define MAX_P 256
+
+typedef struct {
+    int64_t batch, heads, rep, head_dim, page_size, bits, group, sink_tokens;
+    int64_t k_open_quantized; /* 1: the open K page is read from its (re-quantized) codes */
+    int64_t v_open_quantized; /* 1: the open page's V is read from its per-token codes */
+    int64_t meta_fp32, max_pages;
+    int64_t k_page_bytes, k_codes_off, k_min_off, k_scale_off, k_sums_off, k_sums_bytes;
+    int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
+    int64_t nthreads;
+    const int64_t *seq_lens, *n_closed, *page_table, *table_rows, *sink_slots;
+    const int64_t *k_open_off, *v_open_off; /* element offset of each query's open region */
+    const uint8_t *k_pages, *v_pages;
+    const uint16_t *k_open, *v_open, *sink_k, *sink_v; /* fp16, [.., H, D] per token */
+    const float *q;                                    /* [N, H*rep, D], already scaled */
+    float *out;                                        /* [N, H*rep, D] */
+} hack_decode_args;
+
+typedef struct {
+    const hack_decode_args *a;
+    int64_t b, h, p0, p1, seq_len, n_closed;
+} item_t;
+
+#ifdef __F16C__
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static inline float h2f(uint16_t h) {
+    uint32_t s = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff, bits;
+    if (e == 0) {
+        if (m == 0) {
+            bits = s;
+        } else { /* subnormal: normalize */
+            e = 113;
+            while (!(m & 0x400)) { m <<= 1; e--; }
+            bits = s | (e << 23) | ((m & 0x3ff) << 13);
+        }
+    } else if (e == 31) {
+        bits = s | 0x7f800000 | (m << 13);
+    } else {
+        bits = s | ((e + 112) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+/* Scores of tokens [0, nt) of one K page (quantized per channel) for the group's query heads:
+ * s[r * ld + j]. ws: scratch of ng * P floats. */
+void page_scores_quant(const item_t *it, int64_t page_id, int nt, const float *q, float *s, int64_t ld, float *ws);
+
+/* o[r * D + c] += P.V over tokens [0, nt) of one V page (quantized per token); tokens < skip
+ * (sinks) are left out; pr: softmax numerators (stride ld). ws: (rep + 2) * ng * P floats. */
+void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const float *pr, int64_t ld, float *o, float *ws);
+
+#endif
