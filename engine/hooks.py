@@ -138,6 +138,31 @@ def _after_add_memory_usage(result: Any, self: Any, state: dict, *args: Any, **k
     state["hack_kv"] = kv_usage(self.scheduler)
 
 
+_metric_failures: list[int] = [0]
+
+
+def _metrics_call(fn: Callable, *args: Any) -> None:
+    """Metrics never break serving: failures are logged (the first three) and counted."""
+    try:
+        fn(*args)
+    except Exception:
+        _metric_failures[0] += 1
+        if _metric_failures[0] <= 3:
+            logger.exception("sglang-hack: timeline metrics failed (serving continues)")
+
+
+def _after_handle_generate_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    from .timeline import on_arrival
+
+    _metrics_call(on_arrival, self, recv_req)
+
+
+def _after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    from .timeline import on_batch_result
+
+    _metrics_call(on_batch_result, self, batch)
+
+
 # ---------------------------------------------------------------- disaggregation (bodies: disagg/)
 
 def _disagg(name: str) -> Callable:
@@ -182,6 +207,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
          "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.handle_generate_request", "AFTER",
+         _after_handle_generate_request, "metrics: arrival, queue start, memory sampler"),
+    Hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "AFTER",
+         _after_process_batch_result, "metrics: queue/prefill ends, first token, decode steps, finish"),
     Hook("sglang.srt.disaggregation.utils.setup_state_kv_args", "AFTER",
          _disagg("sglang_hooks.after_setup_state_kv_args"),
          "PD: FP16 tails (live slots) and sinks travel as state components; layout fingerprint"),

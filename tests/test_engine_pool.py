@@ -131,3 +131,24 @@ def test_decode_reads_the_pool_it_wrote(hack_env):
     # 2-bit cache vs exact: close but not equal (random data is the worst case for 2 bits)
     err = (out.float() - ref).abs().max().item()
     assert 1e-4 < err < 0.5, err
+
+
+def test_gpu_plan_conversion_and_refusals(hack_env):
+    """The CUDA path cannot run here (no GPU); its plan conversion is plain torch and its
+    refusals happen at construction, both checked on the CPU."""
+    from engine.gpu_attention import GpuAttention, csr_pages
+
+    pool = _pool()
+    store = pool.store
+    r2t = torch.zeros(4, 512, dtype=torch.int64)
+    r2t[0, :128] = torch.arange(128) + 7 * 64  # pages 7, 8
+    r2t[3, :64] = torch.arange(64) + 2 * 64  # page 2
+    plan = store.plan(r2t, [0, 3], [100, 10], [100, 10])
+    indptr, indices = csr_pages(plan, torch.device("cpu"))
+    assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [7, 8, 2]
+    assert indptr.dtype == indices.dtype == torch.int32
+    for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact")):
+        s = settings_mod.EngineSettings(attention=attention, prefill=prefill)
+        with pytest.raises(NotImplementedError, match="CPU path only"):
+            GpuAttention(store, s)
+    GpuAttention(store, settings_mod.EngineSettings())  # the default format is one the kernels cover

@@ -43,7 +43,8 @@ def model_path() -> str:
 def servers(model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("servers")
     common = ["--hack-kv-budget-mb", BUDGET_MB, "--sleep-on-idle", "--random-seed", "0"]
-    hack = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log")
+    hack = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log",
+                        env={"HACK_METRICS_RUN_DIR": str(logs / "metrics")})
     bf16 = SGLangServer(model_path, ["--attention-backend", "torch_native", *common],
                         log_path=logs / "bf16.log")
     try:
@@ -51,7 +52,7 @@ def servers(model_path, tmp_path_factory):
         bf16.start()
         hack.wait_ready()
         bf16.wait_ready()
-        yield {"hack": hack, "bf16": bf16}
+        yield {"hack": hack, "bf16": bf16, "metrics_dir": logs / "metrics"}
     finally:
         hack.stop()
         bf16.stop()
@@ -223,3 +224,27 @@ def test_malformed_requests_get_4xx(servers, payload):
     assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
     # and the server keeps serving
     assert hack.generate("The capital of France is", 2)["meta_info"]["completion_tokens"] >= 1
+
+
+def test_timeline_and_memory_are_recorded(servers):
+    """The scheduler hooks record each request's phases and the pool's memory (engine.timeline)."""
+    from engine.metrics.runload import RunLoader
+
+    hack = servers["hack"]
+    out = hack.generate(SHORT_PROMPTS[0], 6)
+    rid = out["meta_info"]["id"]
+    deadline = time.monotonic() + 30
+    while True:
+        rec = RunLoader(servers["metrics_dir"]).load().records
+        mine = rec[rec["rid"] == rid] if len(rec) else rec
+        if (len(mine) and "finish" in set(mine["kind"])) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    kinds = list(mine["kind"])
+    assert kinds[0] == "arrival" and "finish" in kinds and "first_token" in kinds, kinds
+    phases = set(mine.loc[mine["kind"].isin(["start", "end"]), "phase"])
+    assert {"queue", "prefill"} <= phases
+    assert (mine["kind"] == "step").sum() >= 4  # 6 tokens: the first from prefill, then steps
+    assert int(mine.loc[mine["kind"] == "finish", "tokens"].iloc[0]) == out["meta_info"]["completion_tokens"]
+    samples = rec[rec["kind"] == "sample"]
+    assert len(samples) and samples["pages_total"].max() > 0 and samples["bytes_codes"].notna().any()

@@ -1,0 +1,111 @@
+"""Per-request timeline and memory samples of a server, recorded with engine.metrics.
+
+Hooked into SGLang's scheduler (engine.hooks): a request's arrival opens its queue phase; the
+first batch that runs it closes the queue and opens prefill (at the batch's launch time); the
+batch that finishes its last prompt chunk closes prefill and marks the first token; every
+decode batch then records one step per request; a finished request records `finish` (with
+its finish reason when it was aborted). A sampler thread records the KV pool's memory once a
+second. Everything is a no-op unless metrics are configured (HACK_METRICS_RUN_DIR, see
+docs/dashboard.md): the cost is then one check per scheduler call.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from engine import metrics as hm
+
+_MAX_TRACKED = 20000  # requests aborted while queued never reach a batch: bound the table
+_state: "OrderedDict[str, dict]" = OrderedDict()
+_sampler: list = []
+
+
+def _room(obj: Any) -> int | None:
+    room = getattr(obj, "bootstrap_room", None)
+    return room if isinstance(room, int) else None
+
+
+def _wall_ns_of_monotonic(ts: float | None) -> int:
+    now = time.time_ns()
+    if ts is None:
+        return now
+    return now - int((time.monotonic() - ts) * 1e9)
+
+
+def on_arrival(scheduler: Any, recv_req: Any) -> None:
+    if not hm.enabled():
+        return
+    rid = recv_req.rid
+    room = _room(recv_req)
+    ids = getattr(recv_req, "input_ids", None)
+    hm.event("arrival", rid, room=room, tokens=len(ids) if ids is not None else None)
+    hm.start("queue", rid, room=room)
+    _state[rid] = {"room": room, "phase": "queue", "last_ns": None}
+    while len(_state) > _MAX_TRACKED:
+        _state.popitem(last=False)
+    if not _sampler:
+        _sampler.append(hm.start_sampler(lambda: memory_sample(scheduler), interval_s=1.0))
+
+
+def on_batch_result(scheduler: Any, batch: Any) -> None:
+    if not hm.enabled():
+        return
+    mode = batch.forward_mode
+    now = time.time_ns()
+    launch_ns = _wall_ns_of_monotonic(getattr(batch, "launch_ts", None))
+    for req in batch.reqs:
+        st = _state.get(req.rid)
+        if st is None:
+            continue
+        room = st["room"]
+        if st["phase"] == "queue" and (mode.is_extend() or mode.is_prebuilt()):
+            hm.end("queue", req.rid, room=room, t_ns=launch_ns)
+            if mode.is_prebuilt():  # PD decode side: the prompt was prefilled elsewhere
+                st.update(phase="decode", last_ns=now, first=True)
+            else:
+                hm.start("prefill", req.rid, room=room, t_ns=launch_ns)
+                st["phase"] = "prefill"
+        if st["phase"] == "prefill" and mode.is_extend() and not getattr(req, "inflight_middle_chunks", 0):
+            if len(getattr(req, "output_ids", ()) or ()) > 0 or req.finished():
+                hm.end("prefill", req.rid, room=room, t_ns=now)
+                hm.event("first_token", req.rid, room=room, t_ns=now)
+                st.update(phase="decode", last_ns=now)
+        elif st["phase"] == "decode" and (mode.is_decode() or mode.is_extend()) and st["last_ns"] is not None \
+                and now > st["last_ns"]:
+            if st.pop("first", False):
+                hm.event("first_token", req.rid, room=room, t_ns=now)
+            hm.step(req.rid, (now - st["last_ns"]) / 1e9, room=room, t_ns=now)
+            st["last_ns"] = now
+        if req.finished():
+            reason = getattr(req.finished_reason, "to_json", lambda: {})()
+            kind = reason.get("type") if isinstance(reason, dict) else None
+            note = None if kind in (None, "stop", "length") else str(reason)[:200]
+            hm.event("finish", req.rid, room=room, tokens=len(req.output_ids), note=note, t_ns=now)
+            _state.pop(req.rid, None)
+
+
+def memory_sample(scheduler: Any) -> dict:
+    """KV memory in use: pages, and for a HACK pool its codes / side tables / FP16 tails, with
+    the BF16 bytes the same tokens would take."""
+    from .pool import HackKVPool
+
+    alloc = scheduler.token_to_kv_pool_allocator
+    pool = alloc.get_kvcache()
+    page = max(1, int(getattr(pool, "page_size", 1)))
+    total = int(scheduler.max_total_num_tokens)
+    used = total - int(alloc.available_size())
+    layers = int(getattr(pool, "layer_num", 0))
+    bf16_tok = 2 * layers * pool.head_num * pool.head_dim * 2 if hasattr(pool, "head_num") else 0
+    out = {"pages_used": used // page, "pages_total": total // page, "bytes_bf16": used * bf16_tok,
+           "running": len(scheduler.running_batch.reqs), "queued": len(scheduler.waiting_queue)}
+    if isinstance(pool, HackKVPool):
+        lay = pool.layout
+        codes = lay.k.codes.nbytes + lay.v.codes.nbytes
+        pages = used // page
+        req_pool = scheduler.req_to_token_pool
+        rows = int(req_pool.size - req_pool.available_size())
+        tail_per_row = pool.store.nbytes()["tails"] // max(1, pool.store.num_rows)
+        out.update(bytes_codes=pages * layers * codes, bytes_side=pages * layers * (lay.page_bytes - codes),
+                   bytes_tail=rows * tail_per_row)
+    return out
