@@ -5,6 +5,7 @@ that stopping it (by the pid we started) also ends its scheduler and detokenizer
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -127,6 +128,27 @@ class SGLangServer:
         r = requests.post(self.url + "/generate", json=body, timeout=timeout)
         r.raise_for_status()
         return r.json()
+
+    def timed_stream(self, ids: list[int], n: int, timeout: float = 3600.0) -> dict:
+        """One streamed greedy request of exactly n tokens: time to first token, prefill
+        tokens/s (prompt / time to first token) and decode tokens/s from the first streamed
+        token to the last."""
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
+        t0 = time.perf_counter()
+        stamps: list[tuple[float, int]] = []
+        with requests.post(self.url + "/generate", json=body, stream=True, timeout=timeout) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                    continue
+                meta = json.loads(line[5:])["meta_info"]
+                stamps.append((time.perf_counter(), int(meta["completion_tokens"])))
+        if len(stamps) < 2 or stamps[-1][1] <= stamps[0][1]:
+            raise RuntimeError(f"the server streamed {len(stamps)} chunks for {n} tokens")
+        (t_first, n_first), (t_last, n_last) = stamps[0], stamps[-1]
+        return {"ttft_s": t_first - t0, "prefill_tok_s": len(ids) / (t_first - t0),
+                "decode_tok_s": (n_last - n_first) / (t_last - t_first), "tokens": n_last}
 
     def kv_usage(self) -> dict:
         info = requests.get(self.url + "/server_info", timeout=30).json()

@@ -50,26 +50,6 @@ def run_default(args: argparse.Namespace) -> int:
                                   model="smollm2", out=None))
 
 
-def _stream(url: str, ids: list[int], n: int) -> dict:
-    """One streamed greedy request: time to first token and decode rate after it."""
-    body = {"input_ids": ids, "stream": True,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
-    t0 = time.perf_counter()
-    stamps: list[tuple[float, int]] = []
-    with requests.post(url + "/generate", json=body, stream=True, timeout=3600) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                continue
-            meta = json.loads(line[5:])["meta_info"]
-            stamps.append((time.perf_counter(), int(meta["completion_tokens"])))
-    if len(stamps) < 2:
-        raise RuntimeError(f"the server streamed {len(stamps)} chunks for {n} tokens")
-    (t_first, n_first), (t_last, n_last) = stamps[0], stamps[-1]
-    return {"ttft_s": t_first - t0, "prefill_tok_s": len(ids) / (t_first - t0),
-            "decode_tok_s": (n_last - n_first) / (t_last - t_first), "tokens": n_last}
-
-
 def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) -> dict:
     lat: list[float] = []
     out_tokens = [0]
@@ -125,7 +105,7 @@ def _measure(method: str, model_path: str, cfg: dict, say) -> dict:
         res = {"max_total_num_tokens": usage["max_total_num_tokens"], "contexts": {}}
         for c in cfg["contexts"]:
             server.flush_cache()
-            m = _stream(server.url, essay_ids(model_path, c, index=2), cfg["decode_tokens"])
+            m = server.timed_stream(essay_ids(model_path, c, index=2), cfg["decode_tokens"])
             res["contexts"][str(c)] = m
             say(f"[{method}] context {c}: decode {m['decode_tok_s']:.2f} tok/s, prefill {m['prefill_tok_s']:.0f} tok/s")
         server.flush_cache()

@@ -12,6 +12,7 @@ COMMAND_MODULES = [
     "hack_cli.cmd_bench",
     "hack_cli.cmd_dashboard",
     "hack_cli.cmd_cluster",
+    "hack_cli.cmd_serve",
 ]
 
 

@@ -126,3 +126,16 @@ def test_settings_json_rejects_unknown_keys():
         settings_mod.EngineSettings.from_json(bad)
     with pytest.raises(ValueError, match="prefill must be one of"):
         settings_mod.EngineSettings(prefill="approx")
+
+
+def test_hack_serve_builds_the_documented_command():
+    from hack_cli.cmd_serve import command
+
+    ns = argparse.Namespace(bf16=False, host="127.0.0.1", port=30001,
+                            sglang_args=["--", "--hack-partition-size", "32"])
+    cmd = command(ns, "/models/m")
+    assert cmd[1:] == ["-m", "sglang.launch_server", "--model-path", "/models/m", "--device", "cpu",
+                       "--host", "127.0.0.1", "--port", "30001", "--kv-cache-dtype", "hack",
+                       "--hack-partition-size", "32"]
+    ns.bf16, ns.sglang_args = True, []
+    assert command(ns, "/m")[-2:] == ["--attention-backend", "torch_native"]
