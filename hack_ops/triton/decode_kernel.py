@@ -87,7 +87,7 @@ def hack_decode_kernel(
                             P, D, GD, NG, BITS, DOT_F16)
 
     if NSPLIT == 1:
-        out = acc / l_i[:, None, None]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None, None]  # padding rows have l = 0
         tl.store(o_ptr + b * s_ob + (h * REP + r3) * s_oh + ch, out.to(o_ptr.dtype.element_ty), mask=r3 < REP)
     else:
         # Partials: acc [B, HQ, NSPLIT, D], max and sum [B, HQ, NSPLIT] (o_ptr is the acc buffer).

@@ -98,6 +98,6 @@ def hack_prefill_kernel(
                 acc += quant_pv(p, tl.minimum(P, L - pg * P), page, h, vc_ptr, vmin_ptr, vsc_ptr,
                                 vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, BITS, DOT_F16)
 
-        out = acc / l_i[:, None, None]
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None, None]  # padding rows have l = 0
         tl.store(o_ptr + (q0 + mb * BM + r3).to(tl.int64) * s_ot + hq * s_oh + ch,
                  out.to(o_ptr.dtype.element_ty), mask=ok3)
