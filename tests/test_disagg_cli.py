@@ -1,11 +1,12 @@
-"""`hack up` + a request + `hack down`: real servers, real router, a real shaped link (root).
-Asserts that nothing is left behind: processes, namespaces, veths."""
+"""`hack up` + a request + `hack down`, and `hack demo` headless: real servers, real router,
+a real shaped link (root). Asserts that nothing is left behind: processes, namespaces, veths."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,17 @@ def test_hack_up_refuses_bad_input_without_starting_anything(env):
     assert bad.returncode == 2 and "at least one prefill" in bad.stderr
     bad = _hack("up", "--model", "/nonexistent/model", env=env, timeout=300)
     assert bad.returncode == 2 and "unknown model" in bad.stderr
+
+
+def test_hack_demo_headless_compares_bf16_and_hack_and_stops_cleanly(env):
+    demo = _hack("demo", "--no-dashboard", "--duration", "3", "--requests", "1", env=env, timeout=1500)
+    out = demo.stdout + demo.stderr
+    assert demo.returncode == 0, out[-3000:]
+    assert "comparison" in out and "bf16" in out and "hack" in out
+    assert "stopped: servers, router, dashboard and links are gone" in out
+    started = [json.loads(p.read_text()) for p in Path(env["HACK_RUN_ROOT"]).glob("demo-*/*/cluster.json")]
+    assert {s["kv"] for s in started} == {"bf16", "hack"}
+    names = {s["link"]["namespace"] for s in started if s.get("link")}
+    assert not names & set(netns.list_namespaces())
+    assert not any(procs.alive(srv["pid"]) for s in started for srv in s["servers"])
+    assert not os.listdir(env["HACK_CLUSTER_STATE_DIR"])
