@@ -123,6 +123,6 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="k_buf"):
         att.run(torch.zeros(1, 2, 64), **kw)
     for cfg in (HackConfig(orientation="token_k"), HackConfig(requant_elimination=False),
-                HackConfig(rounding="stochastic")):
+                HackConfig(rounding="stochastic"), HackConfig(partition_size=16), HackConfig(partition_size=48)):
         with pytest.raises(NotImplementedError):
-            HackDecodeAttention(page_layout(cfg, KV_HEADS, 64), 2)
+            HackDecodeAttention(page_layout(cfg, KV_HEADS, 48 if cfg.partition_size == 48 else 64), 2)

@@ -6,17 +6,19 @@ Reported per kernel and target: dynamic shared memory (Triton's metadata), regis
 thread and spills (cuobjdump --dump-resource-usage on the cubin, the numbers the driver would
 see), and the PTX register declarations.
 
-    python -m hack_ops.triton.aot            # print the table
-    python -m hack_ops.triton.aot --update-docs docs/kernels.md
+    python -m hack_ops.triton.aot                       # print the table
+    python -m hack_ops.triton.aot --update-docs docs/kernels.md --json aot.json
+It must run without TRITON_INTERPRET (the tests call it in a subprocess for that reason).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -32,7 +34,9 @@ from .prefill import PREFILL_BLOCK_M, prefill_launch
 from .spec import cache_args, kernel_spec
 from .store import new_buffers, store_launch
 
-TARGETS = (80, 86, 89, 90)
+TARGETS = (80, 86, 89, 90)  # A100/A30, A10G/RTX 30xx, L4/L40/RTX 40xx, H100/H200: INT8 MMA
+FALLBACK_TARGETS = (70, 75)  # V100, T4: Triton lowers no INT8 dot there; fp16 fallback
+DOT_KERNELS = ("decode", "decode_1split", "prefill")  # the kernels with matrix products
 # Shared memory one block may use (opt-in maximum), bytes.
 SMEM_LIMIT = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 89: 101376, 90: 232448}
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.uint8: "u8",
@@ -65,15 +69,17 @@ class Compiled:
     kernel: str
     variant: str
     arch: int
-    shared: int
-    regs: int | None
-    spill_bytes: int | None
-    ptx_regs: str
+    path: str  # 'int8' (INT8 tensor-core MMA) or 'fp16' (the pre-sm80 fallback, see spec.int8_mma_supported)
+    shared: int  # bytes of dynamic shared memory per block
+    regs: int | None  # registers per thread (cuobjdump)
+    stack: int | None  # stack bytes per thread (register spills land here)
+    ptx_regs: str  # the PTX .reg declarations, "type:count"
     num_warps: int
 
 
 def example_launches(v: Variant, dot_f16: bool = False) -> dict[str, Launch]:
-    """Launches of every kernel for variant v, built on small CPU tensors."""
+    """Launches of every kernel for variant v, built on small CPU tensors. The fp16 fallback
+    (V100/T4) takes fp16 activations: those GPUs have no bf16 arithmetic."""
     lay: PageLayout = page_layout(v.config, v.kv_heads, v.head_dim)
     spec = kernel_spec(lay)
     p, d = spec.page, spec.head_dim
@@ -82,9 +88,10 @@ def example_launches(v: Variant, dot_f16: bool = False) -> dict[str, Launch]:
     ext = plan_batch(torch.tensor([0, 2, 4]), torch.arange(4), torch.tensor([p + 3, 2 * p]), p,
                      qo_indptr=torch.tensor([0, 3, 3 + 2 * p]))
     dec = plan_batch(torch.tensor([0, 2, 4]), torch.arange(4), torch.tensor([p + 3, 2 * p]), p)
-    kn = torch.zeros(ext.total_new, v.kv_heads, d, dtype=v.dtype)
-    q = torch.zeros(ext.total_new, v.q_heads, d, dtype=v.dtype)
-    qd = torch.zeros(2, v.q_heads, d, dtype=v.dtype)
+    dtype = torch.float16 if dot_f16 else v.dtype
+    kn = torch.zeros(ext.total_new, v.kv_heads, d, dtype=dtype)
+    q = torch.zeros(ext.total_new, v.q_heads, d, dtype=dtype)
+    qd = torch.zeros(2, v.q_heads, d, dtype=dtype)
     scale = d ** -0.5
     out = {
         "store": store_launch(spec, ext, kn, kn, cache, "pages"),
@@ -151,50 +158,70 @@ def compile_launch(launch: Launch, arch: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
 
 
-def compile_all(variants=VARIANTS, targets=TARGETS, kernels: tuple[str, ...] | None = None,
-                dot_f16: bool = False) -> list[Compiled]:
+def compile_all(variants=VARIANTS, targets=TARGETS, fallback_targets=FALLBACK_TARGETS,
+                kernels: tuple[str, ...] | None = None) -> list[Compiled]:
+    """Compile every kernel of every variant for `targets` (INT8 MMA path) and, for the
+    kernels with a matrix product, for `fallback_targets` with the fp16 fallback."""
     rows = []
     for v in variants:
-        for kname, launch in example_launches(v, dot_f16).items():
-            if kernels and kname not in kernels:
-                continue
-            for arch in targets:
-                ck = compile_launch(launch, arch)
-                regs, spill = _resource_usage(ck.asm["cubin"])
-                decl = " ".join(f"{t}:{n}" for t, n in re.findall(r"\.reg \.(\w+)\s+%\w+<(\d+)>", ck.asm["ptx"]))
-                rows.append(Compiled(kname, v.name, arch, ck.metadata.shared, regs, spill, decl,
-                                     ck.metadata.num_warps))
+        for path, archs in (("int8", targets), ("fp16", fallback_targets)):
+            for kname, launch in example_launches(v, dot_f16=path == "fp16").items():
+                if (kernels and kname not in kernels) or (path == "fp16" and kname not in DOT_KERNELS):
+                    continue
+                for arch in archs:
+                    ck = compile_launch(launch, arch)
+                    regs, stack = _resource_usage(ck.asm["cubin"])
+                    decl = " ".join(f"{t}:{n}" for t, n in re.findall(r"\.reg \.(\w+)\s+%\w+<(\d+)>", ck.asm["ptx"]))
+                    rows.append(Compiled(kname, v.name, arch, path, ck.metadata.shared, regs, stack, decl,
+                                         ck.metadata.num_warps))
     return rows
 
 
 def markdown(rows: list[Compiled]) -> str:
-    lines = ["| kernel | variant | sm | shared mem (B) | regs/thread | stack (B) | PTX .reg declarations |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| kernel | variant | sm | path | warps | shared mem (B) | regs/thread | stack (B) | PTX .reg declarations |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.kernel} | {r.variant} | {r.arch} | {r.shared} | {r.regs if r.regs is not None else '?'} "
-                     f"| {r.spill_bytes if r.spill_bytes is not None else '?'} | {r.ptx_regs} |")
+        regs = "?" if r.regs is None else r.regs
+        stack = "?" if r.stack is None else r.stack
+        lines.append(f"| {r.kernel} | {r.variant} | {r.arch} | {r.path} | {r.num_warps} | {r.shared} | {regs} "
+                     f"| {stack} | {r.ptx_regs} |")
     return "\n".join(lines)
 
 
 def update_docs(path: Path, table: str) -> None:
+    """Replace the generated table between the markers in `path`, leaving the rest alone."""
     text = path.read_text()
     if DOC_BEGIN not in text or DOC_END not in text:
         raise ValueError(f"{path} has no generated-table markers ({DOC_BEGIN} ... {DOC_END})")
     head, rest = text.split(DOC_BEGIN, 1)
     _, tail = rest.split(DOC_END, 1)
-    meta = (f"Generated with triton {triton.__version__}; bf16 q/k/v, each kernel with the launch options "
-            "its wrapper uses (store: 8 warps; decode: 4 warps, 1 stage; prefill: 8 warps, 1 stage, "
-            f"{PREFILL_BLOCK_M} query rows); INT8 MMA path.")
-    path.write_text(f"{head}{DOC_BEGIN}\n{meta}\n\n{table}\n{DOC_END}{tail}")
+    path.write_text(f"{head}{DOC_BEGIN}\n{table_header()}\n\n{table}\n{DOC_END}{tail}")
+
+
+def table_header() -> str:
+    return (f"Generated with triton {triton.__version__}; bf16 q/k/v (fp16 on the fallback path), each "
+            f"kernel with its wrapper's launch options (prefill: {PREFILL_BLOCK_M} query rows per program).")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--update-docs", type=Path, help="rewrite the generated table in this markdown file")
+    ap.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    ap.add_argument("--variants", default=",".join(v.name for v in VARIANTS),
+                    help="comma-separated variant names (default: all)")
     ap.add_argument("--targets", type=lambda s: tuple(int(x) for x in s.split(",")), default=TARGETS)
+    ap.add_argument("--fallback-targets", type=lambda s: tuple(int(x) for x in s.split(",") if x),
+                    default=FALLBACK_TARGETS)
     args = ap.parse_args(argv)
-    table = markdown(compile_all(targets=args.targets))
+    names = args.variants.split(",")
+    unknown = set(names) - {v.name for v in VARIANTS}
+    if unknown:
+        ap.error(f"unknown variants {sorted(unknown)}; known: {[v.name for v in VARIANTS]}")
+    rows = compile_all([v for v in VARIANTS if v.name in names], args.targets, args.fallback_targets)
+    table = markdown(rows)
     print(table)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if args.update_docs:
         update_docs(args.update_docs, table)
     return 0

@@ -58,8 +58,10 @@ def kernel_spec(layout: PageLayout) -> KernelSpec:
     if cfg.rounding != "nearest":
         raise NotImplementedError("the Triton kernels round to nearest; stochastic rounding is CPU-only")
     d, p = layout.head_dim, layout.page_size
-    if not (_pow2(d) and d >= 16 and _pow2(p)):
-        raise NotImplementedError(f"the Triton kernels need power-of-two head_dim >= 16 and page size, got D={d}, Π={p}")
+    if not (_pow2(d) and _pow2(p) and d >= 32 and p >= 32):
+        # INT8 tl.dot needs an inner dimension >= 32 (Gd for Q·K, Π for P·V); tl.arange powers of two.
+        raise NotImplementedError(f"the Triton kernels need power-of-two head_dim and page size >= 32, got "
+                                  f"D={d}, Π={p}; the CPU path handles the others")
     if layout.version != 2 or layout.v.sums is not None:
         raise NotImplementedError(f"the Triton kernels read page layout version 2, got {layout.version}")
     gd = cfg.head_group(d)

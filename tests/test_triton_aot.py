@@ -1,0 +1,95 @@
+"""Ahead-of-time compilation of the Triton kernels for real GPU targets, with no GPU here.
+
+`python -m hack_ops.triton.aot` builds each kernel's launch with the wrappers' own code and
+compiles it with triton.compile(..., target=GPUTarget("cuda", cc, 32)) for sm80/86/89/90
+(INT8 MMA) and sm70/75 (the fp16 fallback). It runs in a subprocess: this test process runs
+Triton in its CPU interpreter, and compiling needs the normal mode. What is checked: every
+kernel compiles for every target (a kernel that only works in the interpreter fails here),
+fits the target's shared memory, does not spill, and docs/kernels.md shows these numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hack_ops.triton.aot import (DOC_BEGIN, DOC_END, DOT_KERNELS, FALLBACK_TARGETS, SMEM_LIMIT, TARGETS, VARIANTS,
+                                 Compiled, _signature, example_launches, markdown, update_docs)
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "kernels.md"
+DEFAULT = VARIANTS[0].name  # the serving default: Π=64, D=128, GQA 4
+KERNELS = ("store", "store_tail", "prefill", "decode", "decode_combine", "decode_1split")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> list[Compiled]:
+    out = tmp_path_factory.mktemp("aot") / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-m", "hack_ops.triton.aot", "--variants", DEFAULT, "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [Compiled(**r) for r in json.loads(out.read_text())]
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_for_every_target(compiled):
+    got = {(r.kernel, r.arch, r.path) for r in compiled}
+    want = {(k, a, "int8") for k in KERNELS for a in TARGETS}
+    want |= {(k, a, "fp16") for k in DOT_KERNELS for a in FALLBACK_TARGETS}
+    assert got == want
+
+
+@pytest.mark.slow
+def test_resources_fit_and_nothing_spills(compiled):
+    for r in compiled:
+        assert r.shared <= SMEM_LIMIT[r.arch], r
+        assert r.regs is not None and r.regs <= 255, r
+        assert r.stack == 0, f"{r.kernel} sm{r.arch} spills {r.stack} B per thread"
+        assert "b32:" in r.ptx_regs, r  # the PTX register declarations were read
+
+
+@pytest.mark.slow
+def test_docs_show_these_numbers(compiled):
+    """docs/kernels.md carries the generated table (python -m hack_ops.triton.aot --update-docs
+    docs/kernels.md); it must match what this Triton produces."""
+    text = DOCS.read_text()
+    assert DOC_BEGIN in text and DOC_END in text
+    table = text.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]
+    for line in markdown(compiled).splitlines()[2:]:
+        assert line in table, f"stale docs row, regenerate the table: {line}"
+
+
+def test_signature_follows_launcher_specialization():
+    """Integers divisible by 16 get the divisibility hint, 1 becomes a constant, tensors map to
+    typed pointers: the compiled code is what Triton's launcher would build on a GPU."""
+    launch = example_launches(VARIANTS[0])["decode"]
+    sig, consts, attrs = _signature(launch)
+    names = launch.kernel.arg_names
+    assert sig["q_ptr"] == "*bf16" and sig["kc_ptr"] == "*i32" and sig["ksum_ptr"] == "*u8"
+    assert sig["sm_scale"] == "fp32"
+    assert all(sig[n] == "constexpr" for n in launch.constexprs)
+    assert attrs[(names.index("q_ptr"),)] == [["tt.divisibility", 16]]
+    ints = [(n, a) for n, a in zip([n for n in names if n not in launch.constexprs], launch.args) if type(a) is int]
+    for n, a in ints:
+        if a == 1:
+            assert sig[n] == "constexpr" and consts[n] == 1
+        elif a % 16 == 0:
+            assert attrs[(names.index(n),)] == [["tt.divisibility", 16]]
+
+
+def test_update_docs_replaces_only_the_table(tmp_path):
+    doc = tmp_path / "k.md"
+    doc.write_text(f"# K\n\n## CPU path\ntext\n\n## Triton (GPU)\nbefore\n{DOC_BEGIN}\nold\n{DOC_END}\nafter\n")
+    update_docs(doc, "| new |")
+    text = doc.read_text()
+    assert "old" not in text and "| new |" in text
+    assert text.startswith("# K\n\n## CPU path\ntext\n") and text.endswith(f"{DOC_END}\nafter\n")
+    plain = tmp_path / "plain.md"
+    plain.write_text("# nothing here\n")
+    with pytest.raises(ValueError, match="markers"):
+        update_docs(plain, "| x |")
+    assert plain.read_text() == "# nothing here\n"
