@@ -1,8 +1,9 @@
 """Every SGLang symbol the plugin touches, in one place (review this file on a version bump).
 
 Pinned upstream: sglang==0.5.23. Each entry of HOOKS names the upstream target, how it is
-hooked (sglang.srt.plugins.hook_registry.HookType) and why. Two more upstream registries are
-used directly, not hooked, and are listed in DIRECT_USES. The platform class
+hooked (sglang.srt.plugins.hook_registry.HookType) and why. Upstream symbols used directly
+(registries, base classes, accessors) are listed in DIRECT_USES. tests/test_engine_hooks.py
+resolves every one of them against the installed SGLang. The platform class
 (engine.platform) reaches SGLang only through the `sglang.srt.platforms` entry point and
 SRTPlatform.get_kv_pool_cls.
 
@@ -24,6 +25,10 @@ DIRECT_USES = (
     "sglang.srt.platforms.cuda.CudaSRTPlatform",  # base of engine.platform.HackCudaPlatform
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",  # base class of engine.pool.HackKVPool
     "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",  # base of the backend
+    "sglang.srt.plugins.hook_registry.HookRegistry",  # where HOOKS are registered
+    "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",  # memory-saver region of the pool
+    "sglang.srt.runtime_context.get_parallel",  # attention TP/DCP size when sizing the pool
+    "sglang.srt.runtime_context.get_schedule",  # --max-running-requests when sizing the pool
 )
 
 _CLI_PARSER: list = []  # the parser SGLang built, kept to report option errors the argparse way

@@ -1,12 +1,13 @@
 """Batch-1 decode speed of real servers on this CPU: HACK vs SGLang's own CPU path (torch_native
 attention over a BF16 cache), same model, same prompt ids, cold cache.
 
-The servers run one after the other (never sharing the two cores) and without
---sleep-on-idle (its 1 s idle poll would distort per-token timing). Required (the issue's
+Both servers run with --sleep-on-idle (an idle one takes no CPU; the sleep only delays the
+first token, not the decode rate measured from the first streamed token to the last), and the
+measurements alternate between them, best of REPEATS per cell. Required (the issue's
 targets): at an 8K context HACK decodes >= 3x as many tokens/s as BF16 (BF16 gathers its whole
 cache into a contiguous copy every step, HACK reads ~6x fewer bytes in place); at a short
 context HACK is not slower, allowing SHORT_NOISE for run-to-run noise on a shared machine
-(the two servers are measured minutes apart).
+(the measurements of the two servers are seconds to minutes apart).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 LONG, SHORT = 8000, 128
 DECODE_TOKENS = 24
+REPEATS = 2
 LONG_MIN_RATIO = 3.0
 SHORT_NOISE = 0.9
 
@@ -30,25 +32,34 @@ def speeds(tmp_path_factory) -> dict:
     model = str(prepare("smollm2", log=lambda *a, **k: None))
     logs = tmp_path_factory.mktemp("speed")
     ids = {c: essay_ids(model, c, index=2) for c in (SHORT, LONG)}
-    out: dict[str, dict] = {}
-    for name, args in (("bf16", ["--attention-backend", "torch_native"]),
-                       ("hack", ["--kv-cache-dtype", "hack"])):
-        server = SGLangServer(model, [*args, "--hack-kv-budget-mb", "512"], log_path=logs / f"{name}.log")
-        server.start()
-        try:
-            server.wait_ready()
-            server.timed_stream(ids[SHORT], 4)  # warm-up (first-use costs)
-            out[name] = {}
-            for c in (SHORT, LONG):
-                server.flush_cache()
-                out[name][c] = server.timed_stream(ids[c], DECODE_TOKENS)
-        finally:
-            server.stop()
+    servers = {name: SGLangServer(model, [*args, "--hack-kv-budget-mb", "512", "--sleep-on-idle"],
+                                  log_path=logs / f"{name}.log")
+               for name, args in (("bf16", ["--attention-backend", "torch_native"]),
+                                  ("hack", ["--kv-cache-dtype", "hack"]))}
+    out: dict[str, dict] = {name: {} for name in servers}
+    try:
+        for s in servers.values():
+            s.start()
+        for s in servers.values():
+            s.wait_ready()
+            s.timed_stream(ids[SHORT], 4)  # warm-up (first-use costs)
+        # Interleaved and repeated, best of REPEATS per cell: the machine's load drifts, and the
+        # idle server (sleeping) takes no CPU from the measured one.
+        for c in (SHORT, LONG):
+            for rep in range(REPEATS):
+                for name, s in servers.items():
+                    if rep == 0:  # cold prefill once; later repeats reuse the cached prompt
+                        s.flush_cache()
+                    m = s.timed_stream(ids[c], DECODE_TOKENS)
+                    if m["decode_tok_s"] > out[name].get(c, {}).get("decode_tok_s", 0.0):
+                        out[name][c] = m
+    finally:
+        for s in servers.values():
+            s.stop()
     for c in (SHORT, LONG):
         b, h = out["bf16"][c], out["hack"][c]
         print(f"\ncontext {c}: decode BF16 {b['decode_tok_s']:.2f} tok/s, HACK {h['decode_tok_s']:.2f} tok/s "
-              f"(x{h['decode_tok_s'] / b['decode_tok_s']:.2f}); prefill BF16 {b['prefill_tok_s']:.0f}, "
-              f"HACK {h['prefill_tok_s']:.0f} tok/s")
+              f"(x{h['decode_tok_s'] / b['decode_tok_s']:.2f})")
     return out
 
 
