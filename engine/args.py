@@ -62,6 +62,10 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_disable_requant_elimination": ("--hack-disable-requant-elimination", dict(
         action="store_true", default=None,
         help="Ablation: re-quantize the open partition at every step instead of keeping it FP16.")),
+    "hack_disable_range_search": ("--hack-disable-range-search", dict(
+        action="store_true", default=None,
+        help="Quantize pages over their plain min/max range instead of the least-squared-error "
+             "clipped range (faster page quantization, less accurate).")),
     "hack_prefill": ("--hack-prefill", dict(
         choices=list(PREFILL_MODES),
         help="Extend attention over the chunk's own tokens: homomorphic (default) or exact.")),
@@ -129,6 +133,8 @@ def settings_from_options(ns: Any, enabled: bool) -> EngineSettings:
         changes["summation_elimination"] = False
     if getattr(ns, "hack_disable_requant_elimination", None):
         changes["requant_elimination"] = False
+    if getattr(ns, "hack_disable_range_search", None):
+        changes["range_search"] = False
     try:
         cfg = HackConfig().replace(**changes)
     except ValueError as exc:

@@ -55,13 +55,13 @@ def test_every_option_maps_onto_settings(parser):
                 "--hack-rounding", "stochastic", "--hack-disable-summation-elimination",
                 "--hack-disable-requant-elimination", "--hack-prefill", "exact",
                 "--hack-orientation", "token_k", "--hack-sink-tokens", "0", "--hack-kv-bits", "4",
-                "--hack-tail-tensors", "per_channel",
+                "--hack-tail-tensors", "per_channel", "--hack-disable-range-search",
                 "--hack-attention", "dequant", "--hack-kv-budget-mb", "64")
     apply_cli_namespace(ns)
     s = settings_mod.active()
     assert s.config == HackConfig(partition_size=32, rounding="stochastic", summation_elimination=False,
                                   requant_elimination=False, orientation="token_k", sink_tokens=0,
-                                  kv_bits=4, tail_tensors="per_channel")
+                                  kv_bits=4, tail_tensors="per_channel", range_search=False)
     assert (s.prefill, s.attention, s.kv_budget_mb) == ("exact", "dequant", 64.0)
     assert ns.page_size == 32
     # what children receive round-trips exactly
