@@ -9,6 +9,7 @@ import importlib
 # `hack bench all` (which runs every benchmark with its defaults).
 BENCH_MODULES: list[str] = [
     "hack_cli.bench_disagg",
+    "hack_cli.bench_attention",
     "hack_cli.bench_serve",
 ]
 

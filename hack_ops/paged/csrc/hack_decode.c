@@ -45,19 +45,52 @@ static inline float exp_neg(float x) {
     return p * two_n;
 }
 
+/* Scores against n FP16 keys (token stride `stride` elements) for the group's query heads. */
 static void fp16_scores(const uint16_t *x, int n, int64_t stride, int d, int rep, const float *q, float *s, int64_t ld) {
     for (int j = 0; j < n; j++) {
+        const uint16_t *xj = x + j * stride;
+#if HACK_SIMD
+        __m512 xf[MAX_D / 16];
+        for (int blk = 0; blk < d / 16; blk++) xf[blk] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(xj + blk * 16)));
+        for (int r = 0; r < rep; r++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (int blk = 0; blk < d / 16; blk++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * d + blk * 16), xf[blk], acc);
+            s[r * ld + j] = _mm512_reduce_add_ps(acc);
+        }
+#else
         float xf[MAX_D];
-        for (int c = 0; c < d; c++) xf[c] = h2f(x[j * stride + c]);
+        for (int c = 0; c < d; c++) xf[c] = h2f(xj[c]);
         for (int r = 0; r < rep; r++) {
             float acc = 0.0f;
             for (int c = 0; c < d; c++) acc += q[r * d + c] * xf[c];
             s[r * ld + j] = acc;
         }
+#endif
     }
 }
 
+/* o[r] += sum_j pr[r * ld + j] * x_j over n FP16 values. */
 static void fp16_pv(const uint16_t *x, int n, int64_t stride, int d, int rep, const float *pr, int64_t ld, float *o) {
+#if HACK_SIMD
+    for (int blk = 0; blk < d / 16; blk++)
+        for (int r0 = 0; r0 < rep; r0 += 4) { /* 4 query heads' accumulators in registers */
+            const int nr = rep - r0 < 4 ? rep - r0 : 4;
+            const float *p0 = pr + r0 * ld, *p1 = p0 + (nr > 1) * ld, *p2 = p0 + (nr > 2) * 2 * ld, *p3 = p0 + (nr > 3) * 3 * ld;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int j = 0; j < n; j++) {
+                __m512 xf = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + j * stride + blk * 16)));
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(p0[j]), xf, a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(p1[j]), xf, a1);
+                a2 = _mm512_fmadd_ps(_mm512_set1_ps(p2[j]), xf, a2);
+                a3 = _mm512_fmadd_ps(_mm512_set1_ps(p3[j]), xf, a3);
+            }
+            __m512 res[4] = {a0, a1, a2, a3};
+            for (int k = 0; k < nr; k++) {
+                float *dst = o + (r0 + k) * d + blk * 16;
+                _mm512_storeu_ps(dst, _mm512_add_ps(_mm512_loadu_ps(dst), res[k]));
+            }
+        }
+#else
     for (int j = 0; j < n; j++) {
         float xf[MAX_D];
         for (int c = 0; c < d; c++) xf[c] = h2f(x[j * stride + c]);
@@ -66,6 +99,7 @@ static void fp16_pv(const uint16_t *x, int n, int64_t stride, int d, int rep, co
             for (int c = 0; c < d; c++) o[r * d + c] += p * xf[c];
         }
     }
+#endif
 }
 
 /* One item: scores, local max, numerators, P.V for pages [p0, p1) of (b, h). */

@@ -212,6 +212,12 @@ void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const fl
     const uint8_t *codes = page + a->v_codes_off + it->h * P * row;
     const int64_t mbase = it->h * P * ng;
     float *sv = ws, *mv = ws + ng * P, *pcf = ws + 2 * ng * P; /* sv, mv: [ng][P]; pcf: [rep][ng][P] */
+    uint8_t *pc8 = (uint8_t *)pcf; /* the same P codes as bytes, for the integer path */
+#if HACK_SIMD && defined(__AVX512VBMI__)
+    const int int_pv = gd % (16 * (8 / bits)) == 0; /* a 16-byte block of codes lies in one group */
+#else
+    const int int_pv = 0;
+#endif
     float tmp[MAX_G * MAX_P], pf[MAX_P], sp[MAX_REP][MAX_G], mterm[MAX_REP][MAX_G], dummy;
     load_meta(page + a->v_scale_off, mbase, nt * ng, fp32, tmp); /* [token][group] -> [group][token] */
     for (int j = 0; j < nt; j++)
@@ -229,9 +235,56 @@ void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const fl
             }
             for (int j = nt; j < P; j++) pf[j] = 0.0f; /* unfilled slots: P = 0 */
             mterm[r][g] = mt;
-            q8(pf, P, 1, NULL, pcf + (r * ng + g) * P, &sp[r][g], &dummy);
+            q8(pf, P, 1, int_pv ? pc8 + (r * ng + g) * P : NULL, int_pv ? NULL : pcf + (r * ng + g) * P, &sp[r][g], &dummy);
         }
     float acc[MAX_REP][MAX_D] __attribute__((aligned(64)));
+#if HACK_SIMD && defined(__AVX512VBMI__)
+    if (int_pv) {
+        /* Integer P.V with VNNI: 4 tokens at a time. Their 16-byte blocks of packed codes are
+         * interleaved so that dword i holds the 4 tokens' byte i; shifting by bits*k and masking
+         * gives, in dword i, the 4 tokens' codes of channel (16*blk + i)*per + k; one vpdpbusd
+         * with the 4 tokens' P codes (u8) broadcast adds their products to that channel. */
+        const int per = 8 / bits, cpb = 16 * per, nt4 = (nt + 3) & ~3;
+        uint8_t ib[64];
+        for (int i = 0; i < 16; i++)
+            for (int t = 0; t < 4; t++) ib[4 * i + t] = (uint8_t)(16 * t + i);
+        const __m512i idx = _mm512_loadu_si512(ib), m8 = _mm512_set1_epi8((char)((1 << bits) - 1));
+        for (int j = nt; j < nt4; j++) /* padding tokens: P code 0 */
+            for (int r = 0; r < rep; r++)
+                for (int g = 0; g < ng; g++) pc8[(r * ng + g) * P + j] = 0;
+        for (int blk = 0; blk < row / 16; blk++) {
+            const int g = blk * cpb / gd;
+            for (int r0 = 0; r0 < rep; r0 += 4) {
+                const int nr = rep - r0 < 4 ? rep - r0 : 4;
+                __m512i ac[4][4];
+                for (int rr = 0; rr < 4; rr++)
+                    for (int k = 0; k < 4; k++) ac[rr][k] = _mm512_setzero_si512();
+                for (int j = 0; j < nt4; j += 4) {
+                    const uint8_t *b0 = codes + j * row + blk * 16;
+                    __m512i raw = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)b0));
+                    raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)(b0 + row)), 1);
+                    raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)(b0 + 2 * row)), 2);
+                    raw = _mm512_inserti32x4(raw, _mm_loadu_si128((const __m128i *)(b0 + 3 * row)), 3);
+                    const __m512i z = _mm512_permutexvar_epi8(idx, raw);
+                    __m512i x[4];
+                    for (int k = 0; k < per; k++) x[k] = _mm512_and_si512(_mm512_srli_epi32(z, bits * k), m8);
+                    for (int rr = 0; rr < nr; rr++) {
+                        int32_t quad;
+                        memcpy(&quad, pc8 + ((r0 + rr) * ng + g) * P + j, 4);
+                        const __m512i pq = _mm512_set1_epi32(quad);
+                        for (int k = 0; k < per; k++) ac[rr][k] = _mm512_dpbusd_epi32(ac[rr][k], pq, x[k]);
+                    }
+                }
+                for (int rr = 0; rr < nr; rr++)
+                    for (int k = 0; k < per; k++) {
+                        int32_t t32[16];
+                        _mm512_storeu_si512(t32, ac[rr][k]);
+                        for (int i = 0; i < 16; i++) acc[r0 + rr][blk * cpb + i * per + k] = (float)t32[i];
+                    }
+            }
+        }
+    } else {
+#endif
 #if HACK_SIMD
     /* 16 channels at a time, all tokens, accumulators of 4 query heads in registers. A
      * channel block's codes: each byte repeated 4x (2-bit) or 2x (4-bit), shifted per lane. */
@@ -269,6 +322,9 @@ void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const fl
         unpack_row(codes + j * row, d, bits, vc);
         for (int r = 0; r < rep; r++)
             for (int c = 0; c < d; c++) acc[r][c] += pcf[(r * ng + c / gd) * P + j] * (float)vc[c];
+    }
+#endif
+#if HACK_SIMD && defined(__AVX512VBMI__)
     }
 #endif
     for (int r = 0; r < rep; r++)

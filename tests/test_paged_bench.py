@@ -1,0 +1,39 @@
+"""`hack bench attention` end to end on a tiny grid: the JSON it prints, its ratios, its errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hack_cli.main import main
+
+
+def test_bench_attention_json(capsys, tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "attention", "--json", "--shapes", "smollm2", "--batches", "1,2", "--contexts", "200",
+               "--repeats", "1", "--prefill-tokens", "96", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc == json.loads(out.read_text())
+    decode = [r for r in doc["results"] if r["phase"] == "decode"]
+    assert {(r["batch"], r["method"]) for r in decode} == {(b, m) for b in (1, 2) for m in ("hack", "bf16", "dequant")}
+    assert all(r["shape"] == "smollm2" and r["context"] == 200 and r["median_ms"] > 0 for r in decode)
+    prefill = {r["method"] for r in doc["results"] if r["phase"] == "prefill"}
+    assert prefill == {"hack", "hack-exact", "hack-store", "bf16", "dequant"}
+    ms = {(r["phase"], r["batch"], r["method"]): r["median_ms"] for r in doc["results"]}
+    for ratio in doc["ratios"]:
+        key = (ratio["phase"], ratio["batch"])
+        assert ratio["hack_vs_bf16"] == pytest.approx(ms[key + ("bf16",)] / ms[key + ("hack",)], rel=0.05, abs=0.01)
+        assert ratio["hack_vs_dequant"] == pytest.approx(ms[key + ("dequant",)] / ms[key + ("hack",)], rel=0.05, abs=0.01)
+    assert len(doc["ratios"]) == 3  # two decode cells and the prefill
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--shapes", "gpt5"], "unknown shapes"),
+    (["--batches", "1,x"], "comma-separated integers"),
+    (["--contexts", "0"], "positive"),
+    (["--threads", "0"], "--threads"),
+])
+def test_bench_attention_bad_arguments(argv, message, capsys):
+    assert main(["bench", "attention", "--json", *argv]) == 2
+    assert message in capsys.readouterr().err
