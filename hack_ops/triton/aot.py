@@ -30,7 +30,7 @@ from ..layout import PageLayout, page_layout
 from .batch import plan_batch
 from .decode import decode_launches
 from .launch import Launch
-from .prefill import PREFILL_BLOCK_M, prefill_launch
+from .prefill import prefill_block_m, prefill_launch
 from .spec import cache_args, kernel_spec
 from .store import new_buffers, store_launch
 
@@ -96,7 +96,7 @@ def example_launches(v: Variant, dot_f16: bool = False) -> dict[str, Launch]:
     out = {
         "store": store_launch(spec, ext, kn, kn, cache, "pages"),
         "store_tail": store_launch(spec, ext, kn, kn, cache, "tail"),
-        "prefill": prefill_launch(spec, ext, q, kn, kn, cache, q, scale, PREFILL_BLOCK_M, dot_f16),
+        "prefill": prefill_launch(spec, ext, q, kn, kn, cache, q, scale, prefill_block_m(spec, dot_f16), dot_f16),
     }
     decode, combine = decode_launches(spec, dec, qd, cache, qd, scale, 2, 1, dot_f16)
     out["decode"] = decode
@@ -200,7 +200,8 @@ def update_docs(path: Path, table: str) -> None:
 
 def table_header() -> str:
     return (f"Generated with triton {triton.__version__}; bf16 q/k/v (fp16 on the fallback path), each "
-            f"kernel with its wrapper's launch options (prefill: {PREFILL_BLOCK_M} query rows per program).")
+            "kernel with its wrapper's launch options (warps per program as listed; prefill 32 query rows "
+            "per program, 16 with 4+ head_dim groups or on the fallback).")
 
 
 def main(argv: list[str] | None = None) -> int:

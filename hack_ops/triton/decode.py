@@ -13,7 +13,12 @@ from .launch import Launch
 from .spec import CacheArgs, KernelSpec, cache_args, int8_mma_supported, kernel_spec, triton_next_pow2
 
 MAX_SPLITS = 64
-DECODE_WARPS = 4
+
+
+def decode_warps(spec: KernelSpec, dot_f16: bool) -> int:
+    """Warps per decode program: 4, or 8 where 4 would spill registers (Π=128 pages, 4+
+    head_dim groups, the FMA-based fp16 fallback), as measured by hack_ops.triton.aot."""
+    return 8 if spec.page >= 128 or spec.ngroups >= 4 or dot_f16 else 4
 
 
 def choose_splits(batch_size: int, kv_heads: int, max_pages: int, device: torch.device) -> int:
@@ -113,7 +118,7 @@ def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs
         dict(REP=rep, BLOCK_H=max(16, triton_next_pow2(rep)), P=spec.page, D=spec.head_dim, GD=spec.group,
              NG=spec.ngroups, BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail,
              NSPLIT=num_splits, DOT_F16=dot_f16),
-        dict(num_warps=DECODE_WARPS, num_stages=1),
+        dict(num_warps=decode_warps(spec, dot_f16), num_stages=1),
     )]
     if num_splits > 1:
         launches.append(Launch(

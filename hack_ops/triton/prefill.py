@@ -24,8 +24,14 @@ from .spec import triton_next_pow2
 from .store import store_launch
 
 
-PREFILL_BLOCK_M = 32  # query rows per program on a GPU (registers: see docs/kernels.md)
+PREFILL_BLOCK_M = 32  # query rows per program (16 where 32 would spill, see prefill_block_m)
 PREFILL_WARPS = 8
+
+
+def prefill_block_m(spec: KernelSpec, dot_f16: bool) -> int:
+    """Query rows per program: 32, or 16 where 32 spills registers (4+ head_dim groups, the
+    FMA-based fp16 fallback), as measured by hack_ops.triton.aot."""
+    return 16 if spec.ngroups >= 4 or dot_f16 else PREFILL_BLOCK_M
 
 
 class HackPrefillAttention:
@@ -72,15 +78,16 @@ class HackPrefillAttention:
             return out
         if save_kv_cache:
             store_launch(sp, b, k, v, cache, "pages")()
-        prefill_launch(sp, b, q, k, v, cache, out, self.sm_scale, self._block_m(), self._dot_f16(q.device))()
+        dot_f16 = self._dot_f16(q.device)
+        prefill_launch(sp, b, q, k, v, cache, out, self.sm_scale, self._block_m(dot_f16), dot_f16)()
         if save_kv_cache:
             store_launch(sp, b, k, v, cache, "tail")()
         return out
 
-    def _block_m(self) -> int:
+    def _block_m(self, dot_f16: bool) -> int:
         if self.block_m:
             return self.block_m
-        return min(PREFILL_BLOCK_M, max(16, triton_next_pow2(self.batch.max_new)))
+        return min(prefill_block_m(self.spec, dot_f16), max(16, triton_next_pow2(self.batch.max_new)))
 
     def _dot_f16(self, device: torch.device) -> bool:
         return (not int8_mma_supported(device)) if self.dot_f16 is None else self.dot_f16
