@@ -152,3 +152,36 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
         with pytest.raises(NotImplementedError, match="CPU path only"):
             GpuAttention(store, s)
     GpuAttention(store, settings_mod.EngineSettings())  # the default format is one the kernels cover
+
+
+def test_decode_tail_append_matches_the_store_write(hack_env):
+    """The backend's fast path for decode tokens that only append to the FP16 tails leaves the
+    store exactly as HackKVStore.write does (and is not taken for sinks or closing pages)."""
+    from engine.backend import append_to_tails, appends_only
+
+    g = torch.Generator().manual_seed(3)
+    a, b = _pool(layers=1), _pool(layers=1)
+    r2t = torch.zeros(4, 512, dtype=torch.int64)
+    r2t[1, :128] = torch.arange(128) + 3 * 64
+    r2t[2, :128] = torch.arange(128) + 9 * 64
+    k0, v0 = torch.randn(2, 70, 3, DIM, generator=g), torch.randn(2, 70, 3, DIM, generator=g)
+    for pool in (a, b):
+        for i, row in enumerate((1, 2)):
+            extend(pool.store, 0, pool.store.plan(r2t, [row], [70], [70]), torch.randn(70, 9, DIM, generator=g),
+                   k0[i], v0[i])
+    plan_a = a.store.plan(r2t, [1, 2], [71, 71])
+    plan_b = b.store.plan(r2t, [1, 2], [71, 71])
+    assert appends_only(a.store, plan_a)
+    assert not appends_only(a.store, a.store.plan(r2t, [1, 2], [71, 64]))  # position 63 closes page 0
+    assert not appends_only(a.store, a.store.plan(r2t, [3], [1]))  # position 0 is a sink
+    k, v = torch.randn(2, 3, DIM, generator=g), torch.randn(2, 3, DIM, generator=g)
+    a.store.write(0, plan_a, k, v)
+    append_to_tails(b.store, 0, plan_b, k, v)
+    for name in ("k", "v"):
+        assert torch.equal(a.store.tail(name, 0), b.store.tail(name, 0))
+    assert torch.equal(a.k_buffer[0], b.k_buffer[0]) and torch.equal(a.v_buffer[0], b.v_buffer[0])
+    assert torch.equal(a.store.sink_k[0], b.store.sink_k[0])
+    q = torch.randn(2, 9, DIM, generator=g)
+    assert torch.equal(decode(a.store, 0, plan_a, q), decode(b.store, 0, plan_b, q))
+    with pytest.raises(ValueError, match="NaN or inf"):
+        append_to_tails(b.store, 0, plan_b, torch.full((2, 3, DIM), float("nan")), v)
