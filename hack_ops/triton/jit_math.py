@@ -160,19 +160,6 @@ def v_codes_tile(base, tok_stride, g, n_tok, GD: tl.constexpr, P: tl.constexpr, 
 
 
 @triton.jit
-def group_of(x3, g, NG: tl.constexpr):
-    """Group g of a [M, NG, X] register tensor, as [M, X] (a select-and-sum over the small
-    group axis: Triton has no register slicing)."""
-    return tl.sum(tl.where(tl.arange(0, NG)[None, :, None] == g, x3, 0.0), axis=1)
-
-
-@triton.jit
-def column_of(x2, g, NG: tl.constexpr):
-    """Column g of a [M, NG] register tensor, as [M]."""
-    return tl.sum(tl.where(tl.arange(0, NG)[None, :] == g, x2, 0.0), axis=1)
-
-
-@triton.jit
 def into_group(x2, g, NG: tl.constexpr):
     """[M, X] -> [M, NG, X], zero outside group g (to add into a grouped accumulator)."""
     return tl.where(tl.arange(0, NG)[None, :, None] == g, x2[:, None, :], 0.0)

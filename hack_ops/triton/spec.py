@@ -1,7 +1,6 @@
 """What the Triton kernels support, and the constants/arguments they take from a PageLayout."""
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -10,11 +9,6 @@ from ..layout import PageLayout
 
 K_SECTIONS = ("codes", "minimum", "scale", "sums")
 V_SECTIONS = ("codes", "minimum", "scale")  # layout v2: V has no sums (P has a zero minimum)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _pow2(n: int) -> bool:
