@@ -45,7 +45,7 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
     kv = {"k_" + s: layout.k.view(bufs["k_buf"], s) for s in ("codes", "minimum", "scale", "sums")}
     kv.update({"v_" + s: layout.v.view(bufs["v_buf"], s) for s in ("codes", "minimum", "scale")})
     k16 = k.half().float()
-    rs = bool(getattr(cfg, "range_search", False))
+    rs = {"range_search": True} if getattr(cfg, "range_search", False) else {}  # the store's range search
     v_src = v.half().float() if cfg.v_tail else v.float()
     for i, page in enumerate(pages[: -(-n // p)]):
         lo, hi = i * p, min(n, (i + 1) * p)
@@ -53,13 +53,12 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
         closed = cnt == p
         sink = (torch.arange(lo, hi) < sk)[:, None, None]
         if closed or not cfg.v_tail:  # V per token in head_dim groups; sinks: code 0, min 0, scale 0
-            qv = quantize(v_src[lo:hi], cfg.kv_bits, dim=-1, group_size=gd, meta_dtype=meta, range_search=rs)
+            qv = quantize(v_src[lo:hi], cfg.kv_bits, dim=-1, group_size=gd, meta_dtype=meta, **rs)
             kv["v_codes"][page, :, :cnt] = pack(qv.codes.masked_fill(sink, 0).permute(1, 0, 2).contiguous(), cfg.kv_bits)
             kv["v_minimum"][page, :, : cnt * ng] = qv.minimum.masked_fill(sink, 0).permute(1, 0, 2).reshape(h, cnt * ng)
             kv["v_scale"][page, :, : cnt * ng] = qv.scale.masked_fill(sink, 0).permute(1, 0, 2).reshape(h, cnt * ng)
         if closed:  # K per channel over the page's non-sink tokens
-            qk = quantize(k16[lo:hi], cfg.kv_bits, dim=0, group_size=p, meta_dtype=meta, mask=~sink.expand(p, h, d),
-                          range_search=rs)
+            qk = quantize(k16[lo:hi], cfg.kv_bits, dim=0, group_size=p, meta_dtype=meta, mask=~sink.expand(p, h, d), **rs)
             kv["k_codes"][page] = pack(qk.codes.permute(1, 0, 2).contiguous(), cfg.kv_bits)
             kv["k_minimum"][page] = qk.minimum[0]
             kv["k_scale"][page] = qk.scale[0]
