@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+
 
 def pytest_configure(config) -> None:
     # There is no GPU here: Triton kernels (hack_ops.triton) run in Triton's CPU interpreter.
@@ -20,3 +22,14 @@ def pytest_configure(config) -> None:
     finally:
         del os.environ["TRITON_INTERPRET"]
     triton.knobs.runtime.__dict__["interpret"] = True  # in-process override, no setenv
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small tensors: on a shared 2-core machine, intra-op threads only add synchronization."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

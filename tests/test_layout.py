@@ -12,13 +12,7 @@ from hack_ops import HackConfig, pack, quantize, unpack
 from hack_ops.layout import LAYOUT_VERSION, bytes_per_token, page_layout
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: on a shared 2-core machine, intra-op threads only add synchronization."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CONFIGS = [
     HackConfig(),

@@ -8,13 +8,7 @@ import torch
 from hack_ops import pack, quantize, unpack
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Small tensors: on a shared 2-core machine, intra-op threads only add synchronization."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _codes(shape, bits, seed=0):
