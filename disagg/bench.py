@@ -5,15 +5,13 @@ machinery); the link rate is then changed in place (tc qdisc change) for each ra
 servers, their warm-up and their memory are the same across rates. The same workload (same
 token ids, same Poisson arrival times) is replayed at every point.
 
-Breakdown per request (means reported), all measured, none modelled:
-  transfer   bytes and wall time of the KV transfer, at the transfer layer (disagg.wire_meter)
-  prefill    TTFT - transfer (queueing, prefill forward incl. the fused quantization of the
-             store kernel, bootstrap, first decode step)
-  decode     JCT - TTFT (decode steps; homomorphic attention for hack, dequantization +
-             attention for dequant, plain attention for bf16)
-Quantization and approximation/dequantization run fused inside the prefill and decode
-kernels; their separate shares are reported from the metrics stream when the engine records
-them (engine.metrics phases `quantization`, `approximation`, `dequantization`), else "n/a".
+Breakdown per request (means reported), all measured, none modelled: the exclusive breakdown
+of the servers' metrics streams (engine.metrics.analysis; the dashboard's Fig. 10 view), in
+which each instant of a request's JCT belongs to one phase: quantization, approximation /
+dequantization (host-timed inside the CPU path, engine.fused_phases), prefill, decode, the
+exposed part of the KV transfer, and waiting (queues, bootstrap). Next to it, the time and
+bytes on the wire per request at the transfer layer (disagg.wire_meter), which may overlap
+prefill compute.
 """
 from __future__ import annotations
 
@@ -44,27 +42,24 @@ def _wire_records(run_dir: Path, since: float) -> list[dict]:
     return recs
 
 
-def _phase_means(run_dir: Path, since_ns: int) -> dict[str, float]:
-    """Mean seconds per request of fused phases, if the engine recorded them."""
-    try:
-        from engine.metrics.runload import RunLoader
-        from engine.metrics.run_view import build_view
+def _exclusive_means(run_dir: Path, since_ns: int) -> dict[str, float]:
+    """Mean seconds per request of each phase in the metrics' exclusive breakdown (the
+    dashboard's: every instant of a request's JCT in one phase), over the PD requests that
+    arrived since `since_ns`. Empty when the run has no metrics."""
+    from engine.metrics.run_view import build_view
+    from engine.metrics.runload import RunLoader
 
-        view = build_view(RunLoader(run_dir).load())
-        spans = view.get("spans") if isinstance(view, dict) else getattr(view, "spans", None)
-        if spans is None or len(spans) == 0:
-            return {}
-        out = {}
-        for phase in ("quantization", "approximation", "dequantization"):
-            sel = spans[(spans["phase"] == phase)]
-            if "t_end_ns" in sel:
-                sel = sel[sel["t_end_ns"] >= since_ns]
-            if len(sel):
-                per_req = sel.groupby("rid")["dur_ns"].sum() / 1e9
-                out[phase] = float(per_req.mean())
-        return out
-    except Exception:  # noqa: BLE001 - optional enrichment
+    bd = build_view(RunLoader(run_dir).load()).breakdown
+    if bd is None or not len(bd):
         return {}
+    sel = bd[(bd["arrival_ns"] >= since_ns) & (bd["key"] != "room:0")]  # room 0: not a PD request
+    if not len(sel):
+        return {}
+    cols = [c for c in ("prefill", "quantization", "transfer", "approximation", "dequantization",
+                        "decode", "queue", "other") if c in sel]
+    out = {c: float(sel[c].mean()) for c in cols}
+    out["waiting"] = out.pop("queue", 0.0) + out.pop("other", 0.0)
+    return out
 
 
 def run_point(url: str, items: list, run_dir: Path) -> dict[str, Any]:
@@ -73,19 +68,16 @@ def run_point(url: str, items: list, run_dir: Path) -> dict[str, Any]:
     summary = summarize(results)
     ok = [r for r in results if r.ok]
     wire = _wire_records(run_dir, t0)
-    xfer_s = [r["t_end"] - r["t_start"] for r in wire if r.get("t_start")]
+    xfer_s = [r["busy_s"] for r in wire if r.get("busy_s") is not None]
     xfer_b = [r["bytes"] for r in wire]
     mean = lambda v: statistics.fmean(v) if v else None  # noqa: E731
-    t_mean = mean(xfer_s) or 0.0
-    ttft = mean([r.ttft_s for r in ok if r.ttft_s is not None])
-    jct = mean([r.jct_s for r in ok if r.jct_s is not None])
-    breakdown = {
-        "prefill": (ttft - t_mean) if ttft is not None else None,
-        "transfer": t_mean if xfer_s else None,
-        "decode": (jct - ttft) if (jct is not None and ttft is not None) else None,
-    }
-    breakdown.update(_phase_means(run_dir, int(t0 * 1e9)))
-    summary.update(breakdown_s=breakdown, wire_bytes_mean=mean(xfer_b),
+    time.sleep(2.0)  # the servers flush their metrics streams about once a second
+    breakdown = _exclusive_means(run_dir, int(t0 * 1e9))
+    if not breakdown:  # no metrics stream: TTFT and JCT only
+        ttft = mean([r.ttft_s for r in ok if r.ttft_s is not None])
+        jct = mean([r.jct_s for r in ok if r.jct_s is not None])
+        breakdown = {"prefill": ttft, "decode": (jct - ttft) if jct is not None and ttft is not None else None}
+    summary.update(breakdown_s=breakdown, wire_s_mean=mean(xfer_s), wire_bytes_mean=mean(xfer_b),
                    prompt_tokens_mean=mean([len(i.input_ids) for i in items]),
                    errors=[r.error for r in results if not r.ok][:3])
     return summary

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.cpu_runtime import shared_host_env
+
 from . import netns, procs
 from .server_cmd import METHODS, router_command, server_command
 
@@ -97,7 +99,7 @@ def _server_env(host_ip: str, run_dir: Path, role: str, index: int, spec: Cluste
     if role == "decode":
         env["HACK_DISAGG_FAULT_FILE"] = str(run_dir / f"fault-trigger-decode-{index}")
     env.pop("SGLANG_IS_IN_CI", None)  # in CI mode SGLang raises on a checksum mismatch
-    return env
+    return shared_host_env(env)
 
 
 def up(spec: ClusterSpec, log=print) -> dict:

@@ -30,15 +30,18 @@ _totals = {"bytes": 0, "requests": 0}
 def _tally() -> dict:
     t = getattr(_local, "tally", None)
     if t is None:
-        t = _local.tally = {"bytes": 0, "calls": 0, "t0": None}
+        t = _local.tally = {"bytes": 0, "calls": 0, "t0": None, "t_last": None, "busy": 0.0}
     return t
 
 
-def add(nbytes: int, started: float) -> None:
-    """Count `nbytes` moved by a call that began at `started` (wall clock)."""
+def add(nbytes: int, started: float, ended: float | None = None) -> None:
+    """Count `nbytes` moved by a call that ran from `started` to `ended` (wall clock)."""
+    ended = time.time() if ended is None else ended
     t = _tally()
     if t["t0"] is None:
         t["t0"] = started
+    t["t_last"] = ended
+    t["busy"] += max(0.0, ended - started)
     t["bytes"] += int(nbytes)
     t["calls"] += 1
 
@@ -62,10 +65,14 @@ def around_transfer(original: Callable, engine: Any, target: str, buffer: int, p
 
 
 def finish_room(room: int) -> dict:
-    """Attribute this thread's tally to `room` and reset it."""
+    """Attribute this thread's tally to `room` and reset it.
+
+    `busy_s` is the time spent inside the (synchronous) transfer calls, i.e. on the wire;
+    `t_start`..`t_last` spans the first to the last call, which with chunked prefill also
+    covers the prefill compute of later chunks that the transfers overlap."""
     t = _tally()
-    rec = {"room": int(room), "bytes": t["bytes"], "calls": t["calls"],
-           "t_start": t["t0"], "t_end": time.time(), "pid": os.getpid()}
+    rec = {"room": int(room), "bytes": t["bytes"], "calls": t["calls"], "busy_s": t["busy"],
+           "t_start": t["t0"], "t_last": t["t_last"], "t_end": time.time(), "pid": os.getpid()}
     _local.tally = None
     _totals["bytes"] += rec["bytes"]
     _totals["requests"] += 1
@@ -79,9 +86,10 @@ def finish_room(room: int) -> dict:
     try:
         from engine import metrics as hm
 
-        dur = (rec["t_end"] - rec["t_start"]) if rec["t_start"] else 0.0
-        hm.span("transfer", None, dur, room=int(room), bytes=rec["bytes"],
-                t_ns=int(rec["t_end"] * 1e9))
+        # The span ends with the last transfer call and lasts the time spent on the wire.
+        end = rec["t_last"] or rec["t_end"]
+        hm.span("transfer", None, rec["busy_s"], room=int(room), bytes=rec["bytes"],
+                t_ns=int(end * 1e9))
     except Exception:  # noqa: BLE001 - metrics must never break a transfer
         logger.debug("metrics span for room %s not recorded", room, exc_info=True)
     return rec

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from hack_ops.paged import clock
 from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
 from hack_ops.paged.write import open_mode
 
+from . import fused_phases
 from .pool import HackKVPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -103,6 +105,7 @@ class HackAttnBackend(AttentionBackend):
         else:
             plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
             self.forward_metadata = plan
+            fused_phases.begin_forward(getattr(forward_batch, "rids", None), ext_lens, seq_lens)
             self._tail_only = mode.is_decode() and self._tails_hold_open and appends_only(self.store, plan)
 
     def init_forward_metadata_out_graph(self, forward_batch: "ForwardBatch", in_capture: bool = False) -> None:
@@ -145,7 +148,8 @@ class HackAttnBackend(AttentionBackend):
         if self.gpu is not None:
             o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, self.decode_mode, layer.scaling)
         elif self._tail_only:
-            append_to_tails(self.store, lid, self.forward_metadata, k3, v3)
+            with clock.phase("quantization"):  # the store step, here an FP16 append
+                append_to_tails(self.store, lid, self.forward_metadata, k3, v3)
             o = paged_decode(self.store, lid, self.forward_metadata, q3, mode=self.decode_mode,
                              scale=layer.scaling, generator=self.generator)
         else:

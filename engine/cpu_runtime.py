@@ -65,3 +65,17 @@ def prepare() -> None:
             return
         os.environ[CPU_ENGINE_ENV] = "1"
     install_sgl_kernel_standin()
+
+
+# libgomp's default spin-wait lets idle OpenMP workers of one server burn the cores another
+# server needs. With a prefill and a decode server (plus a router) on 2 cores, a 2K-context
+# decode step of SmolLM2 took ~1 s spinning and ~50 ms with passive waiting.
+SHARED_HOST_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def shared_host_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a server that shares this host's cores with other servers: OpenMP workers
+    sleep instead of spinning, unless the caller chose a policy. Returns `env` (updated)."""
+    for key, value in SHARED_HOST_ENV.items():
+        env.setdefault(key, value)
+    return env

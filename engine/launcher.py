@@ -18,6 +18,8 @@ from typing import Any
 
 import requests
 
+from .cpu_runtime import shared_host_env
+
 STARTUP_TIMEOUT_S = 240.0
 
 
@@ -56,7 +58,8 @@ class SGLangServer:
         self.port = self.port or free_port()
         if self.log_path is None:
             self.log_path = Path(f"/tmp/sglang-hack-server-{self.port}.log")
-        env = {**os.environ, **self.env}
+        # Servers started here share the host with each other (tests, `hack bench serve`).
+        env = shared_host_env({**os.environ, **self.env})
         # Settings are per server: never inherit another server's published HACK options.
         env.pop("SGLANG_HACK_ENGINE", None)
         self._log = open(self.log_path, "wb")

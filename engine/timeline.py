@@ -4,7 +4,9 @@ Hooked into SGLang's scheduler (engine.hooks): a request's arrival opens its que
 first batch that runs it closes the queue and opens prefill (at the batch's launch time); the
 batch that finishes its last prompt chunk closes prefill and marks the first token; every
 decode batch then records one step per request; a finished request records `finish` (with
-its finish reason when it was aborted). A sampler thread records the KV pool's memory once a
+its finish reason when it was aborted). The fused phases the CPU path times inside each
+forward (quantization, approximation, dequantization: engine.fused_phases) are summed per
+request and recorded as attributed spans when its prefill ends and when it finishes. A sampler thread records the KV pool's memory once a
 second. Everything is a no-op unless metrics are configured (HACK_METRICS_RUN_DIR, see
 docs/dashboard.md): the cost is then one check per scheduler call.
 """
@@ -15,6 +17,8 @@ from collections import OrderedDict
 from typing import Any
 
 from engine import metrics as hm
+
+from . import fused_phases
 
 _MAX_TRACKED = 20000  # requests aborted while queued never reach a batch: bound the table
 _state: "OrderedDict[str, dict]" = OrderedDict()
@@ -54,11 +58,15 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
     mode = batch.forward_mode
     now = time.time_ns()
     launch_ns = _wall_ns_of_monotonic(getattr(batch, "launch_ts", None))
+    rec = fused_phases.take([req.rid for req in batch.reqs]) if batch.reqs else None
+    fused = rec.shares() if rec is not None else {}
     for req in batch.reqs:
         st = _state.get(req.rid)
         if st is None:
             continue
         room = st["room"]
+        for phase, sec in fused.get(req.rid, {}).items():
+            st.setdefault("fused", {})[phase] = st.get("fused", {}).get(phase, 0.0) + sec
         if st["phase"] == "queue" and (mode.is_extend() or mode.is_prebuilt()):
             hm.end("queue", req.rid, room=room, t_ns=launch_ns)
             if mode.is_prebuilt():  # PD decode side: the prompt was prefilled elsewhere
@@ -66,8 +74,15 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
             else:
                 hm.start("prefill", req.rid, room=room, t_ns=launch_ns)
                 st["phase"] = "prefill"
+        elif st["phase"] == "queue" and mode.is_decode():
+            # PD decode: SGLang processes the prebuilt batch (the first token, made by prefill)
+            # outside process_batch_result, so the first decode batch is where we see it.
+            hm.end("queue", req.rid, room=room, t_ns=launch_ns)
+            hm.event("first_token", req.rid, room=room, t_ns=launch_ns)
+            st.update(phase="decode", last_ns=launch_ns)
         if st["phase"] == "prefill" and mode.is_extend() and not getattr(req, "inflight_middle_chunks", 0):
             if len(getattr(req, "output_ids", ()) or ()) > 0 or req.finished():
+                _emit_fused(req.rid, st, now)
                 hm.end("prefill", req.rid, room=room, t_ns=now)
                 hm.event("first_token", req.rid, room=room, t_ns=now)
                 st.update(phase="decode", last_ns=now)
@@ -78,11 +93,35 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
             hm.step(req.rid, (now - st["last_ns"]) / 1e9, room=room, t_ns=now)
             st["last_ns"] = now
         if req.finished():
+            _emit_fused(req.rid, st, now)
             reason = getattr(req.finished_reason, "to_json", lambda: {})()
             kind = reason.get("type") if isinstance(reason, dict) else None
             note = None if kind in (None, "stop", "length") else str(reason)[:200]
             hm.event("finish", req.rid, room=room, tokens=len(req.output_ids), note=note, t_ns=now)
             _state.pop(req.rid, None)
+
+
+_FUSED_NOTES = {
+    "quantization": "host clock around the K/V store of every layer (page quantization, FP16 "
+                    "tails, sinks), split among the batch by new tokens; summed since the last record",
+    "approximation": "host clock around decode attention on the codes (INT8 Q/P, integer matmuls and "
+                     "the Eq. 4 approximation fused in one call: an upper bound of the approximation), "
+                     "split among the batch by context length; summed over the decode steps",
+    "dequantization": "host clock around building the dense BF16 copy of the pages (SDPA excluded), "
+                      "split among the batch by context length; summed over the decode steps",
+}
+
+
+def _emit_fused(rid: str, st: dict, now: int) -> None:
+    """One span per fused phase accumulated since the last emission. They are sums over many
+    forward passes, so they are drawn back to back ending now (never overlapping each other,
+    so the exclusive breakdown keeps every one of them whole)."""
+    end = now
+    for phase, sec in sorted(st.pop("fused", {}).items()):
+        if sec > 0:
+            hm.span(phase, rid, sec, room=st["room"], method="attributed", note=_FUSED_NOTES.get(phase),
+                    t_ns=end)
+            end -= int(sec * 1e9)
 
 
 def memory_sample(scheduler: Any) -> dict:

@@ -48,18 +48,22 @@ def render(result: dict, command: str) -> str:
              f"Workload `{result['workload']}`: {result['requests']} requests, Poisson "
              f"{result['rps']} req/s, seed {result['seed']}.", "",
              "| method | link Mbit/s | ok | mean JCT | p50 JCT | p99 JCT | mean TTFT | p50 TTFT | p99 TTFT "
-             "| prefill | transfer | decode | quantization | approx./dequant. | KV bytes/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| prefill | quantization | transfer (exposed) | approx./dequant. | decode | waiting "
+             "| on the wire | KV bytes/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(result["points"], key=lambda p: (p["link_mbps"], p["method"])):
         b = p["breakdown_s"]
-        approx = b.get("approximation", b.get("dequantization"))
+        approx = b.get("approximation") or b.get("dequantization")
+        if approx is None and ("approximation" in b or "dequantization" in b):
+            approx = 0.0
         wire = p.get("wire_bytes_mean")
         lines.append(
             f"| {p['method']} | {p['link_mbps']:g} | {p['ok']}/{p['requests']} | {_fmt(p['jct_s']['mean'])} "
             f"| {_fmt(p['jct_s']['p50'])} | {_fmt(p['jct_s']['p99'])} | {_fmt(p['ttft_s']['mean'])} "
             f"| {_fmt(p['ttft_s']['p50'])} | {_fmt(p['ttft_s']['p99'])} | {_fmt(b.get('prefill'))} "
-            f"| {_fmt(b.get('transfer'))} | {_fmt(b.get('decode'))} | {_fmt(b.get('quantization'))} "
-            f"| {_fmt(approx)} | {'n/a' if wire is None else f'{wire / 1e6:.1f} MB'} |")
+            f"| {_fmt(b.get('quantization'))} | {_fmt(b.get('transfer'))} | {_fmt(approx)} "
+            f"| {_fmt(b.get('decode'))} | {_fmt(b.get('waiting'))} | {_fmt(p.get('wire_s_mean'))} "
+            f"| {'n/a' if wire is None else f'{wire / 1e6:.1f} MB'} |")
     lines += ["", *[f"- {c}" for c in compare(result)], "", END]
     return "\n".join(lines)
 

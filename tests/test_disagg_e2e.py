@@ -18,6 +18,7 @@ import requests
 from disagg import cluster, netns, procs
 from disagg.replay import generate
 from disagg.wire_meter import read_log
+from engine.cpu_runtime import shared_host_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -83,7 +84,7 @@ def _start_colocated(request) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     port = procs.free_port()
     cmd = server_command("colocated", "hack", _model(), "127.0.0.1", port, None, 16384, NO_RADIX)
-    pid = procs.spawn(cmd, dict(os.environ, SGLANG_USE_CPU_ENGINE="1"), run_dir / "colocated.log")
+    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), run_dir / "colocated.log")
     request.addfinalizer(lambda: procs.stop(pid))
     url = f"http://127.0.0.1:{port}"
     cluster.wait_healthy([url + "/health"], [pid], 900, [run_dir / "colocated.log"])
@@ -121,6 +122,35 @@ def test_pd_hack_gives_the_colocated_greedy_tokens(hack_pd, colocated):
         ref = generate(colocated, prompt, 12, stream=False)
         assert pd.ok and ref.ok, (pd.error, ref.error)
         assert pd.output_ids == ref.output_ids, f"{n}-token prompt: PD {pd.output_ids} vs colocated {ref.output_ids}"
+
+
+def test_pd_timeline_joins_both_roles_with_every_phase(hack_pd):
+    """The metrics streams of prefill and decode join into one timeline per request, with the
+    fused phases measured on each side (quantization on prefill, approximation on decode)."""
+    from engine.metrics.run_view import build_view
+    from engine.metrics.runload import RunLoader
+
+    t0 = time.time_ns()
+    res = generate(hack_pd["router_url"], _prompts(300, 1, offset=3000)[0], 8, stream=True)
+    assert res.ok, res.error
+    deadline = time.monotonic() + 30
+    while True:
+        view = build_view(RunLoader(Path(hack_pd["run_dir"])).load())
+        bd = view.breakdown
+        mine = bd[(bd["arrival_ns"] >= t0) & (bd["key"] != "room:0")] if len(bd) else bd
+        req = view.requests
+        done = req[(req["arrival_ns"] >= t0) & (req["key"] != "room:0")] if len(req) else req
+        if (len(done) and done["finish_ns"].notna().all()) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert len(mine) == 1, mine
+    row, r = mine.iloc[0], done.iloc[0]
+    assert {"prefill", "decode"} <= set(str(r["roles"]).split(","))
+    for phase in ("prefill", "quantization", "transfer", "approximation", "decode"):
+        assert row[phase] > 0, (phase, row.to_dict())
+    assert row["jct_s"] == pytest.approx(sum(row[c] for c in ("quantization", "approximation", "dequantization",
+                                                               "prefill", "decode", "transfer", "queue", "other")))
+    assert 0 < r["ttft_s"] < r["jct_s"] and int(r["output_tokens"]) == 8
 
 
 def _predicted_hack_bytes(n: int) -> int:

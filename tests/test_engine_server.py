@@ -249,6 +249,12 @@ def test_timeline_and_memory_are_recorded(servers):
     phases = set(mine.loc[mine["kind"].isin(["start", "end"]), "phase"])
     assert {"queue", "prefill"} <= phases
     assert (mine["kind"] == "step").sum() >= 4  # 6 tokens: the first from prefill, then steps
+    # Fused phases, timed on the host clock inside the CPU path and attributed to this request.
+    spans = mine[mine["kind"] == "span"]
+    fused = dict(zip(spans["phase"], spans["dur_ns"]))
+    assert fused.get("quantization", 0) > 0 and fused.get("approximation", 0) > 0, fused
+    assert set(spans.loc[spans["phase"].isin(["quantization", "approximation"]), "method"]) == {"attributed"}
+    assert "dequantization" not in fused  # 'hack' mode never dequantizes
     assert int(mine.loc[mine["kind"] == "finish", "tokens"].iloc[0]) == out["meta_info"]["completion_tokens"]
     samples = rec[rec["kind"] == "sample"]
     assert len(samples) and samples["pages_total"].max() > 0 and samples["bytes_codes"].notna().any()

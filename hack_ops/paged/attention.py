@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import clock
 from .dequant import dequant_decode
 from .pages import request_pages
 from .plan import ForwardPlan
@@ -60,10 +61,17 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     if (k is None) != (v is None):
         raise ValueError("pass both k and v (to store them first) or neither")
     if k is not None:
-        store.write(layer, plan, k, v, generator)
+        with clock.phase("quantization"):
+            store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
     if mode == "dequant":
         return dequant_decode(store, layer, plan, q, scale, dequant_dtype).to(q.dtype)
+    with clock.phase("approximation"):
+        return _decode_on_codes(store, layer, plan, q, rep, mode, scale, backend, generator)
+
+
+def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, rep: int, mode: str,
+                     scale: float, backend: str, generator: torch.Generator | None) -> Tensor:
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
     if cpu_kernel.usable(store, mode, backend, generator):
@@ -106,7 +114,8 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     # The prefix's open page may be overwritten by this write: keep its FP16 tokens first.
     snaps = {name: [tails[layer][int(plan.rows[b]), : pre - (pre // p) * p].float().clone()
                     for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
-    store.write(layer, plan, k, v, generator)
+    with clock.phase("quantization"):
+        store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     from . import cpu_kernel  # late import: the compiled kernel is optional
 

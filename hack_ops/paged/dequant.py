@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ..layout import TensorLayout
 from ..packing import unpack
+from . import clock
 from .plan import ForwardPlan
 from .write import open_mode
 
@@ -49,19 +50,20 @@ def dequant_decode(store, layer: int, plan: ForwardPlan, q: Tensor, scale: float
         row = int(plan.rows[b])
         nc = seq_len // p  # closed pages
         dense = {}
-        for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
-            quant_open = open_mode(cfg, name) != "fp16"
-            n_q = npg if quant_open else nc  # pages read from their codes
-            x = torch.empty(h, npg * p, d, dtype=dtype)
-            if n_q:
-                x[:, : n_q * p] = _dequant_tensor(tl, buf, pages[:n_q], p, d, cfg.kv_bits, gd, dtype)
-            if not quant_open and seq_len > nc * p:  # the open page from the FP16 tail
-                x[:, nc * p:seq_len] = store.tails[name][layer][row, : seq_len - nc * p].transpose(0, 1).to(dtype)
-            s = min(cfg.sink_tokens, seq_len)
-            if s:
-                sink = (store.sink_k if name == "k" else store.sink_v)[layer][int(plan.sink_slot[b]), :s]
-                x[:, :s] = sink.transpose(0, 1).to(dtype)
-            dense[name] = x[:, :seq_len]
+        with clock.phase("dequantization"):  # the dense copy only, not the SDPA
+            for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
+                quant_open = open_mode(cfg, name) != "fp16"
+                n_q = npg if quant_open else nc  # pages read from their codes
+                x = torch.empty(h, npg * p, d, dtype=dtype)
+                if n_q:
+                    x[:, : n_q * p] = _dequant_tensor(tl, buf, pages[:n_q], p, d, cfg.kv_bits, gd, dtype)
+                if not quant_open and seq_len > nc * p:  # the open page from the FP16 tail
+                    x[:, nc * p:seq_len] = store.tails[name][layer][row, : seq_len - nc * p].transpose(0, 1).to(dtype)
+                s = min(cfg.sink_tokens, seq_len)
+                if s:
+                    sink = (store.sink_k if name == "k" else store.sink_v)[layer][int(plan.sink_slot[b]), :s]
+                    x[:, :s] = sink.transpose(0, 1).to(dtype)
+                dense[name] = x[:, :seq_len]
         qb = (q[b].to(dtype)).reshape(1, hq, 1, d)
         o = F.scaled_dot_product_attention(qb, dense["k"][None], dense["v"][None], scale=scale, enable_gqa=hq != h)
         out[b] = o.reshape(hq, d).float()
