@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "disagg.md"
-BEGIN = "<!-- bench-disagg:begin -->"
-END = "<!-- bench-disagg:end -->"
+from .bench_doc import DOCS, replace_block
+
+DOC = DOCS / "disagg.md"
 
 
 def register(bsub: argparse._SubParsersAction) -> None:
@@ -43,7 +43,7 @@ def _fmt(v, unit: str = "s") -> str:
 def render(result: dict, command: str) -> str:
     from disagg.bench import compare
 
-    lines = [BEGIN, "", f"Command: `{command}`  ", f"Measured: {result['date']} on this project's "
+    lines = [f"Command: `{command}`  ", f"Measured: {result['date']} on this project's "
              "CPU host (2 shared cores; absolute times are noisy, compare within a row group).", "",
              f"Workload `{result['workload']}`: {result['requests']} requests, Poisson "
              f"{result['rps']} req/s, seed {result['seed']}.", "",
@@ -64,18 +64,12 @@ def render(result: dict, command: str) -> str:
             f"| {_fmt(b.get('quantization'))} | {_fmt(b.get('transfer'))} | {_fmt(approx)} "
             f"| {_fmt(b.get('decode'))} | {_fmt(b.get('waiting'))} | {_fmt(p.get('wire_s_mean'))} "
             f"| {'n/a' if wire is None else f'{wire / 1e6:.1f} MB'} |")
-    lines += ["", *[f"- {c}" for c in compare(result)], "", END]
+    lines += ["", *[f"- {c}" for c in compare(result)]]
     return "\n".join(lines)
 
 
 def write_doc(block: str) -> None:
-    text = DOC.read_text() if DOC.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n## Measured\n\n" + block + "\n"
-    DOC.write_text(text)
+    replace_block(DOC, "disagg", block)
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -17,12 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
 
 import requests
+
+from .bench_doc import DOCS, replace_block
 
 METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
@@ -43,13 +47,14 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
     p.add_argument("--model", default="smollm2", help="model name for `hack model prepare`")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
 
 
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
                                   decode_tokens=None, concurrency=8, requests=None, budget_mb=256.0,
-                                  model="smollm2", out=None))
+                                  model="smollm2", out=None, no_doc=False))
 
 
 def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) -> dict:
@@ -169,13 +174,42 @@ def run(args: argparse.Namespace) -> int:
             "throughput": r["throughput"]["output_tok_s"] / base["throughput"]["output_tok_s"],
         }
     result["ratios_vs_bf16"] = ratios
+    result["date"] = time.strftime("%Y-%m-%d")
+    result["command"] = "hack bench serve " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)
+    if not getattr(args, "no_doc", False):
+        replace_block(DOCS / "engine.md", "serve", render(result))
     if args.json:
         print(text)
     else:
-        for m, r in ratios.items():
-            dec = ", ".join(f"{c}: x{v:.2f}" for c, v in r["decode"].items())
-            print(f"{m} vs bf16: capacity x{r['capacity']:.2f}; decode {dec}; throughput x{r['throughput']:.2f}")
+        print(render(result))
     return 0
+
+
+def render(result: dict) -> str:
+    """The result as the markdown docs/engine.md quotes."""
+    cfg, res, rat = result["config"], result["methods"], result["ratios_vs_bf16"]
+    ctx = [str(c) for c in cfg["contexts"]]
+    lines = [f"Command: `{result['command'].strip()}`  ",
+             f"Measured: {result['date']} on this project's CPU host ({result['machine']}, 2 cores "
+             f"shared with other work), KV budget {cfg['budget_mb']:g} MB per server.", "",
+             "| method | max total tokens | " + " | ".join(f"decode tok/s @{c}" for c in ctx) + " | "
+             + " | ".join(f"prefill tok/s @{c}" for c in ctx)
+             + f" | throughput tok/s ({cfg['requests']} req, conc. {cfg['concurrency']}) | p50 latency |",
+             "|---" * (4 + 2 * len(ctx)) + "|"]
+    for m, r in res.items():
+        tp = r["throughput"]
+        lines.append(f"| {m} | {r['max_total_num_tokens']:,} | "
+                     + " | ".join(f"{r['contexts'][c]['decode_tok_s']:.1f}" for c in ctx) + " | "
+                     + " | ".join(f"{r['contexts'][c]['prefill_tok_s']:.0f}" for c in ctx)
+                     + f" | {tp['output_tok_s']:.1f} | "
+                     + ("n/a" if tp["latency_p50_s"] is None else f"{tp['latency_p50_s']:.1f}s") + " |")
+    lines.append("")
+    for m, r in rat.items():
+        dec = ", ".join(f"@{c} x{v:.2f}" for c, v in r["decode"].items())
+        pre = ", ".join(f"@{c} x{v:.2f}" for c, v in r["prefill"].items())
+        lines.append(f"- {m} vs bf16: capacity x{r['capacity']:.2f}; decode {dec}; prefill {pre}; "
+                     f"throughput x{r['throughput']:.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,24 @@
+"""Benchmarks write their measured tables into the docs between named markers, so a page
+always quotes the last run of its command (and the command itself)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- bench-{name}:begin -->", f"<!-- bench-{name}:end -->"
+
+
+def replace_block(doc: Path, name: str, body: str, heading: str = "## Measured") -> None:
+    """Put `body` between the `name` markers of `doc` (appended under `heading` if absent)."""
+    begin, end = markers(name)
+    block = f"{begin}\n\n{body.strip()}\n\n{end}"
+    text = doc.read_text() if doc.exists() else ""
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip() + f"\n\n{heading}\n\n{block}\n"
+    doc.write_text(text)
