@@ -233,6 +233,12 @@ def test_exact_prefill(backend):
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     exact = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
     assert float((out - exact).abs().max()) <= ROUNDOFF_TOL
+    # a batch of cold requests (the SDPA fast path), each its own causal attention
+    case = Case(cfg, lens=[70, 33], seed=9, mode="hack")
+    outs = case.extend([70, 33], mode="exact", backend=backend)
+    for i in range(2):
+        ref = attention(t(case.q[i]), t(case.k[i]), t(case.v[i]), cfg, mode="exact")[0].transpose(0, 1)
+        assert float((outs[i] - ref).abs().max()) <= ROUNDOFF_TOL
     # one new token that does not close its page: exact prefill sees what decode sees
     case = Case(cfg, lens=[70], seed=6)
     case.extend([69])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from . import clock
@@ -117,6 +118,8 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     with clock.phase("quantization"):
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if mode == "exact" and max(plan.prefix_list, default=0) == 0:
+        return _exact_cold(plan, q, k, v, scale).to(q.dtype)
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
     if cpu_kernel.usable(store, mode, backend, generator, phase="extend"):
@@ -145,6 +148,21 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         o = attend_request(qb, t, nc, rp, view, store.config, "hack" if exact else mode, generator)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)
+
+
+def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """'exact' extend of requests without a cached prefix: every key is one of the chunk's own
+    tokens, in FP16 as stored, so this is causal attention over them (torch SDPA, blocked and
+    fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D]."""
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b in range(plan.batch_size):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        qb = q[lo:hi].float().transpose(0, 1)[None]
+        kb, vb = (x[lo:hi].to(torch.float16).float().transpose(0, 1)[None] for x in (k, v))
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
+                                           enable_gqa=qb.shape[1] != kb.shape[1])
+        out[lo:hi] = o[0].transpose(0, 1)
+    return out
 
 
 def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
