@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import requests
+
 from . import cluster, netns
 from .replay import replay, summarize
 from .wire_meter import read_log
@@ -33,6 +35,14 @@ def set_rate(link: dict, mbps: float) -> None:
     subprocess.run(["tc", "qdisc", "change", "dev", link["veth_root"], "root", *args], check=True)
     subprocess.run(["ip", "netns", "exec", link["namespace"], "tc", "qdisc", "change", "dev",
                     f"{netns.VETH_PREFIX}{link['tag']}b", "root", *args], check=True)
+
+
+def flush_caches(state: dict) -> None:
+    """Empty the radix cache of every server of the cluster (SGLang's /flush_cache)."""
+    for srv in state["servers"]:
+        r = requests.post(f"{srv['url']}/flush_cache?timeout=60", timeout=90)
+        if r.status_code != 200:
+            raise RuntimeError(f"{srv['url']}/flush_cache answered {r.status_code}: {r.text[:200]}")
 
 
 def _wire_records(run_dir: Path, since: float) -> list[dict]:
@@ -105,6 +115,7 @@ def run(model_path: str, methods: list[str], rates: list[float], workload: str, 
             replay(state["router_url"], warm)  # first request pays one-time costs
             for rate in sorted(rates, reverse=True):
                 set_rate(state["link"], rate)
+                flush_caches(state)  # the same prompts at every rate: no radix-cache hits
                 log(f"[{method}] {rate:g} Mbit/s: {n} requests ...")
                 point = run_point(state["router_url"], items, Path(state["run_dir"]))
                 point.update(method=method, link_mbps=rate)

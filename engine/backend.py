@@ -137,7 +137,12 @@ class HackAttnBackend(AttentionBackend):
         if self.gpu is not None:
             o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling)
         else:
-            o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.extend_mode,
+            mode = self.extend_mode
+            if mode == "dequant" and max(self.forward_metadata.prefix_list, default=0) == 0:
+                # The strawman computes a prompt without cached prefix in full precision, as
+                # dequantizing systems (KIVI, CacheGen) do; it quantizes for storage only.
+                mode = "exact"
+            o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=mode,
                              scale=layer.scaling, generator=self.generator)
         return o.reshape(q3.shape[0], -1)
 

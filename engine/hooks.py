@@ -29,6 +29,12 @@ DIRECT_USES = (
     "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",  # memory-saver region of the pool
     "sglang.srt.runtime_context.get_parallel",  # attention TP/DCP size when sizing the pool
     "sglang.srt.runtime_context.get_schedule",  # --max-running-requests when sizing the pool
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch",  # its fields in DIRECT_FIELDS
+)
+
+# Fields of upstream dataclasses read directly (class, field).
+DIRECT_FIELDS = (
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases -> requests
 )
 
 _CLI_PARSER: list = []  # the parser SGLang built, kept to report option errors the argparse way

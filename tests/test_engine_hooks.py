@@ -21,6 +21,13 @@ def test_upstream_symbol_exists(target):
     assert pkgutil.resolve_name(target) is not None
 
 
+@pytest.mark.parametrize("cls,name", hooks.DIRECT_FIELDS)
+def test_upstream_field_exists(cls, name):
+    import dataclasses
+
+    assert name in {f.name for f in dataclasses.fields(pkgutil.resolve_name(cls))}
+
+
 def test_hooks_are_well_formed():
     from sglang.srt.plugins.hook_registry import HookType
 
