@@ -6,8 +6,10 @@ batch that finishes its last prompt chunk closes prefill and marks the first tok
 decode batch then records one step per request; a finished request records `finish` (with
 its finish reason when it was aborted). The fused phases the CPU path times inside each
 forward (quantization, approximation, dequantization: engine.fused_phases) are summed per
-request and recorded as attributed spans when its prefill ends and when it finishes. A sampler thread records the KV pool's memory once a
-second. Everything is a no-op unless metrics are configured (HACK_METRICS_RUN_DIR, see
+request and recorded as attributed spans when its prefill ends and when it finishes. On the
+PD decode side the first decode batch closes the queue (SGLang handles the prebuilt batch
+outside process_batch_result). A sampler thread records the KV pool's memory once a second.
+Everything is a no-op unless metrics are configured (HACK_METRICS_RUN_DIR, see
 docs/dashboard.md): the cost is then one check per scheduler call.
 """
 from __future__ import annotations

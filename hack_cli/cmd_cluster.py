@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from disagg.server_cmd import METHODS
+
 
 def _model_path(name: str) -> str:
     from pathlib import Path
@@ -19,7 +21,7 @@ def _model_path(name: str) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start prefill + decode servers and the PD router on this machine")
     p.add_argument("--model", default="smollm2", help="model name (hack model prepare) or a model folder")
-    p.add_argument("--kv", default="hack", choices=["hack", "bf16", "dequant"], help="KV cache method")
+    p.add_argument("--kv", default="hack", choices=list(METHODS), help="KV cache method")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")
