@@ -138,7 +138,7 @@ class HackAttnBackend(AttentionBackend):
             o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling)
         else:
             mode = self.extend_mode
-            if mode == "dequant" and max(self.forward_metadata.prefix_list, default=0) == 0:
+            if mode == "dequant" and not self.forward_metadata.has_prefix:
                 # The strawman computes a prompt without cached prefix in full precision, as
                 # dequantizing systems (KIVI, CacheGen) do; it quantizes for storage only.
                 mode = "exact"

@@ -67,8 +67,9 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
         if st is None:
             continue
         room = st["room"]
+        acc = st.setdefault("fused", {})
         for phase, sec in fused.get(req.rid, {}).items():
-            st.setdefault("fused", {})[phase] = st.get("fused", {}).get(phase, 0.0) + sec
+            acc[phase] = acc.get(phase, 0.0) + sec
         if st["phase"] == "queue" and (mode.is_extend() or mode.is_prebuilt()):
             hm.end("queue", req.rid, room=room, t_ns=launch_ns)
             if mode.is_prebuilt():  # PD decode side: the prompt was prefilled elsewhere

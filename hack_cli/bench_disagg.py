@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from pathlib import Path
 
-from .bench_doc import DOCS, replace_block
+from .bench_doc import DOCS, command_line, replace_block
 
 DOC = DOCS / "disagg.md"
 
@@ -53,9 +52,8 @@ def render(result: dict, command: str) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for p in sorted(result["points"], key=lambda p: (p["link_mbps"], p["method"])):
         b = p["breakdown_s"]
-        approx = b.get("approximation") or b.get("dequantization")
-        if approx is None and ("approximation" in b or "dequantization" in b):
-            approx = 0.0
+        parts = [b[k] for k in ("approximation", "dequantization") if b.get(k) is not None]
+        approx = sum(parts) if parts else None  # a method has one of them, the other is 0
         wire = p.get("wire_bytes_mean")
         lines.append(
             f"| {p['method']} | {p['link_mbps']:g} | {p['ok']}/{p['requests']} | {_fmt(p['jct_s']['mean'])} "
@@ -85,8 +83,7 @@ def run_cli(args: argparse.Namespace) -> int:
     result = run(_model_path(args.model), methods, rates, args.workload, args.requests, args.rps,
                  seed=args.seed, prompt_tokens=args.prompt_tokens, log=log)
     result["date"] = time.strftime("%Y-%m-%d")
-    command = "hack bench disagg " + " ".join(shlex.quote(a) for a in sys.argv[3:]) if len(sys.argv) > 3 \
-        else "hack bench disagg"
+    command = command_line("disagg")
     result["command"] = command
     if args.out:
         save_json(result, Path(args.out))

@@ -2,9 +2,16 @@
 always quotes the last run of its command (and the command itself)."""
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def command_line(bench: str) -> str:
+    """`hack bench <bench> ...` as this process was invoked (argv after the subcommand)."""
+    return " ".join(["hack", "bench", bench, *(shlex.quote(a) for a in sys.argv[3:])])
 
 
 def markers(name: str) -> tuple[str, str]:

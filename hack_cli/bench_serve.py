@@ -17,16 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
 import requests
 
-from .bench_doc import DOCS, replace_block
+from .bench_doc import DOCS, command_line, replace_block
 
 METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
@@ -175,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         }
     result["ratios_vs_bf16"] = ratios
     result["date"] = time.strftime("%Y-%m-%d")
-    result["command"] = "hack bench serve " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    result["command"] = command_line("serve")
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text)
@@ -192,7 +190,7 @@ def render(result: dict) -> str:
     """The result as the markdown docs/engine.md quotes."""
     cfg, res, rat = result["config"], result["methods"], result["ratios_vs_bf16"]
     ctx = [str(c) for c in cfg["contexts"]]
-    lines = [f"Command: `{result['command'].strip()}`  ",
+    lines = [f"Command: `{result['command']}`  ",
              f"Measured: {result['date']} on this project's CPU host ({result['machine']}, 2 cores "
              f"shared with other work), KV budget {cfg['budget_mb']:g} MB per server.", "",
              "| method | max total tokens | " + " | ".join(f"decode tok/s @{c}" for c in ctx) + " | "

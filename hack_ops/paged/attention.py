@@ -118,7 +118,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     with clock.phase("quantization"):
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if mode == "exact" and max(plan.prefix_list, default=0) == 0:
+    if mode == "exact" and not plan.has_prefix:
         return _exact_cold(plan, q, k, v, scale).to(q.dtype)
     from . import cpu_kernel  # late import: the compiled kernel is optional
 

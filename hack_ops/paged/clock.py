@@ -18,8 +18,6 @@ import time
 from contextlib import contextmanager
 from typing import Iterator
 
-PHASES = ("quantization", "approximation", "dequantization")
-
 _acc: dict[str, float] | None = None
 
 

@@ -41,6 +41,11 @@ class ForwardPlan:
         return int(self.rows.shape[0])
 
     @property
+    def has_prefix(self) -> bool:
+        """Some request of this forward extends tokens already cached."""
+        return max(self.prefix_list, default=0) > 0
+
+    @property
     def num_new_tokens(self) -> int:
         return int(self.tok_pos.shape[0])
 
