@@ -26,8 +26,12 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("attention", help="decode/prefill attention: HACK vs BF16 SDPA vs dequantize+SDPA")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="contexts 2K and 8K, fewer repeats, short prefill")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
-    p.add_argument("--batches", default="1,8")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: this machine's CPU path; cuda: the Triton kernels on a GPU vs FlashInfer/SDPA "
+                        "(hack_cli/bench_attention_gpu.py: its own default grid, CUDA-event timing, bandwidth)")
+    p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} "
+                                                  "(cuda: llama3-8b, qwen2.5-7b)")
+    p.add_argument("--batches", default=None, help="comma-separated (default 1,8; cuda: 1,8,32,128)")
     p.add_argument("--contexts", default=None, help="comma-separated token counts (default 2048,8192,32768)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (default 5, quick 3)")
     p.add_argument("--prefill-tokens", type=int, default=None, help="prompt length (default 4096, quick 1024; 0: skip)")
@@ -70,13 +74,17 @@ def _median_ms(methods: dict, repeats: int, clock=time.perf_counter) -> dict[str
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "device", "cpu") == "cuda":
+        from hack_cli.bench_attention_gpu import run_cuda
+
+        return run_cuda(args)
     from hack_ops.paged import cpu_kernel
 
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    shapes = [s.strip() for s in (args.shapes or ",".join(SHAPES)).split(",") if s.strip()]
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         raise ValueError(f"unknown shapes {bad}; choose from {list(SHAPES)}")
-    batches = _ints(args.batches, "--batches")
+    batches = _ints(args.batches or "1,8", "--batches")
     contexts = _ints(args.contexts, "--contexts") if args.contexts else ([2048, 8192] if args.quick else [2048, 8192, 32768])
     repeats = args.repeats or (3 if args.quick else 5)
     prefill = args.prefill_tokens if args.prefill_tokens is not None else (1024 if args.quick else 4096)

@@ -6,12 +6,30 @@ import sys
 
 import pytest
 
+# Where the Triton kernels (hack_ops.triton) run in this test process: a CUDA GPU when torch
+# sees one, else Triton's CPU interpreter on CPU tensors (HACK_KERNEL_DEVICE overrides, see
+# hack_ops/kernel_device.py). Decided once, in pytest_configure, before triton is imported.
+KERNEL_DEVICE = None
+
 
 def pytest_configure(config) -> None:
-    # There is no GPU here: Triton kernels (hack_ops.triton) run in Triton's CPU interpreter.
-    # Triton fixes the mode when it decorates functions, its own library included, so it is
-    # switched on before triton is first imported; only for this process (the environment
-    # variable is removed again, so servers started by tests do not inherit it).
+    global KERNEL_DEVICE
+    config.addinivalue_line("markers", "cuda: kernel cases (real shapes, driver checks) that run only when the Triton kernels "
+                                       "run on a CUDA GPU (skipped under the interpreter)")
+    import torch
+
+    from hack_ops.kernel_device import ENV, KernelDevice, choose_kernel_device
+
+    try:
+        KERNEL_DEVICE = choose_kernel_device(os.environ.get(ENV), torch.cuda.is_available(),
+                                             os.environ.get("TRITON_INTERPRET"))
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+    if KERNEL_DEVICE is KernelDevice.CUDA:
+        return  # compiled kernels: nothing to switch
+    # Triton fixes the mode when it decorates functions, its own library included, so the
+    # interpreter is switched on before triton is first imported; only for this process (the
+    # environment variable is removed again, so servers started by tests do not inherit it).
     if "triton" in sys.modules or os.environ.get("TRITON_INTERPRET"):
         return
     os.environ["TRITON_INTERPRET"] = "1"
@@ -22,6 +40,23 @@ def pytest_configure(config) -> None:
     finally:
         del os.environ["TRITON_INTERPRET"]
     triton.knobs.runtime.__dict__["interpret"] = True  # in-process override, no setenv
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    from hack_ops.kernel_device import KernelDevice
+
+    if KERNEL_DEVICE is KernelDevice.CUDA:
+        return
+    skip = pytest.mark.skip(reason="runs only when the Triton kernels run on a CUDA GPU (HACK_KERNEL_DEVICE, tests/conftest.py)")
+    for item in items:
+        if item.get_closest_marker("cuda"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def kernel_device():
+    """The torch device of the Triton kernels' tensors: cuda, or cpu under the interpreter."""
+    return KERNEL_DEVICE.torch_device
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ compiles it with triton.compile(..., target=GPUTarget("cuda", cc, 32)) for sm80/
 Triton in its CPU interpreter, and compiling needs the normal mode. What is checked: every
 kernel compiles for every target (a kernel that only works in the interpreter fails here),
 fits the target's shared memory, does not spill, and docs/kernels.md shows these numbers.
+On a CUDA machine (tests/conftest.py), the same launches also run on the GPU and the driver's
+register counts are checked against the AOT numbers for that GPU's architecture.
 """
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hack_ops.triton.aot import (DOC_BEGIN, DOC_END, DOT_KERNELS, FALLBACK_TARGETS, SMEM_LIMIT, TARGETS, VARIANTS,
-                                 Compiled, _signature, example_launches, markdown, update_docs)
+                                 Compiled, _resource_usage, _signature, compile_launch, example_launches, markdown,
+                                 update_docs)
+from hack_ops.triton.spec import int8_mma_supported
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "kernels.md"
 DEFAULT = VARIANTS[0].name  # the serving default: Π=64, D=128, GQA 4
@@ -96,3 +101,21 @@ def test_update_docs_replaces_only_the_table(tmp_path):
     with pytest.raises(ValueError, match="markers"):
         update_docs(plain, "| x |")
     assert plain.read_text() == "# nothing here\n"
+
+
+@pytest.mark.cuda
+def test_launches_run_on_the_gpu_with_the_aot_registers(kernel_device):
+    """Every kernel of the serving default runs on this GPU, and the registers per thread the
+    driver reports equal what the AOT compile + cuobjdump give for this architecture (so the
+    table above says what a GPU would see); no spills where the AOT compile found none."""
+    major, minor = torch.cuda.get_device_capability(kernel_device)
+    arch = 10 * major + minor
+    dot_f16 = not int8_mma_supported(kernel_device)
+    for name, launch in example_launches(VARIANTS[0], dot_f16=dot_f16, device=kernel_device).items():
+        kernel = launch.kernel[launch.grid](*launch.args, **launch.constexprs, **launch.options)
+        torch.cuda.synchronize(kernel_device)
+        regs, stack = _resource_usage(compile_launch(launch, arch).asm["cubin"])
+        assert regs is not None, "cuobjdump (shipped in triton's wheel) is missing"
+        assert kernel.n_regs == regs, f"{name} sm{arch}: driver {kernel.n_regs} registers, AOT {regs}"
+        if stack == 0:
+            assert kernel.n_spills == 0, f"{name} sm{arch}: {kernel.n_spills} spills on the device"

@@ -1,4 +1,5 @@
-"""Triton decode attention (TRITON_INTERPRET=1 on CPU tensors) against hack_ops.attention.
+"""Triton decode attention against hack_ops.attention, on the kernel device (tests/conftest.py:
+a CUDA GPU when present, else TRITON_INTERPRET=1 on CPU tensors); the reference runs on the CPU.
 
 Pages are filled by hack_ops.triton.testing.fill_sequence (hack_ops.quantize + the layout's
 section views), so these tests check the attention kernel on its own; the store kernel has
@@ -13,32 +14,34 @@ from hack_ops import HackConfig
 from hack_ops.layout import page_layout
 from hack_ops.triton.decode import HackDecodeAttention
 from hack_ops.triton.store import cache_kwargs
-from hack_ops.triton.testing import assert_matches_reference, dense_reference, random_batch, require_interpreter
+from hack_ops.triton.testing import assert_matches_reference, dense_reference, random_batch, require_kernel_device
 
 KV_HEADS = 2
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    require_interpreter()  # no GPU here: the kernels run in Triton's interpreter on CPU tensors
+def _kernel_device(kernel_device):
+    require_kernel_device(kernel_device)  # a GPU, or Triton's interpreter on CPU tensors
 
 
-def _run_decode(cfg: HackConfig, head_dim: int, rep: int, lens: list[int], seed: int = 0, **kw):
-    lay = page_layout(cfg, KV_HEADS, head_dim)
-    b = random_batch(lay, lens, [0] * len(lens), KV_HEADS * rep, seed=seed)
-    q = torch.randn(len(lens), KV_HEADS * rep, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    att = HackDecodeAttention(lay, KV_HEADS * rep, **kw)
+def _run_decode(device, cfg: HackConfig, head_dim: int, rep: int, lens: list[int], seed: int = 0,
+                kv_heads: int = KV_HEADS, **kw):
+    """Inputs built on the CPU, the kernel on `device`; out, q and the reference come back on the CPU."""
+    lay = page_layout(cfg, kv_heads, head_dim)
+    b = random_batch(lay, lens, [0] * len(lens), kv_heads * rep, seed=seed, device=device)
+    q = torch.randn(len(lens), kv_heads * rep, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    att = HackDecodeAttention(lay, kv_heads * rep, **kw)
     att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
-    out = att.run(q, **cache_kwargs(b["bufs"]), out=torch.empty(q.shape))
+    out = att.run(q.to(device), **cache_kwargs(b["bufs"]), out=torch.empty(q.shape, device=device)).cpu()
     refs = [dense_reference(q[i:i + 1], b["k"][i], b["v"][i], lay)[0] for i in range(len(lens))]
     return out, torch.stack(refs), b, att, q, lay
 
 
 @pytest.mark.parametrize("page", [32, 64, pytest.param(128, marks=pytest.mark.slow)])
-def test_every_tail_length(page):
+def test_every_tail_length(kernel_device, page):
     """One request per open-partition fill 0..Π-1, behind one or two closed pages, GQA 4."""
     lens = [(1 + r % 2) * page + r for r in range(page)]
-    out, ref, *_ = _run_decode(HackConfig(partition_size=page, range_search=False), 64, 4, lens)
+    out, ref, *_ = _run_decode(kernel_device, HackConfig(partition_size=page, range_search=False), 64, 4, lens)
     assert_matches_reference(out, ref, f"Π={page}")
 
 
@@ -49,80 +52,90 @@ def test_every_tail_length(page):
     (64, 64, 1, 0),
     pytest.param(128, 256, 3, 2, marks=pytest.mark.slow),
 ])
-def test_shapes_and_mixed_lengths(page, head_dim, rep, sinks):
+def test_shapes_and_mixed_lengths(kernel_device, page, head_dim, rep, sinks):
     cfg = HackConfig(partition_size=page, sink_tokens=sinks)
     lens = [1, sinks + 1, page - 1, page, page + 1, 3 * page + 5]
-    out, ref, *_ = _run_decode(cfg, head_dim, rep, lens, seed=page + head_dim)
+    out, ref, *_ = _run_decode(kernel_device, cfg, head_dim, rep, lens, seed=page + head_dim)
     assert_matches_reference(out, ref, f"Π={page} D={head_dim} rep={rep}")
 
 
-def test_kernel_is_not_trivially_close():
+def test_kernel_is_not_trivially_close(kernel_device):
     """The tolerance separates HACK from exact attention: the reference modes differ by far more."""
     cfg = HackConfig(partition_size=32)
-    out, ref, b, att, q, lay = _run_decode(cfg, 64, 2, [100, 70])
+    out, ref, b, att, q, lay = _run_decode(kernel_device, cfg, 64, 2, [100, 70])
     exact = torch.stack([dense_reference(q[i:i + 1], b["k"][i], b["v"][i], lay, mode="exact")[0] for i in range(2)])
     assert (exact - ref).abs().max() > 10 * (out - ref).abs().max() + 0.05
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3])
-def test_split_sequence_combines(splits):
+def test_split_sequence_combines(kernel_device, splits):
     """Flash-decoding: any split of the pages gives the same result as one pass."""
     cfg = HackConfig(partition_size=32, sink_tokens=2)
-    out, ref, *_ = _run_decode(cfg, 64, 3, [7, 32, 97, 200], num_splits=splits)
+    out, ref, *_ = _run_decode(kernel_device, cfg, 64, 3, [7, 32, 97, 200], num_splits=splits)
     assert_matches_reference(out, ref, f"splits={splits}")
 
 
-def test_format_options():
+def test_format_options(kernel_device):
     """V quantized as written (tail_tensors='per_channel'), 4-bit codes, fp32 side tables."""
     for cfg in (HackConfig(partition_size=64, tail_tensors="per_channel", sink_tokens=3),
                 HackConfig(partition_size=32, kv_bits=4, meta_dtype="float32", range_search=False)):
-        out, ref, *_ = _run_decode(cfg, 64, 2, [5, 64, 90])
+        out, ref, *_ = _run_decode(kernel_device, cfg, 64, 2, [5, 64, 90])
         assert_matches_reference(out, ref, cfg.label())
 
 
-def test_fp16_mma_fallback_is_identical():
+def test_fp16_mma_fallback_is_identical(kernel_device):
     """The V100 path (integer products through fp16 MMA) gives the same numbers as INT8 MMA."""
     cfg = HackConfig(partition_size=32)
-    a, *_ = _run_decode(cfg, 64, 2, [40, 100], dot_f16=False)
-    b, *_ = _run_decode(cfg, 64, 2, [40, 100], dot_f16=True)
+    a, *_ = _run_decode(kernel_device, cfg, 64, 2, [40, 100], dot_f16=False)
+    b, *_ = _run_decode(kernel_device, cfg, 64, 2, [40, 100], dot_f16=True)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
-def test_bf16_in_and_out():
+def test_bf16_in_and_out(kernel_device):
     cfg = HackConfig(partition_size=32)
     lay = page_layout(cfg, KV_HEADS, 64)
-    b = random_batch(lay, [50, 9], [0, 0], 4)
+    b = random_batch(lay, [50, 9], [0, 0], 4, device=kernel_device)
     q = torch.randn(2, 4, 64).to(torch.bfloat16)
     att = HackDecodeAttention(lay, 4)
     att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
-    out = att.run(q, **cache_kwargs(b["bufs"]))
+    out = att.run(q.to(kernel_device), **cache_kwargs(b["bufs"])).cpu()
     assert out.dtype == torch.bfloat16
     ref = torch.stack([dense_reference(q[i:i + 1], b["k"][i], b["v"][i], lay)[0] for i in range(2)])
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)  # bf16 output rounding
 
 
-def test_bad_input_is_refused():
+def test_bad_input_is_refused(kernel_device):
     lay = page_layout(HackConfig(partition_size=32), KV_HEADS, 64)
-    b = random_batch(lay, [40], [0], 2)
+    b = random_batch(lay, [40], [0], 2, device=kernel_device)
     with pytest.raises(ValueError, match="multiple"):
         HackDecodeAttention(lay, 3)
     att = HackDecodeAttention(lay, 2)
     with pytest.raises(RuntimeError, match="plan"):
-        att.run(torch.zeros(1, 2, 64), **cache_kwargs(b["bufs"]))
+        att.run(torch.zeros(1, 2, 64, device=kernel_device), **cache_kwargs(b["bufs"]))
     with pytest.raises(ValueError, match="pages for"):
-        att.plan(b["kv_indptr"], b["kv_indices"], torch.tensor([200]))
+        att.plan(b["kv_indptr"], b["kv_indices"], torch.tensor([200], device=kernel_device))
     att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
     with pytest.raises(ValueError, match="q must be"):
-        att.run(torch.zeros(1, 4, 64), **cache_kwargs(b["bufs"]))
+        att.run(torch.zeros(1, 4, 64, device=kernel_device), **cache_kwargs(b["bufs"]))
     kw = cache_kwargs(b["bufs"])
     kw["tail_v"] = None
     with pytest.raises(ValueError, match="tail_v"):
-        att.run(torch.zeros(1, 2, 64), **kw)
+        att.run(torch.zeros(1, 2, 64, device=kernel_device), **kw)
     kw = cache_kwargs(b["bufs"])
     kw["k_buf"] = kw["k_buf"][:, :-16]
     with pytest.raises(ValueError, match="k_buf"):
-        att.run(torch.zeros(1, 2, 64), **kw)
+        att.run(torch.zeros(1, 2, 64, device=kernel_device), **kw)
     for cfg in (HackConfig(orientation="token_k"), HackConfig(requant_elimination=False),
                 HackConfig(rounding="stochastic"), HackConfig(partition_size=16), HackConfig(partition_size=48)):
         with pytest.raises(NotImplementedError):
             HackDecodeAttention(page_layout(cfg, KV_HEADS, 48 if cfg.partition_size == 48 else 64), 2)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch,context", [(64, 2048), (8, 8192), (2, 32768)])
+def test_real_shapes(kernel_device, batch, context):
+    """Llama-3-8B-like (32 query heads, 8 KV heads, head_dim 128), the serving default format,
+    every request with a different open-page fill; the kernel picks its own split count."""
+    lens = [context - (7 * i) % 64 for i in range(batch)]
+    out, ref, *_ = _run_decode(kernel_device, HackConfig(), 128, 4, lens, seed=batch, kv_heads=8)
+    assert_matches_reference(out, ref, f"batch {batch} context {context}")

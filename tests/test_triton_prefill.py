@@ -1,4 +1,5 @@
-"""Triton prefill/extend attention (TRITON_INTERPRET=1 on CPU tensors) against hack_ops.attention:
+"""Triton prefill/extend attention on the kernel device (tests/conftest.py: a CUDA GPU when
+present, else TRITON_INTERPRET=1 on CPU tensors) against hack_ops.attention on the CPU:
 new tokens attend to cached prefix pages (aligned or not) and to themselves, causally, with
 decode-time visibility; the run() stores them on the way (store kernel, pages then tails).
 Tolerances: hack_ops.triton.testing (TOL_*), stated and argued there."""
@@ -13,24 +14,29 @@ from hack_ops.triton.batch import plan_batch
 from hack_ops.triton.decode import HackDecodeAttention
 from hack_ops.triton.prefill import HackPrefillAttention
 from hack_ops.triton.store import cache_kwargs, store
-from hack_ops.triton.testing import assert_matches_reference, dense_reference, random_batch, require_interpreter
+from hack_ops.triton.testing import (assert_matches_reference, chunked_reference, dense_reference, random_batch,
+                                     require_kernel_device)
 
 H = 2
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    require_interpreter()
+def _kernel_device(kernel_device):
+    require_kernel_device(kernel_device)
 
 
-def _extend(cfg: HackConfig, d: int, rep: int, prefix: list[int], new: list[int], seed: int = 0, **kw):
-    lay = page_layout(cfg, H, d)
-    b = random_batch(lay, prefix, new, H * rep, seed=seed)
-    att = HackPrefillAttention(lay, H * rep, **kw)
+def _extend(device, cfg: HackConfig, d: int, rep: int, prefix: list[int], new: list[int], seed: int = 0,
+            heads: int = H, **kw):
+    """The kernel on `device`; out (and b["q"]) come back on the CPU, next to the reference."""
+    lay = page_layout(cfg, heads, d)
+    b = random_batch(lay, prefix, new, heads * rep, seed=seed, device=device)
+    att = HackPrefillAttention(lay, heads * rep, **kw)
     att.plan(b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
-    out = att.run(b["q"], b["k_new"], b["v_new"], **cache_kwargs(b["bufs"]), out=torch.empty(b["q"].shape))
+    out = att.run(b["q"], b["k_new"], b["v_new"], **cache_kwargs(b["bufs"]),
+                  out=torch.empty(b["q"].shape, device=device)).cpu()
+    b["q"] = b["q"].cpu()
     qo = b["qo_indptr"].tolist()
-    ref = torch.cat([dense_reference(b["q"][qo[i]:qo[i + 1]], b["k"][i], b["v"][i], lay) for i in range(len(new))])
+    ref = torch.cat([chunked_reference(b["q"][qo[i]:qo[i + 1]], b["k"][i], b["v"][i], lay) for i in range(len(new))])
     return out, ref, b, lay
 
 
@@ -46,16 +52,16 @@ def _mixed(p: int) -> tuple[list[int], list[int]]:
     (128, 128, 4),
     pytest.param(64, 256, 3, marks=pytest.mark.slow),
 ])
-def test_mixed_batch(page, d, rep):
+def test_mixed_batch(kernel_device, page, d, rep):
     cfg = HackConfig(partition_size=page, sink_tokens=2, range_search=False)
-    out, ref, *_ = _extend(cfg, d, rep, *_mixed(page), seed=page + d)
+    out, ref, *_ = _extend(kernel_device, cfg, d, rep, *_mixed(page), seed=page + d)
     assert_matches_reference(out, ref, f"Π={page} D={d} rep={rep}")
 
 
-def test_default_format_and_separation_from_exact():
+def test_default_format_and_separation_from_exact(kernel_device):
     """The default format (range search, 1 sink, K and V tails); HACK differs from exact
     attention by far more than the kernel differs from the HACK reference."""
-    out, ref, b, lay = _extend(HackConfig(partition_size=32), 64, 2, [0, 40], [70, 30])
+    out, ref, b, lay = _extend(kernel_device, HackConfig(partition_size=32), 64, 2, [0, 40], [70, 30])
     assert_matches_reference(out, ref)
     qo = b["qo_indptr"].tolist()
     exact = torch.cat([dense_reference(b["q"][qo[i]:qo[i + 1]], b["k"][i], b["v"][i], lay, mode="exact")
@@ -63,29 +69,30 @@ def test_default_format_and_separation_from_exact():
     assert (exact - ref).abs().max() > 10 * (out - ref).abs().max() + 0.05
 
 
-def test_block_size_and_fp16_fallback_agree():
+def test_block_size_and_fp16_fallback_agree(kernel_device):
     cfg = HackConfig(partition_size=32, range_search=False)
-    a, ref, *_ = _extend(cfg, 64, 2, [5, 33], [60, 40], block_m=16)
-    b, *_ = _extend(cfg, 64, 2, [5, 33], [60, 40], block_m=32, dot_f16=True)
+    a, ref, *_ = _extend(kernel_device, cfg, 64, 2, [5, 33], [60, 40], block_m=16)
+    b, *_ = _extend(kernel_device, cfg, 64, 2, [5, 33], [60, 40], block_m=32, dot_f16=True)
     assert_matches_reference(a, ref)
     assert_matches_reference(b, ref)
     torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
-def test_format_options():
+def test_format_options(kernel_device):
     """V quantized as written (tail_tensors='per_channel'), no sinks; 4-bit codes, fp32 tables."""
     for cfg in (HackConfig(partition_size=32, tail_tensors="per_channel", sink_tokens=0, range_search=False),
                 HackConfig(partition_size=32, kv_bits=4, meta_dtype="float32", sink_tokens=5, range_search=False)):
-        out, ref, *_ = _extend(cfg, 64, 2, [0, 37], [45, 30])
+        out, ref, *_ = _extend(kernel_device, cfg, 64, 2, [0, 37], [45, 30])
         assert_matches_reference(out, ref, cfg.label())
 
 
-def test_prefill_then_decode_steps():
+def test_prefill_then_decode_steps(kernel_device):
     """A served request: chunked prefill, then decode steps (store + decode kernel), each step
     against the dense reference over the whole sequence so far."""
     cfg = HackConfig(partition_size=32, sink_tokens=1)
     lay = page_layout(cfg, H, 64)
-    b = random_batch(lay, [0], [80], 2 * H, seed=7)
+    dev = kernel_device
+    b = random_batch(lay, [0], [80], 2 * H, seed=7, device=dev)
     k, v = b["k"][0], b["v"][0]
     indptr, indices = b["kv_indptr"], b["kv_indices"]
     cache = cache_kwargs(b["bufs"])
@@ -95,24 +102,25 @@ def test_prefill_then_decode_steps():
     for n in (45, 19):  # prefill in two chunks: the second starts inside an open page
         q = torch.randn(n, 2 * H, 64, generator=g)
         att = HackPrefillAttention(lay, 2 * H)
-        att.plan(torch.tensor([0, n]), indptr, indices, torch.tensor([done + n]), rows, sinks)
-        out = att.run(q, k[done:done + n].half(), v[done:done + n].half(), **cache, out=torch.empty(q.shape))
+        att.plan(torch.tensor([0, n], device=dev), indptr, indices, torch.tensor([done + n], device=dev), rows, sinks)
+        out = att.run(q.to(dev), k[done:done + n].half().to(dev), v[done:done + n].half().to(dev), **cache,
+                      out=torch.empty(q.shape, device=dev)).cpu()
         assert_matches_reference(out, dense_reference(q, k[: done + n], v[: done + n], lay), f"chunk {n}")
         done += n
     dec = HackDecodeAttention(lay, 2 * H)
     for _ in range(3):  # 64 -> 67 tokens: the first step opens a new page
-        batch = plan_batch(indptr, indices, torch.tensor([done + 1]), 32, tail_rows=rows, sink_slots=sinks)
-        store(lay, batch, k[done:done + 1].half(), v[done:done + 1].half(), **cache)
-        dec.plan(indptr, indices, torch.tensor([done + 1]), rows, sinks)
+        batch = plan_batch(indptr, indices, torch.tensor([done + 1], device=dev), 32, tail_rows=rows, sink_slots=sinks)
+        store(lay, batch, k[done:done + 1].half().to(dev), v[done:done + 1].half().to(dev), **cache)
+        dec.plan(indptr, indices, torch.tensor([done + 1], device=dev), rows, sinks)
         q = torch.randn(1, 2 * H, 64, generator=g)
-        out = dec.run(q, **cache, out=torch.empty(q.shape))
+        out = dec.run(q.to(dev), **cache, out=torch.empty(q.shape, device=dev)).cpu()
         assert_matches_reference(out, dense_reference(q, k[: done + 1], v[: done + 1], lay), f"step {done}")
         done += 1
 
 
-def test_bad_input_is_refused():
+def test_bad_input_is_refused(kernel_device):
     lay = page_layout(HackConfig(partition_size=32), H, 64)
-    b = random_batch(lay, [3], [20], 2)
+    b = random_batch(lay, [3], [20], 2, device=kernel_device)
     att = HackPrefillAttention(lay, 2)
     with pytest.raises(RuntimeError, match="plan"):
         att.run(b["q"], b["k_new"], b["v_new"], **cache_kwargs(b["bufs"]))
@@ -123,3 +131,14 @@ def test_bad_input_is_refused():
         att.run(b["q"], b["k_new"][:-1], b["v_new"], **cache_kwargs(b["bufs"]))
     with pytest.raises(ValueError, match="q must be"):
         att.run(b["q"][:, :1], b["k_new"], b["v_new"], **cache_kwargs(b["bufs"]))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefix,new", [
+    ([0, 2048, 8191], [2048, 512, 1025]),  # a fresh 2K prompt, aligned and unaligned 8K-ish prefixes
+    ([31 * 1024], [1024]),  # the last 1K of a 32K context over 31K cached tokens
+])
+def test_real_shapes(kernel_device, prefix, new):
+    """Llama-3-8B-like (32 query heads, 8 KV heads, head_dim 128), the serving default format."""
+    out, ref, *_ = _extend(kernel_device, HackConfig(), 128, 4, prefix, new, seed=len(new), heads=8)
+    assert_matches_reference(out, ref, f"prefix {prefix} new {new}")

@@ -1,6 +1,7 @@
-"""Triton store kernel (TRITON_INTERPRET=1 on CPU tensors): byte-identical pages, tails and
-sinks to the CPU path's store (hack_ops.paged.HackKVStore) and to pages built directly with
-hack_ops.quantize, over prefill chunks, multi-page extends and decode steps."""
+"""Triton store kernel on the kernel device (tests/conftest.py: a CUDA GPU when present, else
+TRITON_INTERPRET=1 on CPU tensors): byte-identical pages, tails and sinks to the CPU path's store
+(hack_ops.paged.HackKVStore, on the CPU) and to pages built directly with hack_ops.quantize,
+over prefill chunks, multi-page extends and decode steps."""
 from __future__ import annotations
 
 import pytest
@@ -12,34 +13,36 @@ from hack_ops.paged import HackKVStore
 from hack_ops.paged.fill import scattered_table
 from hack_ops.triton.batch import batch_from_plan, plan_batch
 from hack_ops.triton.store import cache_kwargs, new_buffers, store
-from hack_ops.triton.testing import fill_sequence, require_interpreter
+from hack_ops.triton.testing import fill_sequence, require_kernel_device, to_device
 
 H = 2
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _interpreter():
-    require_interpreter()
+def _kernel_device(kernel_device):
+    require_kernel_device(kernel_device)
 
 
-def _kv(n: int, d: int, seed: int, dtype=torch.float16):
+def _kv(n: int, d: int, seed: int, dtype=torch.float16, heads: int = H):
     g = torch.Generator().manual_seed(seed)
     chan = (1 + torch.arange(d) % 5).float()  # uneven channel ranges, like real K
-    return (torch.randn(n, H, d, generator=g) * chan).to(dtype), torch.randn(n, H, d, generator=g).to(dtype)
+    return (torch.randn(n, heads, d, generator=g) * chan).to(dtype), torch.randn(n, heads, d, generator=g).to(dtype)
 
 
-def _compare_with_cpu_store(cfg: HackConfig, d: int, schedule: list[list[int]], seed: int = 0):
-    """Write the same tokens step by step with the CPU store and the Triton store (each step
-    adds schedule[step][i] tokens to request i, 0 = idle) and compare every byte."""
+def _compare_with_cpu_store(device, cfg: HackConfig, d: int, schedule: list[list[int]], seed: int = 0,
+                            heads: int = H):
+    """Write the same tokens step by step with the CPU store and the Triton store on `device`
+    (each step adds schedule[step][i] tokens to request i, 0 = idle) and compare every byte."""
     p = cfg.partition_size
     rows = [3, 1]
     totals = [sum(s[i] for s in schedule) for i in range(len(rows))]
-    ref = HackKVStore(cfg, 1, H, d, num_pages=sum(-(-n // p) for n in totals) + 4, num_rows=4)
+    ref = HackKVStore(cfg, 1, heads, d, num_pages=sum(-(-n // p) for n in totals) + 4, num_rows=4)
     table = scattered_table(totals, p, 4, rows, ref.num_pages, generator=torch.Generator().manual_seed(seed))
-    mine = {"k_buf": ref.k_pages[0].clone(), "v_buf": ref.v_pages[0].clone(), "tail_k": ref.tail("k", 0).clone(),
-            "tail_v": None if ref.tail("v", 0) is None else ref.tail("v", 0).clone(),
-            "sink_k": ref.sink_k[0].clone(), "sink_v": ref.sink_v[0].clone()}
-    kv = [_kv(n, d, seed + i) for i, n in enumerate(totals)]
+    mine = to_device({"k_buf": ref.k_pages[0].clone(), "v_buf": ref.v_pages[0].clone(),
+                      "tail_k": ref.tail("k", 0).clone(),
+                      "tail_v": None if ref.tail("v", 0) is None else ref.tail("v", 0).clone(),
+                      "sink_k": ref.sink_k[0].clone(), "sink_v": ref.sink_v[0].clone()}, device)
+    kv = [_kv(n, d, seed + i, heads=heads) for i, n in enumerate(totals)]
     done = [0] * len(rows)
     for step in schedule:
         act = [i for i, n in enumerate(step) if n]
@@ -48,9 +51,10 @@ def _compare_with_cpu_store(cfg: HackConfig, d: int, schedule: list[list[int]], 
         k = torch.cat([kv[i][0][done[i]:done[i] + step[i]] for i in act])
         v = torch.cat([kv[i][1][done[i]:done[i] + step[i]] for i in act])
         ref.write(0, plan, k, v)
-        store(ref.layout, batch_from_plan(plan), k, v, **mine)
+        store(ref.layout, batch_from_plan(plan, device), k.to(device), v.to(device), **mine)
         for i in act:
             done[i] += step[i]
+    mine = to_device(mine, torch.device("cpu"))
     assert torch.equal(mine["k_buf"], ref.k_pages[0]), "K pages differ"
     assert torch.equal(mine["v_buf"], ref.v_pages[0]), "V pages differ"
     assert torch.equal(mine["sink_k"], ref.sink_k[0]) and torch.equal(mine["sink_v"], ref.sink_v[0])
@@ -68,33 +72,35 @@ def _compare_with_cpu_store(cfg: HackConfig, d: int, schedule: list[list[int]], 
     (32, 64, {"kv_bits": 4, "meta_dtype": "float32", "sink_tokens": 0}),
     pytest.param(128, 256, {"sink_tokens": 3}, marks=pytest.mark.slow),
 ])
-def test_byte_identical_to_cpu_store(page, d, kw):
+def test_byte_identical_to_cpu_store(kernel_device, page, d, kw):
     cfg = HackConfig(partition_size=page, **kw)
     p = page
     schedule = [[p + 5, 3], [1, 1], [2 * p, p - 4], [1, 1], [1, 2], [0, 1]]  # chunks, decode, page-closing steps
-    _compare_with_cpu_store(cfg, d, schedule)
+    _compare_with_cpu_store(kernel_device, cfg, d, schedule)
 
 
-def test_byte_identical_to_direct_quantization():
+def test_byte_identical_to_direct_quantization(kernel_device):
     """Pages after incremental stores equal pages quantized in one go from the whole sequence."""
     cfg = HackConfig(partition_size=32, sink_tokens=3)
     lay = page_layout(cfg, H, 128)
     lens = [70, 33]
     kv = [_kv(n, 128, 5 + i) for i, n in enumerate(lens)]
     pages = [[7, 2, 4], [0, 6]]
-    mine, ref = new_buffers(lay, 9, 3, 9), new_buffers(lay, 9, 3, 9)
-    indptr = torch.tensor([0, 3, 5])
-    indices = torch.tensor([x for pg in pages for x in pg])
+    dev = kernel_device
+    mine, ref = new_buffers(lay, 9, 3, 9, device=dev), new_buffers(lay, 9, 3, 9)
+    indptr = torch.tensor([0, 3, 5], device=dev)
+    indices = torch.tensor([x for pg in pages for x in pg], device=dev)
     done = [0, 0]
     for step in ([40, 31], [1, 1], [29, 1]):
         new_lens = [d + s for d, s in zip(done, step)]
-        qo = torch.tensor([0, step[0], step[0] + step[1]])
-        b = plan_batch(indptr, indices, torch.tensor(new_lens), 32, qo_indptr=qo, tail_rows=torch.tensor([2, 0]),
-                       sink_slots=torch.tensor([7, 0]))
+        qo = torch.tensor([0, step[0], step[0] + step[1]], device=dev)
+        b = plan_batch(indptr, indices, torch.tensor(new_lens, device=dev), 32, qo_indptr=qo,
+                       tail_rows=torch.tensor([2, 0], device=dev), sink_slots=torch.tensor([7, 0], device=dev))
         k = torch.cat([kv[i][0][done[i]:new_lens[i]] for i in range(2)])
         v = torch.cat([kv[i][1][done[i]:new_lens[i]] for i in range(2)])
-        store(lay, b, k, v, **cache_kwargs(mine))
+        store(lay, b, k.to(dev), v.to(dev), **cache_kwargs(mine))
         done = new_lens
+    mine = to_device(mine, torch.device("cpu"))
     for i, (row, slot) in enumerate(((2, 7), (0, 0))):
         fill_sequence(lay, ref, kv[i][0].float(), kv[i][1].float(), pages[i], row, slot)
     for name in ("k_buf", "v_buf", "sink_k", "sink_v"):
@@ -104,13 +110,14 @@ def test_byte_identical_to_direct_quantization():
         assert torch.equal(mine["tail_v"][row, : n % 32], ref["tail_v"][row, : n % 32])
 
 
-def test_pages_then_tail_equals_all():
+def test_pages_then_tail_equals_all(kernel_device):
     cfg = HackConfig(partition_size=32, range_search=False)
     lay = page_layout(cfg, H, 64)
-    k, v = _kv(80, 64, 3)
-    b = plan_batch(torch.tensor([0, 3]), torch.tensor([4, 1, 2]), torch.tensor([80]), 32,
-                   qo_indptr=torch.tensor([0, 80]))
-    one, two = new_buffers(lay, 5, 1, 5), new_buffers(lay, 5, 1, 5)
+    dev = kernel_device
+    k, v = to_device(list(_kv(80, 64, 3)), dev)
+    b = plan_batch(torch.tensor([0, 3], device=dev), torch.tensor([4, 1, 2], device=dev), torch.tensor([80], device=dev),
+                   32, qo_indptr=torch.tensor([0, 80], device=dev))
+    one, two = new_buffers(lay, 5, 1, 5, device=dev), new_buffers(lay, 5, 1, 5, device=dev)
     store(lay, b, k, v, **cache_kwargs(one))
     store(lay, b, k, v, **cache_kwargs(two), phase="pages")
     assert torch.equal(two["tail_k"], torch.zeros_like(two["tail_k"]))  # the pages phase leaves tails alone
@@ -119,11 +126,13 @@ def test_pages_then_tail_equals_all():
         assert torch.equal(one[name], two[name]), name
 
 
-def test_bad_input_is_refused():
+def test_bad_input_is_refused(kernel_device):
     lay = page_layout(HackConfig(partition_size=32), H, 64)
-    bufs = new_buffers(lay, 4, 1, 4)
-    b = plan_batch(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([40]), 32, qo_indptr=torch.tensor([0, 40]))
-    k, v = _kv(40, 64, 0)
+    dev = kernel_device
+    bufs = new_buffers(lay, 4, 1, 4, device=dev)
+    b = plan_batch(torch.tensor([0, 2], device=dev), torch.tensor([0, 1], device=dev), torch.tensor([40], device=dev), 32,
+                   qo_indptr=torch.tensor([0, 40], device=dev))
+    k, v = to_device(list(_kv(40, 64, 0)), dev)
     with pytest.raises(ValueError, match="phase"):
         store(lay, b, k, v, **cache_kwargs(bufs), phase="later")
     with pytest.raises(ValueError, match="k must be"):
@@ -139,3 +148,11 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="at most seq_len"):
         plan_batch(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([40]), 32, qo_indptr=torch.tensor([0, 41]))
     assert torch.equal(bufs["k_buf"], torch.zeros_like(bufs["k_buf"]))  # nothing was written
+
+
+@pytest.mark.cuda
+def test_real_shapes_byte_identical(kernel_device):
+    """Llama-3-8B-like KV (8 heads, head_dim 128), the serving default format, contexts to 10K:
+    two long prefill chunks per request, decode steps, a chunk that closes an open page."""
+    schedule = [[8192, 4096], [1, 1], [2048 + 5, 61], [1, 1], [1, 2]]
+    _compare_with_cpu_store(kernel_device, HackConfig(), 128, schedule, heads=8)

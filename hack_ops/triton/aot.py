@@ -77,21 +77,22 @@ class Compiled:
     num_warps: int
 
 
-def example_launches(v: Variant, dot_f16: bool = False) -> dict[str, Launch]:
-    """Launches of every kernel for variant v, built on small CPU tensors. The fp16 fallback
-    (V100/T4) takes fp16 activations: those GPUs have no bf16 arithmetic."""
+def example_launches(v: Variant, dot_f16: bool = False, device: torch.device | str = "cpu") -> dict[str, Launch]:
+    """Launches of every kernel for variant v, built on small tensors (CPU for compiling; on a
+    GPU they also run there). The fp16 fallback (V100/T4) takes fp16 activations: those GPUs
+    have no bf16 arithmetic."""
     lay: PageLayout = page_layout(v.config, v.kv_heads, v.head_dim)
     spec = kernel_spec(lay)
     p, d = spec.page, spec.head_dim
-    bufs = new_buffers(lay, 4, 2, 4)
+    bufs = new_buffers(lay, 4, 2, 4, device=device)
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731 (small index tensors)
     cache = cache_args(lay, **{n: bufs[n] for n in ("k_buf", "v_buf", "tail_k", "tail_v", "sink_k", "sink_v")})
-    ext = plan_batch(torch.tensor([0, 2, 4]), torch.arange(4), torch.tensor([p + 3, 2 * p]), p,
-                     qo_indptr=torch.tensor([0, 3, 3 + 2 * p]))
-    dec = plan_batch(torch.tensor([0, 2, 4]), torch.arange(4), torch.tensor([p + 3, 2 * p]), p)
+    ext = plan_batch(t([0, 2, 4]), t([0, 1, 2, 3]), t([p + 3, 2 * p]), p, qo_indptr=t([0, 3, 3 + 2 * p]))
+    dec = plan_batch(t([0, 2, 4]), t([0, 1, 2, 3]), t([p + 3, 2 * p]), p)
     dtype = torch.float16 if dot_f16 else v.dtype
-    kn = torch.zeros(ext.total_new, v.kv_heads, d, dtype=dtype)
-    q = torch.zeros(ext.total_new, v.q_heads, d, dtype=dtype)
-    qd = torch.zeros(2, v.q_heads, d, dtype=dtype)
+    kn = torch.zeros(ext.total_new, v.kv_heads, d, dtype=dtype, device=device)
+    q = torch.zeros(ext.total_new, v.q_heads, d, dtype=dtype, device=device)
+    qd = torch.zeros(2, v.q_heads, d, dtype=dtype, device=device)
     scale = d ** -0.5
     out = {
         "store": store_launch(spec, ext, kn, kn, cache, "pages"),

@@ -15,16 +15,36 @@ from ..quant import quantize
 
 _META = {"float16": torch.float16, "float32": torch.float32}
 
-def require_interpreter() -> None:
-    """Fail clearly unless the kernels run in Triton's CPU interpreter (tests/conftest.py turns
-    it on before triton is imported; TRITON_INTERPRET=1 does the same from the shell)."""
+def require_kernel_device(device: torch.device) -> None:
+    """Fail clearly unless the kernels run where the tests put their tensors: compiled on a
+    CUDA GPU for device 'cuda', in Triton's CPU interpreter for 'cpu' (tests/conftest.py
+    chooses, see hack_ops/kernel_device.py, before triton is imported)."""
     import triton
 
     from .decode_kernel import hack_decode_kernel
 
-    if not triton.knobs.runtime.interpret or type(hack_decode_kernel).__name__ != "InterpretedFunction":
-        raise RuntimeError("the Triton kernels need the interpreter here (no GPU): set TRITON_INTERPRET=1 "
-                           "before triton is imported")
+    interpreted = bool(triton.knobs.runtime.interpret) and type(hack_decode_kernel).__name__ == "InterpretedFunction"
+    if device.type == "cuda":
+        if interpreted or not torch.cuda.is_available():
+            raise RuntimeError("CUDA kernel tests need a GPU and Triton in compiled mode: unset TRITON_INTERPRET "
+                               "(and HACK_KERNEL_DEVICE=interpreter)")
+    elif device.type == "cpu":
+        if not interpreted:
+            raise RuntimeError("the Triton kernels need the interpreter on CPU tensors: set TRITON_INTERPRET=1 "
+                               "before triton is imported (tests/conftest.py does when there is no GPU)")
+    else:
+        raise RuntimeError(f"the Triton kernels run on cuda or (interpreted) cpu tensors, not {device.type}")
+
+
+def to_device(x, device: torch.device):
+    """A tensor, or the tensors of a dict/list (None kept), on `device`."""
+    if isinstance(x, Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, list):
+        return [to_device(v, device) for v in x]
+    return x
 
 
 def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Tensor, pages: list[int],
@@ -96,9 +116,22 @@ TOL_MAX_ABS = 0.03  # one INT8 P step for |V| <= ~3.8 (randn data): the worst si
 TOL_MEAN_ABS = 2e-5  # float round-off is ~1e-7; rare flips add ~1e-6
 
 
+def chunked_reference(q: Tensor, k: Tensor, v: Tensor, layout: PageLayout, rows: int = 256, **kw) -> Tensor:
+    """dense_reference in blocks of `rows` query rows, each over the keys up to its last row
+    (what those rows see is the same: decode-time visibility depends only on a row's own
+    position), so long prompts need memory for `rows` rows at a time, not all of them."""
+    n, total = q.shape[0], k.shape[0]
+    outs = []
+    for lo in range(0, n, rows):
+        hi = min(n, lo + rows)
+        end = total - n + hi  # keys 0..end-1: the last query row of this block sits at end-1
+        outs.append(dense_reference(q[lo:hi], k[:end], v[:end], layout, **kw))
+    return torch.cat(outs)
+
+
 def reference_error(out: Tensor, ref: Tensor) -> dict:
-    """Max and mean absolute error."""
-    err = (out.float() - ref.float()).abs()
+    """Max and mean absolute error (on the CPU, where the reference is)."""
+    err = (out.detach().float().cpu() - ref.float().cpu()).abs()
     return {"max": float(err.max()), "mean": float(err.mean())}
 
 
@@ -109,11 +142,14 @@ def assert_matches_reference(out: Tensor, ref: Tensor, what: str = "") -> dict:
 
 
 def random_batch(layout: PageLayout, prefix_lens: list[int], new_lens: list[int], q_heads: int,
-                 seed: int = 0, spare_pages: int = 3, dtype: torch.dtype = torch.float16) -> dict:
+                 seed: int = 0, spare_pages: int = 3, dtype: torch.dtype = torch.float16,
+                 device: torch.device | str = "cpu") -> dict:
     """A batch of requests whose first prefix_lens[i] tokens are already stored (by
     fill_sequence) and which add new_lens[i] tokens: pages drawn at random from a pool a few
     pages larger than needed (non-contiguous tables), tail rows in reverse order, sinks keyed by
-    the first page. K/V values are exact in fp16, so FP16 copies equal the reference's input."""
+    the first page. K/V values are exact in fp16, so FP16 copies equal the reference's input.
+    Everything is built on the CPU (same data on every device); the kernels' inputs are then
+    moved to `device`, while "k"/"v" (the reference's inputs) stay on the CPU."""
     g = torch.Generator().manual_seed(seed)
     p, h, d = layout.page_size, layout.num_heads, layout.head_dim
     lens = [a + n for a, n in zip(prefix_lens, new_lens)]
@@ -138,15 +174,16 @@ def random_batch(layout: PageLayout, prefix_lens: list[int], new_lens: list[int]
     qo = [0]
     for n in new_lens:
         qo.append(qo[-1] + n)
+    dev = torch.device(device)
     return {
-        "bufs": bufs, "k": ks, "v": vs, "pages": pages, "lens": lens, "prefix": prefix_lens,
-        "kv_indptr": torch.tensor(indptr, dtype=torch.int32),
-        "kv_indices": torch.tensor([x for pg in pages for x in pg], dtype=torch.int32),
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
-        "qo_indptr": torch.tensor(qo, dtype=torch.int32),
-        "tail_rows": torch.tensor(rows, dtype=torch.int32),
-        "sink_slots": torch.tensor([pg[0] for pg in pages], dtype=torch.int32),
-        "k_new": torch.cat([k[pre:] for k, pre in zip(ks, prefix_lens)]).to(dtype),
-        "v_new": torch.cat([v[pre:] for v, pre in zip(vs, prefix_lens)]).to(dtype),
-        "q": torch.randn(qo[-1], q_heads, d, generator=g).to(dtype),
+        "bufs": to_device(bufs, dev), "k": ks, "v": vs, "pages": pages, "lens": lens, "prefix": prefix_lens,
+        "kv_indptr": torch.tensor(indptr, dtype=torch.int32).to(dev),
+        "kv_indices": torch.tensor([x for pg in pages for x in pg], dtype=torch.int32).to(dev),
+        "seq_lens": torch.tensor(lens, dtype=torch.int32).to(dev),
+        "qo_indptr": torch.tensor(qo, dtype=torch.int32).to(dev),
+        "tail_rows": torch.tensor(rows, dtype=torch.int32).to(dev),
+        "sink_slots": torch.tensor([pg[0] for pg in pages], dtype=torch.int32).to(dev),
+        "k_new": torch.cat([k[pre:] for k, pre in zip(ks, prefix_lens)]).to(dev, dtype),
+        "v_new": torch.cat([v[pre:] for v, pre in zip(vs, prefix_lens)]).to(dev, dtype),
+        "q": torch.randn(qo[-1], q_heads, d, generator=g).to(dev, dtype),
     }
