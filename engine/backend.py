@@ -80,6 +80,7 @@ class HackAttnBackend(AttentionBackend):
         # Decode steps whose tokens only append to the FP16 tails (no sink position, no page
         # closing) are stored with two index writes instead of the general store step.
         self._tails_hold_open = open_mode(cfg, "k") == "fp16" and open_mode(cfg, "v") == "fp16"
+        logger.info("HACK prefill attention path: %s", "GPU (Triton)" if self.gpu is not None else __import__("hack_ops.paged.cpu_extend", fromlist=["describe"]).describe(self.store, self.extend_mode, self.generator))
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:

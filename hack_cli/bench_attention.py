@@ -5,9 +5,13 @@ Methods, measured side by side in one run on the same context:
   bf16     torch SDPA over a contiguous BF16 cache (the exact baseline)
   dequant  the same 2-bit pages dequantized to BF16, then SDPA (the paper's strawman)
 Decode: one query per request, batch x context, attention only (the store step that writes the
-new token is not timed, for no method). Prefill: one prompt; hack = store + homomorphic
-attention ('hack' and 'exact' prefill), bf16 = causal SDPA, dequant = store + causal SDPA.
-Reported: the median of repeats per cell and speedups = baseline time / hack time.
+new token is not timed, for no method). Prefill: one prompt per length; hack = store +
+homomorphic attention ('hack' and 'exact' prefill), hack-attn = the homomorphic attention alone
+on stored pages, hack-store = the store alone, bf16 / fp32 = causal SDPA (the baseline is the
+faster of the two), dequant = store + causal SDPA.
+Reported: the median of repeats per cell, speedups = baseline time / hack time, the extend path
+that ran, and a roofline measured in the same run (copy bandwidth, INT8/BF16/FP32 GEMM peaks)
+with each kernel's achieved fraction of it.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8; cuda: 1,8,32,128)")
     p.add_argument("--contexts", default=None, help="comma-separated token counts (default 2048,8192,32768)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (default 5, quick 3)")
-    p.add_argument("--prefill-tokens", type=int, default=None, help="prompt length (default 4096, quick 1024; 0: skip)")
+    p.add_argument("--prefill-tokens", default=None,
+                   help="comma-separated prompt lengths (default 2048,8192,16384, quick 1024; 0: skip)")
     p.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to "
@@ -87,9 +92,10 @@ def run(args: argparse.Namespace) -> int:
     batches = _ints(args.batches or "1,8", "--batches")
     contexts = _ints(args.contexts, "--contexts") if args.contexts else ([2048, 8192] if args.quick else [2048, 8192, 32768])
     repeats = args.repeats or (3 if args.quick else 5)
-    prefill = args.prefill_tokens if args.prefill_tokens is not None else (1024 if args.quick else 4096)
-    if repeats <= 0 or prefill < 0:
-        raise ValueError("--repeats must be positive and --prefill-tokens non-negative")
+    ptext = str(args.prefill_tokens) if args.prefill_tokens is not None else ("1024" if args.quick else "2048,8192,16384")
+    prefills = [] if ptext.strip() == "0" else _ints(ptext, "--prefill-tokens")
+    if repeats <= 0:
+        raise ValueError("--repeats must be positive")
     from hack_ops.paged.benchcases import decode_case, prefill_case
 
     if args.threads is not None:
@@ -101,35 +107,58 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     results, ratios = [], []
     say = (lambda *a: None) if args.json else print
+    from hack_ops.paged import cpu_extend
+
     say(f"attention on {_machine()}, {torch.get_num_threads()} threads, {args.clock} clock; "
         f"CPU kernel: {'AVX-512 VNNI' if cpu_kernel.simd() else ('plain C' if cpu_kernel.load() else 'unavailable')}")
+    roof = roofline(clock)
+    say("roofline: " + ", ".join(f"{k} {v}" for k, v in roof.items()))
+    extend_path = None
     for shape in shapes:
         hq, h, d = SHAPES[shape]
         for batch in batches:
             for ctx in contexts:
                 case = decode_case(hq, h, d, batch, ctx)
                 cell = _median_ms(case.methods(), repeats, clock)
+                read = batch * case.store.layout.page_bytes * (ctx // case.store.page_size)  # closed pages
                 case.release()
                 for m, ms in cell.items():
                     results.append({"phase": "decode", "shape": shape, "batch": batch, "context": ctx, "method": m,
                                     "median_ms": round(ms, 4)})
                 ratios.append({"phase": "decode", "shape": shape, "batch": batch, "context": ctx,
                                "hack_vs_bf16": round(cell["bf16"] / cell["hack"], 2),
-                               "hack_vs_dequant": round(cell["dequant"] / cell["hack"], 2)})
+                               "hack_vs_dequant": round(cell["dequant"] / cell["hack"], 2),
+                               "_bytes": read, "_hack_ms": cell["hack"]})
                 say(_row("decode", shape, batch, ctx, cell))
-        if prefill:
+        for prefill in prefills:
             case = prefill_case(hq, h, d, prefill)
+            extend_path = cpu_extend.describe(case.store, "hack")
+            say(f"extend path: {extend_path}")
             cell = _median_ms(case.methods(), max(1, repeats // 2), clock)
+            store_bytes = case.store.layout.page_bytes * -(-prefill // case.store.page_size)
             case.release()
             for m, ms in cell.items():
                 results.append({"phase": "prefill", "shape": shape, "batch": 1, "context": prefill, "method": m,
                                 "median_ms": round(ms, 4)})
-            ratios.append({"phase": "prefill", "shape": shape, "batch": 1, "context": prefill,
+            base = "bf16" if cell["bf16"] <= cell["fp32"] else "fp32"
+            macs = 2 * hq * d * prefill * (prefill + 1) / 2  # Q.K and P.V, causal
+            ratios.append({"phase": "prefill", "shape": shape, "batch": 1, "context": prefill, "baseline": base,
                            "hack_vs_bf16": round(cell["bf16"] / cell["hack"], 2),
-                           "hack_vs_dequant": round(cell["dequant"] / cell["hack"], 2)})
-            say(_row("prefill", shape, 1, prefill, cell))
+                           "hack_vs_dequant": round(cell["dequant"] / cell["hack"], 2),
+                           "hack_vs_baseline": round(cell[base] / cell["hack"], 2),
+                           "hack_attn_vs_baseline": round(cell[base] / cell["hack-attn"], 2),
+                           "hack_attn_int8_peak_frac": round(2 * macs / (cell["hack-attn"] * 1e6) / roof["int8_gops"], 3)
+                           if roof["int8_gops"] else None,
+                           "baseline_gemm_peak_frac": round(2 * macs / (cell[base] * 1e6) / roof[f"{base}_gops"], 3),
+                           "store_input_gb_s": round(4 * prefill * h * d / (cell["hack-store"] * 1e6), 3),
+                           "store_output_bytes": store_bytes})
+            say(_row("prefill", shape, 1, prefill, cell, base))
+    for r in ratios:  # decode: bytes of pages read per second against the copy bandwidth
+        if r["phase"] == "decode":
+            r["hack_copy_bw_frac"] = round(r.pop("_bytes") / (r.pop("_hack_ms") * 1e6) / roof["copy_gb_s"], 3)
     doc = {"machine": _machine(), "threads": torch.get_num_threads(), "clock": args.clock, "repeats": repeats,
-           "kernel_simd": cpu_kernel.simd(), "results": results, "ratios": ratios}
+           "kernel_simd": cpu_kernel.simd(), "extend_path": extend_path, "roofline": roof, "results": results,
+           "ratios": ratios}
     if args.json:
         print(json.dumps(doc))
     if args.out:
@@ -138,10 +167,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _row(phase: str, shape: str, batch: int, ctx: int, cell: dict) -> str:
+def _row(phase: str, shape: str, batch: int, ctx: int, cell: dict, base: str = "bf16") -> str:
     times = "  ".join(f"{m} {ms:9.2f} ms" for m, ms in cell.items())
+    extra = f", hack-attn vs {base} x{cell[base] / cell['hack-attn']:.2f}" if "hack-attn" in cell else ""
     return (f"{phase:7s} {shape:9s} batch {batch:2d} context {ctx:6d}: {times}  "
-            f"hack vs bf16 x{cell['bf16'] / cell['hack']:.2f}, vs dequant x{cell['dequant'] / cell['hack']:.2f}")
+            f"hack vs {base} x{cell[base] / cell['hack']:.2f}, vs dequant x{cell['dequant'] / cell['hack']:.2f}{extra}")
+
+
+def roofline(clock=time.perf_counter, repeats: int = 3) -> dict:
+    """This machine's copy bandwidth (GB/s, read + write of a 256 MiB tensor) and GEMM peaks
+    (GOPS of 2048^3 matmuls: torch._int_mm for INT8 when it runs on this CPU, else None)."""
+    def best(fn) -> float:
+        fn()
+        return min(_timed(fn, clock) for _ in range(repeats))
+
+    src = torch.empty(64 * 2 ** 20, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    out = {"copy_gb_s": round(2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9, 2)}
+    n = 2048
+    a = torch.randn(n, n)
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        x = a.to(dt)
+        out[f"{name}_gops"] = round(2 * n ** 3 / best(lambda: x @ x) / 1e9, 1)
+    try:
+        x8 = torch.randint(-64, 64, (n, n), dtype=torch.int8)
+        out["int8_gops"] = round(2 * n ** 3 / best(lambda: torch._int_mm(x8, x8)) / 1e9, 1)
+    except RuntimeError:
+        out["int8_gops"] = None  # torch._int_mm has no CPU kernel in this build
+    return out
+
+
+def _timed(fn, clock) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
 
 
 def _machine() -> str:

@@ -107,6 +107,8 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's dtype."""
     if mode not in EXTEND_MODES:
         raise ValueError(f"extend mode must be one of {EXTEND_MODES}, got {mode!r}")
+    if backend not in ("auto", "torch", "cpu"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     store._check_layer(layer)
     n_new = plan.num_new_tokens
     rep = _check_q(store, q, n_new, "new_tokens")
@@ -120,15 +122,16 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if mode == "exact" and not plan.has_prefix:
         return _exact_cold(plan, q, k, v, scale).to(q.dtype)
-    from . import cpu_kernel  # late import: the compiled kernel is optional
+    from . import cpu_extend  # late import: the compiled kernel is optional
 
-    if cpu_kernel.usable(store, mode, backend, generator, phase="extend"):
+    path, why = cpu_extend.choose(store, mode, generator, backend)
+    if path in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE):
+        kw, vw, woff = _fp16_windows(store, plan, k, v, snaps)
+        return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, mode == "exact").to(q.dtype)
+    if path == cpu_extend.ExtendPath.PER_QUERY:
         return _extend_kernel(store, layer, plan, q, k, v, snaps, mode, scale).to(q.dtype)
     if backend == "cpu":
-        raise RuntimeError("the compiled CPU kernel is not usable here: "
-                           f"{cpu_kernel.why_not(store, mode, generator, phase='extend')}")
-    if backend not in ("auto", "torch"):
-        raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
+        raise RuntimeError(f"the compiled CPU kernel is not usable here: {why}")
     new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}
     out = torch.empty(n_new, h * rep, d, dtype=torch.float32)
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
@@ -165,6 +168,25 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
     return out
 
 
+def _fp16_windows(store: HackKVStore, plan: ForwardPlan, k: Tensor, v: Tensor, snaps: dict):
+    """Each request's FP16 K and V from the start of the prefix's open page: the tokens kept
+    from its tail before the write, then the new tokens (zeros for a tensor without a tail,
+    which the kernels then never read). Returns (k_win, v_win, element offset per request)."""
+    p = store.page_size
+    hd = store.num_heads * store.head_dim
+    wins: dict[str, list[Tensor]] = {"k": [], "v": []}
+    offs, off = [], 0
+    for b, pre in enumerate(plan.prefix_list):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        for name, x in (("k", k), ("v", v)):
+            head = snaps[name][b].to(torch.float16) if name in snaps else torch.zeros(pre % p, *x.shape[1:], dtype=torch.float16)
+            wins[name].append(torch.cat([head, x[lo:hi].to(torch.float16)], 0))
+        offs.append(off)
+        off += wins["k"][-1].shape[0] * hd
+    kw, vw = (torch.cat(wins[n], 0).contiguous() for n in ("k", "v"))
+    return kw, vw, torch.tensor(offs, dtype=torch.long)
+
+
 def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
                    snaps: dict, mode: str, scale: float) -> Tensor:
     """Extend on the compiled kernel: one kernel query per new token (position t sees a
@@ -173,18 +195,9 @@ def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor,
     from . import cpu_kernel
 
     p = store.page_size
+    kw, vw, offs = _fp16_windows(store, plan, k, v, snaps)
+    starts = [((pre // p) * p, o) for pre, o in zip(plan.prefix_list, offs.tolist())]
     hd = store.num_heads * store.head_dim
-    wins = {"k": [], "v": []}
-    starts = []  # window start position (a page start) and element offset of each request
-    off = 0
-    for b, pre in enumerate(plan.prefix_list):
-        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
-        for name, x in (("k", k), ("v", v)):
-            head = snaps[name][b].to(torch.float16) if name in snaps else torch.zeros(pre % p, *x.shape[1:], dtype=torch.float16)
-            wins[name].append(torch.cat([head, x[lo:hi].to(torch.float16)], 0))
-        starts.append(((pre // p) * p, off))
-        off += wins["k"][-1].shape[0] * hd
-    kw, vw = (torch.cat(wins[n], 0).contiguous() for n in ("k", "v"))
     pos = plan.tok_pos
     seq = pos + 1
     if mode == "exact":

@@ -76,9 +76,25 @@ class PrefillCase:
         self.k4 = self.k.transpose(0, 1)[None].to(torch.bfloat16)
         self.v4 = self.v.transpose(0, 1)[None].to(torch.bfloat16)
         self.gqa = hq != h
+        self._windows = None
 
     def _sdpa(self) -> torch.Tensor:
         return F.scaled_dot_product_attention(self.q4, self.k4, self.v4, is_causal=True, enable_gqa=self.gqa)
+
+    def _sdpa32(self) -> torch.Tensor:
+        return F.scaled_dot_product_attention(self.q4.float(), self.k4.float(), self.v4.float(), is_causal=True,
+                                              enable_gqa=self.gqa)
+
+    def _attention_only(self) -> torch.Tensor:
+        """HACK extend attention on pages already stored (the store step not timed)."""
+        from .attention import _fp16_windows
+        from .cpu_extend import attend
+
+        if self._windows is None:
+            self.store.write(0, self.plan, self.k, self.v)
+            self._windows = _fp16_windows(self.store, self.plan, self.k, self.v, {})
+        kw, vw, woff = self._windows
+        return attend(self.store, 0, self.plan, self.q, self.q.shape[-1] ** -0.5, kw, vw, woff, False)
 
     def _dequant(self) -> torch.Tensor:
         self.store.write(0, self.plan, self.k, self.v)  # the strawman quantizes for storage only
@@ -89,7 +105,9 @@ class PrefillCase:
             "hack": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode="hack"),
             "hack-exact": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode="exact"),
             "hack-store": lambda: self.store.write(0, self.plan, self.k, self.v),  # quantization alone
+            "hack-attn": self._attention_only,  # the homomorphic attention alone
             "bf16": self._sdpa,
+            "fp32": self._sdpa32,
             "dequant": self._dequant,
         }
 

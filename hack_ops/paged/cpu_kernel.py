@@ -1,4 +1,4 @@
-"""The compiled CPU attention kernel (csrc/: hack_decode.c, hack_pages.c): build, load, call.
+"""The compiled CPU attention kernel (csrc/: hack_decode.c, hack_pages.c, hack_extend.c): build, load, call.
 
 Plain C (no torch headers, so it builds in about a second) compiled with the machine's
 gcc: `-O3 -march=native` (AVX-512 VNNI where the CPU has it) into a cache directory keyed by
@@ -9,7 +9,8 @@ not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('
 
 Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a multiple of 64 up
 to 256, up to 16 query heads per KV head; decode 'hack' with any tails / sinks / RQE setting;
-extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on), one kernel "request" per query.
+extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on): the tiled kernel of hack_extend.c
+(bound in cpu_extend.py), or this file's per-query call (one kernel "request" per new token).
 Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from .write import open_mode
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c"]
+SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c"]
 HEADERS = [CSRC / "hack_kernel.h"]
 VARIANTS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],

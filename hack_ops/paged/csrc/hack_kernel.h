@@ -1,4 +1,4 @@
-/* Shared definitions of the HACK CPU kernel (hack_decode.c, hack_pages.c). */
+/* Shared definitions of the HACK CPU kernel (hack_decode.c, hack_pages.c, hack_extend.c). */
 #ifndef HACK_KERNEL_H
 #define HACK_KERNEL_H
 
@@ -72,5 +72,25 @@ void page_scores_quant(const item_t *it, int64_t page_id, int nt, const float *q
 /* o[r * D + c] += P.V over tokens [0, nt) of one V page (quantized per token); tokens < skip
  * (sinks) are left out; pr: softmax numerators (stride ld). ws: (rep + 2) * ng * P floats. */
 void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const float *pr, int64_t ld, float *o, float *ws);
+
+/* Tiled extend (hack_extend.c): one call for all new tokens of a batch of requests. */
+typedef struct {
+    int64_t batch, heads, rep, head_dim, page_size, bits, group, sink_tokens;
+    int64_t v_open_quantized; /* 1: V of the open partition is read from its per-token codes */
+    int64_t exact;            /* 1: 'exact' extend: every query sees only pages < prefix/P closed */
+    int64_t meta_fp32, max_pages;
+    int64_t k_page_bytes, k_codes_off, k_min_off, k_scale_off, k_sums_off, k_sums_bytes;
+    int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
+    int64_t nthreads, block_tokens; /* block_tokens <= 0: chosen by the kernel */
+    const int64_t *prefix_lens, *seq_lens, *q_start, *page_table, *sink_slots;
+    const int64_t *win_off;          /* element offset of each request's FP16 window (starts at a page) */
+    const uint8_t *k_pages, *v_pages;
+    const uint16_t *k_win, *v_win, *sink_k, *sink_v; /* fp16, [.., H, D] per token */
+    const float *q;                                  /* [N, H*rep, D], already scaled */
+    float *out;                                      /* [N, H*rep, D] */
+} hack_extend_args;
+
+int hack_extend(const hack_extend_args *a);
+int hack_extend_simd(void);
 
 #endif

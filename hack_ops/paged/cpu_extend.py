@@ -1,0 +1,153 @@
+"""The tiled extend (prefill) kernel, csrc/hack_extend.c: which path an extend takes, and the call.
+
+Paths, best first (ExtendPath): 'vnni' (the tiled kernel built with AVX-512 VNNI), 'portable'
+(the same kernel in plain C: the build without SIMD intrinsics, chosen when the compiler or CPU
+lacks AVX-512 VNNI), 'per-query' (the decode kernel run once per new token, the previous
+extend; kept as a fallback), 'torch' (portable PyTorch). HACK_EXTEND_KERNEL=per-query or
+=portable forces those paths (tests, comparisons); HACK_CPU_KERNEL=0 turns all compiled code off. AMX-INT8 tiles are not built: the machine this kernel was written on exposes no AMX,
+and a path that cannot be run here is not shipped untested.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+from enum import Enum
+
+import torch
+
+from . import cpu_kernel
+from .write import open_mode
+
+logger = logging.getLogger(__name__)
+
+AMX_NOTE = "AMX-INT8 not built (this machine exposes no AMX to test it on)"
+_I64 = ctypes.c_int64
+_P = ctypes.c_void_p
+
+
+class ExtendPath(str, Enum):
+    VNNI = "vnni"
+    PORTABLE = "portable"
+    PER_QUERY = "per-query"
+    TORCH = "torch"
+
+
+class _XArgs(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in (
+        "batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens",
+        "v_open_quantized", "exact", "meta_fp32", "max_pages",
+        "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
+        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads", "block_tokens")] + [
+        (n, _P) for n in ("prefix_lens", "seq_lens", "q_start", "page_table", "sink_slots", "win_off",
+                          "k_pages", "v_pages", "k_win", "v_win", "sink_k", "sink_v", "q", "out")]
+
+
+def _lib(variant: str) -> ctypes.CDLL | None:
+    lib = cpu_kernel.load(variant)
+    if lib is None or not hasattr(lib, "hack_extend"):
+        return None
+    lib.hack_extend.argtypes = [ctypes.POINTER(_XArgs)]
+    lib.hack_extend.restype = ctypes.c_int
+    lib.hack_extend_simd.restype = ctypes.c_int
+    return lib
+
+
+def build_variant() -> str:
+    """The build the tiled kernel runs from: 'native' (-march=native) unless
+    HACK_EXTEND_KERNEL=portable asks for the plain-C build."""
+    return "portable" if os.environ.get("HACK_EXTEND_KERNEL") == "portable" else "native"
+
+
+def why_not(store, mode: str, generator=None, variant: str = "native") -> str | None:
+    """Why the tiled kernel cannot run this extend (None: it can)."""
+    if os.environ.get("HACK_EXTEND_KERNEL", "tiled") == "per-query":
+        return "HACK_EXTEND_KERNEL=per-query selects the per-query kernel"
+    reason = cpu_kernel.why_not(store, mode, generator, variant, phase="extend")
+    if reason is not None:
+        return reason
+    if _lib(variant) is None:
+        return "the built kernel library has no hack_extend (stale build)"
+    return None
+
+
+def choose(store, mode: str, generator=None, backend: str = "auto") -> tuple[ExtendPath, str]:
+    """The path an extend with this store/mode takes, and a sentence saying why."""
+    if backend not in ("auto", "torch", "cpu"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
+    if backend == "torch":
+        return ExtendPath.TORCH, "backend='torch' asked for"
+    tiled = why_not(store, mode, generator, build_variant())
+    if tiled is None:
+        if simd(build_variant()):
+            return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {AMX_NOTE}"
+        return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {AMX_NOTE}"
+    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend")
+    if per_query is None:
+        return ExtendPath.PER_QUERY, f"per-query decode kernel, because the tiled kernel does not apply: {tiled}"
+    return ExtendPath.TORCH, f"PyTorch, because the compiled kernels do not apply: {per_query}"
+
+
+def describe(store, mode: str, generator=None) -> str:
+    """One line for the server log and the benchmark: path name and reason."""
+    path, why = choose(store, mode, generator)
+    return f"{path.value} ({why})"
+
+
+def simd(variant: str = "native") -> bool:
+    lib = _lib(variant)
+    return bool(lib is not None and lib.hack_extend_simd())
+
+
+def _i64(x) -> torch.Tensor:
+    return torch.as_tensor(x).to(torch.int64).contiguous()
+
+
+def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.Tensor, v_win: torch.Tensor,
+           win_off, exact: bool, variant: str | None = None, block_tokens: int = 0) -> torch.Tensor:
+    """Extend attention of the plan's new tokens q [N, Hq, D] (stored already): request b's
+    FP16 window starts at position (prefix // Π) * Π, element offset win_off[b] of k_win/v_win
+    (fp16 [.., H, D]). Returns float32 [N, Hq, D]. block_tokens > 0 sets the query positions per
+    work item (results do not depend on it, nor on the thread count)."""
+    variant = variant or build_variant()
+    lib = _lib(variant)
+    if lib is None:
+        raise RuntimeError(cpu_kernel._errors.get(variant, "the CPU kernel is not available"))
+    cfg, lay = store.config, store.layout
+    n, hq, d = q.shape
+    h = store.num_heads
+    rep = hq // h
+    if rep > 16:
+        raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
+    bufs = (store.k_pages[layer], store.v_pages[layer], k_win, v_win, store.sink_k[layer], store.sink_v[layer])
+    if any(t is not None and not t.is_contiguous() for t in bufs):
+        raise RuntimeError("the buffers the kernel reads must be contiguous")
+    if k_win.dtype != torch.float16 or v_win.dtype != torch.float16:
+        raise RuntimeError("the FP16 windows must be float16")
+    qs = (q.float() * scale).contiguous()
+    out = torch.empty(n, hq, d, dtype=torch.float32)
+    keep = [_i64(x) for x in (plan.prefix_lens, plan.seq_lens, plan.qo_indptr, plan.page_table,
+                              plan.sink_slot.clamp(min=0), win_off)]
+    pre, seq, qo, table, sinks, woff = keep
+    sums = lay.k.sums
+    a = _XArgs(
+        batch=plan.batch_size, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
+        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens, v_open_quantized=int(open_mode(cfg, "v") != "fp16"),
+        exact=int(exact), meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
+        k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
+        k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,
+        k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
+        v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
+        v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(), block_tokens=block_tokens,
+        prefix_lens=pre.data_ptr(), seq_lens=seq.data_ptr(), q_start=qo.data_ptr(), page_table=table.data_ptr(),
+        sink_slots=sinks.data_ptr(), win_off=woff.data_ptr(),
+        k_pages=store.k_pages[layer].data_ptr(), v_pages=store.v_pages[layer].data_ptr(),
+        k_win=k_win.data_ptr(), v_win=v_win.data_ptr(), sink_k=store.sink_k[layer].data_ptr(),
+        sink_v=store.sink_v[layer].data_ptr(), q=qs.data_ptr(), out=out.data_ptr(),
+    )
+    rc = lib.hack_extend(ctypes.byref(a))
+    if rc == -1:
+        raise RuntimeError("the tiled extend kernel rejected the geometry")
+    if rc != 0:
+        raise MemoryError("the tiled extend kernel could not allocate its scratch memory")
+    return out
