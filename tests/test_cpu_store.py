@@ -137,3 +137,24 @@ def test_summation_orders_match_torch():
     assert torch.equal(cpu_store.c_sum(x.reshape(64, -1), cpu_store.SUM_ROWS), x.movedim(0, -1).sum(-1).reshape(-1))
     y = cpu_store._spread((100, 64), g)  # V: groups along the contiguous head_dim
     assert torch.equal(cpu_store.c_sum(y.t(), cpu_store.SUM_INNER, width), y.sum(-1))
+
+
+def test_portable_build_writes_the_same_bytes():
+    """The variant without -march=native (no AVX-512, no F16C: software fp16 conversions)."""
+    if cpu_store.load("portable") is None or cpu_store.summation_order("portable") is None:
+        pytest.skip("the portable variant cannot be built here")
+    cfg = HackConfig(partition_size=32, sink_tokens=2)
+    p = 32
+    stores = [HackKVStore(cfg, 1, 2, 64, num_pages=12, num_rows=2) for _ in range(2)]
+    table = scattered_table([3 * p + 9], p, 2, [1], 12, generator=torch.Generator().manual_seed(4))
+    k, v = _kv(3 * p + 9, 2, 64, 4, torch.bfloat16)
+    done = 0
+    for n in (p + 3, 2 * p, 1, 5):
+        for store, variant in zip(stores, (None, "portable")):
+            plan = store.plan(table, [1], [done + n], [n])
+            if variant is None:
+                store.write(0, plan, k[done:done + n], v[done:done + n], backend="torch")
+            else:
+                cpu_store.write(store, 0, plan, k[done:done + n], v[done:done + n], variant=variant)
+        done += n
+    _assert_same(*stores)
