@@ -194,14 +194,14 @@ class HackKVStore:
         if backend == StoreBackend.TORCH:
             write_tokens(self, layer, plan, k, v, generator)
             return
-        why = cpu_store.why_not(self, generator)
         if backend == StoreBackend.CPU:
+            why = cpu_store.why_not(self, generator)
             if why is not None:
                 raise RuntimeError(f"the compiled store is not usable here: {why}")
             cpu_store.write(self, layer, plan, k, v)
         elif self._appends_only(plan):
             append_to_tails(self, layer, plan, k, v)
-        elif why is None:
+        elif cpu_store.why_not(self, generator) is None:
             cpu_store.write(self, layer, plan, k, v)
         else:
             write_tokens(self, layer, plan, k, v, generator)
