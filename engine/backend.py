@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from hack_ops.paged import clock
 from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
-from hack_ops.paged.write import open_mode
+from hack_ops.paged.cpu_extend import describe as describe_extend_path
 
 from . import fused_phases
 from .pool import HackKVPool
@@ -75,17 +74,12 @@ class HackAttnBackend(AttentionBackend):
 
             self.gpu = GpuAttention(self.store, settings)
         self.forward_metadata = None
-        self._tail_only = False
-        cfg = settings.config
-        # Decode steps whose tokens only append to the FP16 tails (no sink position, no page
-        # closing) are stored with two index writes instead of the general store step.
-        self._tails_hold_open = open_mode(cfg, "k") == "fp16" and open_mode(cfg, "v") == "fp16"
-        logger.info("HACK prefill attention path: %s", "GPU (Triton)" if self.gpu is not None else __import__("hack_ops.paged.cpu_extend", fromlist=["describe"]).describe(self.store, self.extend_mode, self.generator))
+        logger.info("HACK prefill attention path: %s", "GPU (Triton)" if self.gpu is not None
+                    else describe_extend_path(self.store, self.extend_mode, self.generator))
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         mode = forward_batch.forward_mode
-        self._tail_only = False
         if mode.is_idle():
             self.forward_metadata = None
             return
@@ -107,7 +101,6 @@ class HackAttnBackend(AttentionBackend):
             plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
             self.forward_metadata = plan
             fused_phases.begin_forward(getattr(forward_batch, "rids", None), ext_lens, seq_lens)
-            self._tail_only = mode.is_decode() and self._tails_hold_open and appends_only(self.store, plan)
 
     def init_forward_metadata_out_graph(self, forward_batch: "ForwardBatch", in_capture: bool = False) -> None:
         self.init_forward_metadata(forward_batch)
@@ -153,12 +146,7 @@ class HackAttnBackend(AttentionBackend):
         q3, k3, v3 = self._shapes(q, k, v, layer)
         if self.gpu is not None:
             o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, self.decode_mode, layer.scaling)
-        elif self._tail_only:
-            with clock.phase("quantization"):  # the store step, here an FP16 append
-                append_to_tails(self.store, lid, self.forward_metadata, k3, v3)
-            o = paged_decode(self.store, lid, self.forward_metadata, q3, mode=self.decode_mode,
-                             scale=layer.scaling, generator=self.generator)
-        else:
+        else:  # the store step (HackKVStore.write) runs inside decode
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.decode_mode,
                              scale=layer.scaling, generator=self.generator)
         return o.reshape(q3.shape[0], -1)
@@ -166,18 +154,3 @@ class HackAttnBackend(AttentionBackend):
     def support_triton(self) -> bool:
         return self.device.type == "cuda"
 
-
-def appends_only(store: Any, plan: Any) -> bool:
-    """True when no new token of the plan is a sink or the last token of its page."""
-    return (int(plan.tok_pos.min()) >= store.config.sink_tokens
-            and int(plan.tok_off.max()) < store.page_size - 1)
-
-
-def append_to_tails(store: Any, layer: int, plan: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-    """What HackKVStore.write does for tokens that neither are sinks nor close their page, when
-    both K and V keep the open partition in FP16: append them to their rows' tails."""
-    if not bool(torch.isfinite(k).all()) or not bool(torch.isfinite(v).all()):
-        raise ValueError("k or v contains NaN or inf; nothing was written")
-    rows, offs = plan.tok_row, plan.tok_off
-    store.tail("k", layer)[rows, offs] = k.to(torch.float16)
-    store.tail("v", layer)[rows, offs] = v.to(torch.float16)

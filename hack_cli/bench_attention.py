@@ -12,6 +12,8 @@ faster of the two), dequant = store + causal SDPA.
 Reported: the median of repeats per cell, speedups = baseline time / hack time, the extend path
 that ran, and a roofline measured in the same run (copy bandwidth, INT8/BF16/FP32 GEMM peaks)
 with each kernel's achieved fraction of it.
+Store rows (hack_ops.paged.benchstore): the store step alone, compiled page store vs the
+PyTorch reference store, one layer of SmolLM2's KV shape, as GB/s of BF16 K/V input.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ import statistics
 import time
 
 import torch
+
+from hack_ops.config import HackConfig
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (query heads, kv heads, head_dim)
 
@@ -40,6 +44,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (default 5, quick 3)")
     p.add_argument("--prefill-tokens", default=None,
                    help="comma-separated prompt lengths (default 2048,8192,16384, quick 1024; 0: skip)")
+    p.add_argument("--store-tokens", type=int, default=None,
+                   help="prompt length of the store rows (default 7500, quick 2048; 0: skip them)")
     p.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to "
@@ -50,7 +56,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
 
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, shapes=",".join(SHAPES), batches="1,8",
-                                  contexts=None, repeats=None, prefill_tokens=None, threads=None, clock="wall",
+                                  contexts=None, repeats=None, prefill_tokens=None, store_tokens=None, threads=None,
+                                  clock="wall",
                                   out=None))
 
 
@@ -156,15 +163,38 @@ def run(args: argparse.Namespace) -> int:
     for r in ratios:  # decode: bytes of pages read per second against the copy bandwidth
         if r["phase"] == "decode":
             r["hack_copy_bw_frac"] = round(r.pop("_bytes") / (r.pop("_hack_ms") * 1e6) / roof["copy_gb_s"], 3)
+    store = _store_rows(args, repeats, clock, say)
     doc = {"machine": _machine(), "threads": torch.get_num_threads(), "clock": args.clock, "repeats": repeats,
            "kernel_simd": cpu_kernel.simd(), "extend_path": extend_path, "roofline": roof, "results": results,
-           "ratios": ratios}
+           "ratios": ratios, "store": store}
     if args.json:
         print(json.dumps(doc))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
     return 0
+
+
+def _store_rows(args: argparse.Namespace, repeats: int, clock, say) -> list[dict]:
+    """The store step: compiled page store vs the PyTorch store (SmolLM2: 3 KV heads x 64)."""
+    from hack_ops.paged import benchstore, cpu_store
+    from hack_ops.paged.store import HackKVStore
+
+    tokens = getattr(args, "store_tokens", None)
+    tokens = tokens if tokens is not None else (2048 if args.quick else 7500)
+    if tokens < 0:
+        raise ValueError("--store-tokens must be non-negative")
+    if not tokens:
+        return []
+    _, h, d = SHAPES["smollm2"]
+    why = cpu_store.why_not(HackKVStore(HackConfig(), 1, h, d, num_pages=1, num_rows=1))
+    if why is not None:
+        say(f"store rows skipped: the compiled store is not usable ({why})")
+        return []
+    rows = benchstore.store_rows(h, d, tokens, 8, repeats, clock)
+    for r in rows:
+        say(benchstore.format_row(r))
+    return rows
 
 
 def _row(phase: str, shape: str, batch: int, ctx: int, cell: dict, base: str = "bf16") -> str:

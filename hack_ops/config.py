@@ -7,6 +7,7 @@ is the most accurate 2-bit layout within the byte budget.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Literal
 
 Orientation = Literal["channel_k", "token_k"]
@@ -17,6 +18,14 @@ ORIENTATIONS = ("channel_k", "token_k")
 TAIL_TENSORS = ("kv", "per_channel")
 ROUNDINGS = ("nearest", "stochastic")
 META_DTYPES = ("float16", "float32")
+
+
+class OpenMode(str, Enum):
+    """How attention reads a tensor (K or V) in a query's open partition (HackConfig.open_mode)."""
+
+    FP16 = "fp16"  # from the FP16 tail
+    QUANT = "quant"  # per-token codes, written as tokens arrive
+    REQUANT = "requant"  # per-channel codes re-quantized over the open partition at every write (RQE off)
 
 
 @dataclass(frozen=True)
@@ -105,6 +114,24 @@ class HackConfig:
     def v_tail(self) -> bool:
         """V of the open partition is held in FP16 (not yet quantized)."""
         return not self.v_per_token or self.tail_tensors == "kv"
+
+    def open_mode(self, name: str) -> OpenMode:
+        """How attention reads tensor `name` ('k' or 'v') in a query's open partition: from its
+        FP16 tail, from per-token codes written as tokens arrive, or from per-channel codes
+        re-quantized at every write (the RQE ablation)."""
+        if name not in ("k", "v"):
+            raise ValueError(f"name must be 'k' or 'v', got {name!r}")
+        tail = self.k_tail if name == "k" else self.v_tail
+        per_token = self.k_per_token if name == "k" else self.v_per_token
+        if tail and self.requant_elimination:
+            return OpenMode.FP16
+        return OpenMode.QUANT if per_token else OpenMode.REQUANT
+
+    @property
+    def tails_hold_open(self) -> bool:
+        """Both K and V keep the open partition in FP16: a token that neither is a sink nor
+        closes its page is stored by appending it to the tails."""
+        return self.open_mode("k") == OpenMode.FP16 and self.open_mode("v") == OpenMode.FP16
 
     def label(self) -> str:
         parts = [f"{self.orientation}", f"P{self.partition_size}", f"{self.kv_bits}bit"]

@@ -92,6 +92,11 @@ class PageLayout:
         return self.k.page_bytes + self.v.page_bytes
 
     @property
+    def meta_dtype(self) -> torch.dtype:
+        """dtype of the min/scale side tables."""
+        return _META[self.config.meta_dtype]
+
+    @property
     def tail_tensors(self) -> tuple[str, ...]:
         """The tensors whose open partition is held in FP16: ('k', 'v'), ('k',) or ('v',)."""
         return tuple(n for n, on in (("k", self.config.k_tail), ("v", self.config.v_tail)) if on)

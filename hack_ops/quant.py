@@ -165,6 +165,9 @@ def quantize(
         empty = ~m.any(-1)
         mn = torch.where(empty, torch.zeros_like(mn), mn)
         mx = torch.where(empty, torch.zeros_like(mx), mx)
+    # A zero minimum is +0: which signed zero amin returns is the reduction kernel's choice,
+    # and the stored bytes must not depend on it (the compiled store reproduces them).
+    mn = mn + 0.0
     if zero_min:
         mn = torch.zeros_like(mn)
     if range_search:

@@ -155,9 +155,10 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
 
 
 def test_decode_tail_append_matches_the_store_write(hack_env):
-    """The backend's fast path for decode tokens that only append to the FP16 tails leaves the
-    store exactly as HackKVStore.write does (and is not taken for sinks or closing pages)."""
-    from engine.backend import append_to_tails, appends_only
+    """The store's path for decode tokens that only append to the FP16 tails (HackKVStore.write,
+    backend 'auto') leaves the pool exactly as the reference store step does (and is not
+    taken for sinks or closing pages); bad input is refused before anything is written."""
+    from hack_ops.paged.write import appends_only
 
     g = torch.Generator().manual_seed(3)
     a, b = _pool(layers=1), _pool(layers=1)
@@ -171,17 +172,20 @@ def test_decode_tail_append_matches_the_store_write(hack_env):
                    k0[i], v0[i])
     plan_a = a.store.plan(r2t, [1, 2], [71, 71])
     plan_b = b.store.plan(r2t, [1, 2], [71, 71])
-    assert appends_only(a.store, plan_a)
-    assert not appends_only(a.store, a.store.plan(r2t, [1, 2], [71, 64]))  # position 63 closes page 0
-    assert not appends_only(a.store, a.store.plan(r2t, [3], [1]))  # position 0 is a sink
+    cfg = a.store.config
+    assert plan_a.appends_only and appends_only(cfg, plan_a)
+    assert not a.store.plan(r2t, [1, 2], [71, 64]).appends_only  # position 63 closes page 0
+    assert not appends_only(cfg, a.store.plan(r2t, [3], [1]))  # position 0 is a sink
     k, v = torch.randn(2, 3, DIM, generator=g), torch.randn(2, 3, DIM, generator=g)
-    a.store.write(0, plan_a, k, v)
-    append_to_tails(b.store, 0, plan_b, k, v)
+    a.store.write(0, plan_a, k, v, backend="torch")
+    b.store.write(0, plan_b, k, v)
     for name in ("k", "v"):
         assert torch.equal(a.store.tail(name, 0), b.store.tail(name, 0))
     assert torch.equal(a.k_buffer[0], b.k_buffer[0]) and torch.equal(a.v_buffer[0], b.v_buffer[0])
     assert torch.equal(a.store.sink_k[0], b.store.sink_k[0])
     q = torch.randn(2, 9, DIM, generator=g)
     assert torch.equal(decode(a.store, 0, plan_a, q), decode(b.store, 0, plan_b, q))
+    tails = b.store.tail("k", 0).clone()
     with pytest.raises(ValueError, match="NaN or inf"):
-        append_to_tails(b.store, 0, plan_b, torch.full((2, 3, DIM), float("nan")), v)
+        b.store.write(0, plan_b, torch.full((2, 3, DIM), float("nan")), v)
+    assert torch.equal(b.store.tail("k", 0), tails)

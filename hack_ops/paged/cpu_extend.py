@@ -16,8 +16,8 @@ from enum import Enum
 
 import torch
 
+from ..config import OpenMode
 from . import cpu_kernel
-from .write import open_mode
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     sums = lay.k.sums
     a = _XArgs(
         batch=plan.batch_size, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
-        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens, v_open_quantized=int(open_mode(cfg, "v") != "fp16"),
+        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens, v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
         exact=int(exact), meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
         k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
         k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,

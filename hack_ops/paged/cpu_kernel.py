@@ -1,4 +1,5 @@
-"""The compiled CPU attention kernel (csrc/: hack_decode.c, hack_pages.c, hack_extend.c): build, load, call.
+"""The compiled CPU kernels (csrc/: hack_decode.c, hack_pages.c; hack_extend.c, bound in
+cpu_extend.py; hack_store.c, bound in cpu_store.py): build, load, call the attention kernel.
 
 Plain C (no torch headers, so it builds in about a second) compiled with the machine's
 gcc: `-O3 -march=native` (AVX-512 VNNI where the CPU has it) into a cache directory keyed by
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .write import open_mode
+from ..config import OpenMode
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c"]
+SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c", CSRC / "hack_store.c"]
 HEADERS = [CSRC / "hack_kernel.h"]
 VARIANTS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
@@ -128,13 +129,18 @@ def why_not(store, mode: str, generator=None, variant: str = "native", phase: st
         return "stochastic rounding (the kernel rounds to nearest)"
     if d % 64 or d > 256 or d // cfg.head_group(d) > 16:
         return f"head_dim {d} (the kernel needs a multiple of 64 up to 256)"
-    if phase == "extend" and open_mode(cfg, "k") == "requant":
+    if phase == "extend" and cfg.open_mode("k") == OpenMode.REQUANT:
         return "extend with requant_elimination=False (each query needs its own re-quantized page)"
-    if mode == "exact" and open_mode(cfg, "v") != "fp16":
+    if mode == "exact" and cfg.open_mode("v") != OpenMode.FP16:
         return "'exact' extend without a V tail"
     if load(variant) is None:
-        return _errors.get(variant, "the kernel could not be loaded")
+        return why_not_loaded(variant)
     return None
+
+
+def why_not_loaded(variant: str = "native") -> str:
+    """Why load(variant) gave None (building or loading the library failed)."""
+    return _errors.get(variant, "the kernel could not be loaded")
 
 
 def usable(store, mode: str, backend: str, generator=None, phase: str = "decode") -> bool:
@@ -176,7 +182,8 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
     a = _Args(
         batch=n, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
         group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
-        k_open_quantized=int(open_mode(cfg, "k") != "fp16"), v_open_quantized=int(open_mode(cfg, "v") != "fp16"),
+        k_open_quantized=int(cfg.open_mode("k") != OpenMode.FP16),
+        v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
         meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
         k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
         k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,

@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..config import OpenMode
 from ..layout import TensorLayout
 from ..packing import unpack
 from . import clock
 from .plan import ForwardPlan
-from .write import open_mode
 
 
 def _dequant_tensor(tl: TensorLayout, buf: Tensor, pages: Tensor, p: int, d: int, bits: int, gd: int,
@@ -52,7 +52,7 @@ def dequant_decode(store, layer: int, plan: ForwardPlan, q: Tensor, scale: float
         dense = {}
         with clock.phase("dequantization"):  # the dense copy only, not the SDPA
             for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
-                quant_open = open_mode(cfg, name) != "fp16"
+                quant_open = cfg.open_mode(name) != OpenMode.FP16
                 n_q = npg if quant_open else nc  # pages read from their codes
                 x = torch.empty(h, npg * p, d, dtype=dtype)
                 if n_q:

@@ -35,6 +35,8 @@ class ForwardPlan:
     seq_list: list[int]
     ext_list: list[int]
     prefix_list: list[int]
+    # every new token only appends to its row's FP16 tails (HackKVStore.plan sets it; None: unknown)
+    appends_only: bool | None = None
 
     @property
     def batch_size(self) -> int:

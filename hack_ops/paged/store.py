@@ -18,16 +18,31 @@ being freed simply reuses its old slot, which the new sequence overwrites.
 A row's tail holds offsets 0..r-1 of its open page, r = seq_len % Π; nothing is zeroed when a
 page closes (clearing is logical: the next token overwrites offset 0), and the tail of a
 closed page is never read again.
+
+`write` is the one store step of every caller (prefill chunks, decode steps, pages arriving by
+transfer, the dequant baseline): it checks the input once (shape, dtype, NaN/inf: nothing is
+written on bad input) and runs the cheapest implementation that leaves the same bytes.
 """
 from __future__ import annotations
+
+from enum import Enum
 
 import torch
 from torch import Tensor
 
 from ..config import HackConfig
 from ..layout import PageLayout, page_layout
+from . import cpu_store
 from .plan import ForwardPlan, build_plan
-from .write import write_tokens
+from .write import append_to_tails, appends_only, write_tokens
+
+
+class StoreBackend(str, Enum):
+    """Which implementation HackKVStore.write runs."""
+
+    AUTO = "auto"  # tail append when the plan only appends, else the compiled store when usable, else torch
+    TORCH = "torch"  # the PyTorch reference (write.py), every configuration
+    CPU = "cpu"  # the compiled store (cpu_store.py), or a clear error
 
 
 class HackKVStore:
@@ -163,12 +178,49 @@ class HackKVStore:
                 raise RuntimeError(f"requests {bad} have cached tokens but their first page has no sinks "
                                    "(was free_sinks called on a page that is still in use?)")
             plan.sink_slot = slots
+        plan.appends_only = appends_only(self.config, plan)
         return plan
 
-    def write(self, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor, generator: torch.Generator | None = None) -> None:
-        """Store the new tokens' K and V ([N, H, D], N = plan.num_new_tokens) of one layer."""
+    def write(self, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor, generator: torch.Generator | None = None,
+              backend: StoreBackend | str = StoreBackend.AUTO) -> None:
+        """Store the new tokens' K and V ([N, H, D], N = plan.num_new_tokens) of one layer.
+
+        backend 'auto': a plan whose tokens only append to FP16 tails (most decode steps) is two
+        index writes; otherwise the compiled store when it covers the configuration
+        (cpu_store.why_not), else the PyTorch reference. All leave the same bytes (tested)."""
         self._check_layer(layer)
-        write_tokens(self, layer, plan, k, v, generator)
+        backend = StoreBackend(backend)
+        self._check_kv(plan, k, v)
+        if backend == StoreBackend.TORCH:
+            write_tokens(self, layer, plan, k, v, generator)
+            return
+        if backend == StoreBackend.CPU:
+            why = cpu_store.why_not(self, generator)
+            if why is not None:
+                raise RuntimeError(f"the compiled store is not usable here: {why}")
+            cpu_store.write(self, layer, plan, k, v)
+        elif self._appends_only(plan):
+            append_to_tails(self, layer, plan, k, v)
+        elif cpu_store.why_not(self, generator) is None:
+            cpu_store.write(self, layer, plan, k, v)
+        else:
+            write_tokens(self, layer, plan, k, v, generator)
+
+    def _appends_only(self, plan: ForwardPlan) -> bool:
+        if plan.appends_only is None:  # a plan not made by this store's plan()
+            plan.appends_only = appends_only(self.config, plan)
+        return plan.appends_only
+
+    def _check_kv(self, plan: ForwardPlan, k: Tensor, v: Tensor) -> None:
+        """The store step's input checks, once for every implementation."""
+        shape = (plan.num_new_tokens, self.num_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or not t.is_floating_point():
+                raise ValueError(f"{name} must be a floating-point tensor")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must be [new_tokens, heads, head_dim] = {shape}, got {tuple(t.shape)}")
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(f"{name} contains NaN or inf; nothing was written")
 
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:

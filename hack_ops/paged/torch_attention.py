@@ -6,7 +6,7 @@ The visibility of each query i (position t_i) is described by:
               prefill's new tokens; = seq_len otherwise, i.e. none);
 and the FP16 sources in RequestView: the sinks (positions < S) and ranges of FP16 K / V
 (the tails' tokens, the new tokens). A query's open partition (keys of pages >= nc_i, not
-sinks, before exact_from) is read per tensor as `open_mode` says: FP16 from the tail, the
+sinks, before exact_from) is read per tensor as `HackConfig.open_mode` says: FP16 from the tail, the
 per-token codes written as tokens arrive, or the open page re-quantized over its tokens (RQE
 ablation). The arithmetic is the dense reference's (hack_ops.attention) step by step; only
 the order of float sums differs. One full softmax per query chunk (scores for every key, then
@@ -19,10 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..config import HackConfig
+from ..config import HackConfig, OpenMode
 from ..quant import quantize
 from .pages import RequestPages, TensorPages, quantize_open_page
-from .write import open_mode
 
 
 @dataclass
@@ -151,14 +150,14 @@ def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig
     exact = (j >= view.exact_from)[None, :]
     cached = valid & ~sink & ~exact
     open_c = cached & ~closed  # the cached open partition, sinks excluded
-    kmode, vmode = open_mode(cfg, "k"), open_mode(cfg, "v")
-    fp16_open = lambda m: open_c if m == "fp16" else torch.zeros_like(open_c)  # noqa: E731
+    kmode, vmode = cfg.open_mode("k"), cfg.open_mode("v")
+    fp16_open = lambda m: open_c if m == OpenMode.FP16 else torch.zeros_like(open_c)  # noqa: E731
     k16_mask = valid & (sink | exact | fp16_open(kmode))
     v16_mask = valid & (sink | exact | fp16_open(vmode))
     # ---- scores
     s = torch.full((n, h, rep, kp_), float("-inf"))
     if cfg.k_per_token:
-        kq = cached & (closed | (open_c if kmode == "quant" else torch.zeros_like(open_c)))
+        kq = cached & (closed | (open_c if kmode == OpenMode.QUANT else torch.zeros_like(open_c)))
         s = torch.where(kq[:, None, None], _scores_per_token(q, rp.k, cfg, mode, gen), s)
     else:
         n_closed = int(nc.max())
@@ -167,7 +166,7 @@ def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig
             sc = _scores_per_channel(q, sub, cfg, mode, gen)
             m = (cached & closed)[:, None, None, : n_closed * p]
             s[..., : n_closed * p] = torch.where(m, sc, s[..., : n_closed * p])
-    if kmode == "requant":
+    if kmode == OpenMode.REQUANT:
         s = _requant_open(q, t, nc, s, view, cfg, mode, gen, open_c, None)
     s16 = torch.zeros((n, h, rep, kp_))
     for start, x in view.k16:
@@ -180,11 +179,11 @@ def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig
     denom = pr.sum(-1, keepdim=True)
     # ---- P·V
     if cfg.v_per_token:
-        w = cached & (closed | (open_c if vmode == "quant" else torch.zeros_like(open_c)))
+        w = cached & (closed | (open_c if vmode == OpenMode.QUANT else torch.zeros_like(open_c)))
         o = _pv_per_token(pr, w, rp.v, cfg, mode, gen)
     else:
         o = _pv_per_channel(pr, cached & closed, rp.v, cfg, mode, gen)
-    if vmode == "requant":
+    if vmode == OpenMode.REQUANT:
         o = o + _requant_open(q, t, nc, None, view, cfg, mode, gen, open_c, pr)
     pv16 = pr * v16_mask[:, None, None]
     for start, x in view.v16:

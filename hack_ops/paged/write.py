@@ -1,4 +1,4 @@
-"""The store step: quantize new tokens into their pages as they are written.
+"""The PyTorch store step (the reference implementation): quantize new tokens into their pages.
 
 Per new token (position pos, page, offset = pos % Π):
   * pos < sink_tokens: FP16 K and V go to the sequence's sink slot; in the page the token gets
@@ -13,40 +13,61 @@ Per new token (position pos, page, offset = pos % Π):
     the tokens it holds so far (per-channel tensor); a per-token tensor is quantized as written
     (for it that is the same thing); attention then reads the open page from the page.
 All arithmetic goes through hack_ops.quant.quantize, so codes and side tables are bit-identical
-to the dense reference's for the same input values.
+to the dense reference's for the same input values. The functions take the store's buffers
+(`KVBuffers`) and never import the store: HackKVStore.write owns the input checks and picks
+this reference, the tail append or the compiled store (cpu_store.py).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from ..layout import TensorLayout
+from ..config import HackConfig, OpenMode
+from ..layout import PageLayout, TensorLayout
 from ..packing import pack
 from ..quant import quantize
 from .plan import ForwardPlan
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .store import HackKVStore
 
-_META = {"float16": torch.float16, "float32": torch.float32}
+class KVBuffers(Protocol):
+    """What the store step writes: HackKVStore's buffers (see store.py)."""
+
+    config: HackConfig
+    layout: PageLayout
+    device: torch.device
+    k_pages: list[Tensor]
+    v_pages: list[Tensor]
+    sink_k: list[Tensor]
+    sink_v: list[Tensor]
+
+    @property
+    def num_heads(self) -> int: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def tail(self, name: str, layer: int) -> Tensor | None: ...
 
 
-def _check_kv(store: "HackKVStore", plan: ForwardPlan, k: Tensor, v: Tensor) -> None:
-    shape = (plan.num_new_tokens, store.num_heads, store.head_dim)
-    for name, t in (("k", k), ("v", v)):
-        if not isinstance(t, Tensor) or not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor")
-        if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must be [new_tokens, heads, head_dim] = {shape}, got {tuple(t.shape)}")
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{name} contains NaN or inf; nothing was written")
+def appends_only(config: HackConfig, plan: ForwardPlan) -> bool:
+    """True when every new token of the plan only appends to its row's FP16 tails: both
+    tensors keep the open partition in FP16, and no token is a sink or the last of its page."""
+    return (config.tails_hold_open and int(plan.tok_pos.min()) >= config.sink_tokens
+            and int(plan.tok_off.max()) < config.partition_size - 1)
 
 
-def write_tokens(store: "HackKVStore", layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
+def append_to_tails(store: KVBuffers, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor) -> None:
+    """The store step of a plan for which `appends_only` holds: two index writes."""
+    rows, offs = plan.tok_row, plan.tok_off
+    store.tail("k", layer)[rows, offs] = k.to(torch.float16)
+    store.tail("v", layer)[rows, offs] = v.to(torch.float16)
+
+
+def write_tokens(store: KVBuffers, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
                  generator: torch.Generator | None = None) -> None:
-    _check_kv(store, plan, k, v)
+    """The reference store step for checked k, v [N, H, D] (any configuration)."""
     cfg = store.config
     dev = store.device
     s = cfg.sink_tokens
@@ -60,23 +81,12 @@ def write_tokens(store: "HackKVStore", layer: int, plan: ForwardPlan, k: Tensor,
         tl: TensorLayout = getattr(store.layout, name)
         buf = (store.k_pages if name == "k" else store.v_pages)[layer]
         tail = store.tail(name, layer)
-        mode = open_mode(cfg, name)
-        if mode == "quant":  # per-token tensor read quantized as soon as it is written
+        mode = cfg.open_mode(name)
+        if mode == OpenMode.QUANT:  # per-token tensor read quantized as soon as it is written
             _quantize_tokens(store, tl, buf, plan, x.to(dev), is_sink, name == "k", generator)
         if tail is not None:
-            pages = "none" if mode == "quant" else ("all" if mode == "requant" else "closed")
+            pages = "none" if mode == OpenMode.QUANT else ("all" if mode == OpenMode.REQUANT else "closed")
             _write_tail(store, tl, buf, tail, plan, x.to(dev), name == "k", pages, generator)
-
-
-def open_mode(cfg, name: str) -> str:
-    """How attention reads tensor `name` ('k'/'v') in a query's open partition: 'fp16' (the
-    tail), 'quant' (per-token codes written as tokens arrive) or 'requant' (per-channel codes
-    re-quantized over the open partition at every write: the RQE ablation)."""
-    tail = cfg.k_tail if name == "k" else cfg.v_tail
-    per_token = cfg.k_per_token if name == "k" else cfg.v_per_token
-    if tail and cfg.requant_elimination:
-        return "fp16"
-    return "quant" if per_token else "requant"
 
 
 def _quantize_tokens(store, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x: Tensor, is_sink: Tensor,
@@ -89,7 +99,7 @@ def _quantize_tokens(store, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x:
     n_pages = buf.shape[0]
     mask = (~is_sink)[:, None, None].expand(x.shape)
     qt = quantize(x.float(), cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
-                  meta_dtype=_META[cfg.meta_dtype], mask=mask, range_search=cfg.range_search)
+                  meta_dtype=store.layout.meta_dtype, mask=mask, range_search=cfg.range_search)
     scale = qt.scale.masked_fill(is_sink[:, None, None], 0)  # sinks: min 0, scale 0 (layout rule)
     pages = plan.tok_page.to(buf.device)
     offs = plan.tok_off.to(buf.device)
@@ -149,7 +159,7 @@ def quantize_pages(store, tl: TensorLayout, buf: Tensor, tpages: Tensor, content
     ng = d // gd
     c = content.shape[0]
     mask = valid[:, :, None, None].expand(content.shape)
-    meta = _META[cfg.meta_dtype]
+    meta = store.layout.meta_dtype
     if tl.per_channel:
         qt = quantize(content, cfg.kv_bits, dim=1, group_size=p, rounding=cfg.rounding, generator=gen,
                       meta_dtype=meta, mask=mask, range_search=cfg.range_search)
