@@ -125,3 +125,34 @@ def test_bad_features_are_rejected():
     x = torch.zeros(1, 1, 4, 64)
     with pytest.raises(ValueError, match="window"):
         attention(x, x, x, window=2.5)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_exact_prefill_window(backend):
+    """'exact' prefill (the server default): a cold prompt is dense float attention with the
+    window and cap (query blocks over the keys their window reaches), then a chunk over a cached
+    prefix; both against the reference within the usual tolerances."""
+    if backend == "cpu":
+        _need_kernel("native")
+    from hack_ops.paged.attention import _masked_dense
+
+    cfg = make_cfg(partition_size=P)
+    case = Case(cfg, lens=[150, 60], seed=27, window=45, logit_cap=4.0, scale=0.2)
+    outs = case.extend([150, 60], mode="exact", backend=backend)
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    for i in range(2):
+        ref = attention(t(case.q[i]), t(case.k[i]), t(case.v[i]), cfg, mode="exact", window=45, logit_cap=4.0,
+                        scale=0.2)[0].transpose(0, 1)
+        assert float((outs[i] - ref).abs().max()) <= 5e-5
+        small = _masked_dense(t(case.q[i]), t(case.k[i]), t(case.v[i]), 0.2, 45, 4.0,
+                              torch.arange(case.lens[i]), block=16)[0].transpose(0, 1)
+        assert float((small - ref).abs().max()) <= 5e-5
+    # a chunk after a cached prefix: quantized prefix pages inside the window, FP16 new tokens
+    case = Case(cfg, lens=[150], seed=28, window=45)
+    case.extend([100])
+    out = case.extend([150], mode="exact", backend=backend)[0]
+    ref = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact", window=45)[0].transpose(0, 1)[100:]
+    # new tokens at t >= 145 see only FP16 new keys (their windows start after the prefix), so
+    # they equal exact attention; earlier ones also read 2-bit prefix pages (test_windows)
+    assert float((out[45:] - ref[45:]).abs().max()) <= 5e-5
+    assert float((out[:40] - ref[:40]).abs().mean()) > 1e-3  # t <= 140: 2-bit prefix pages were read

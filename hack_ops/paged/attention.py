@@ -188,17 +188,24 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
 
 
 def _masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, logit_cap: float,
-                  t: Tensor) -> Tensor:
-    """Dense float attention [1, Hq, n, D] x [1, H, m, D] for queries at positions t over keys
-    0..m-1, with the window and soft-cap (which SDPA does not take)."""
+                  t: Tensor, block: int = 512) -> Tensor:
+    """Dense float attention [1, Hq, n, D] x [1, H, m, D] for queries at positions t (ascending)
+    over keys 0..m-1, with the window and soft-cap (which SDPA does not take). Queries go in
+    blocks, each over the keys its window can reach only, so memory stays O(block * window)."""
     from ..attention import soft_cap, visible
 
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = soft_cap((q * scale) @ k.transpose(-1, -2), logit_cap)
-    ok = visible(torch.arange(k.shape[2])[None, :], t[:, None], window)
-    return torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ v
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
+    for i in range(0, q.shape[2], block):
+        tb = t[i:i + block]
+        k_lo = 0 if window is None else max(0, int(tb[0]) - window)
+        k_hi = int(tb[-1]) + 1
+        s = soft_cap((q[:, :, i:i + block] * scale) @ k[:, :, k_lo:k_hi].transpose(-1, -2), logit_cap)
+        ok = visible(torch.arange(k_lo, k_hi)[None, :], tb[:, None], window)
+        out[:, :, i:i + block] = torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ v[:, :, k_lo:k_hi]
+    return out
 
 
 def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
