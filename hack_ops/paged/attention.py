@@ -84,7 +84,7 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
                      window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
-    if cpu_kernel.usable(store, mode, backend, generator):
+    if cpu_kernel.usable(store, mode, backend, generator, window=window, logit_cap=logit_cap):
         return cpu_kernel.decode(store, layer, plan, q, scale, window=window, logit_cap=logit_cap).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {cpu_kernel.why_not(store, mode, generator)}")
@@ -137,11 +137,11 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
     # Kernels that lack the window or soft-cap decline in their why_not (phase="extend").
-    if cpu_kernel.usable(store, mode, backend, generator, phase="extend"):
+    if cpu_kernel.usable(store, mode, backend, generator, phase="extend", window=window, logit_cap=logit_cap):
         return _extend_kernel(store, layer, plan, q, k, v, snaps, mode, scale, window, logit_cap).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError("the compiled CPU kernel is not usable here: "
-                           f"{cpu_kernel.why_not(store, mode, generator, phase='extend')}")
+                           f"{cpu_kernel.why_not(store, mode, generator, phase='extend', window=window, logit_cap=logit_cap)}")
     if backend not in ("auto", "torch"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}

@@ -112,8 +112,11 @@ def load(variant: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode") -> str | None:
-    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'."""
+def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode",
+            window: int | None = None, logit_cap: float = 0.0) -> str | None:
+    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'.
+    window / logit_cap: the layer's features; this kernel has both (a kernel without them
+    returns its reason here, and the dispatcher falls back to a path that has them)."""
     cfg = store.config
     d = store.head_dim
     if os.environ.get("HACK_CPU_KERNEL", "1") == "0":
@@ -137,8 +140,10 @@ def why_not(store, mode: str, generator=None, variant: str = "native", phase: st
     return None
 
 
-def usable(store, mode: str, backend: str, generator=None, phase: str = "decode") -> bool:
-    return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase) is None
+def usable(store, mode: str, backend: str, generator=None, phase: str = "decode",
+           window: int | None = None, logit_cap: float = 0.0) -> bool:
+    return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase, window=window,
+                                                  logit_cap=logit_cap) is None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
