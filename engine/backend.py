@@ -10,6 +10,10 @@ Device: the CPU path of hack_ops.paged on CPU; the Triton kernels of hack_ops.tr
 (engine.gpu_attention). Modes come from the server options: `--hack-prefill exact` makes the
 chunk's own tokens attend to each other in full precision, `--hack-attention dequant` runs the
 strawman baseline (same pages, dequantized before attention).
+
+Layer features: each layer's sliding window (`sliding_window_size`), scaling and logit
+soft-cap go to the attention call. What no HACK path serves (cross-attention, encoder-only or
+non-causal layers, MLA) is refused at startup (engine.model_checks), never at a request.
 """
 from __future__ import annotations
 
@@ -74,6 +78,11 @@ class HackAttnBackend(AttentionBackend):
 
             self.gpu = GpuAttention(self.store, settings)
         self.forward_metadata = None
+        from .model_checks import check_model_layers
+
+        # Per-layer refusal at startup, once the model's layers exist (the config-level check
+        # already ran in the launcher); a failure here stops the server before it serves.
+        check_model_layers(getattr(model_runner, "model", None), gpu=self.device.type == "cuda")
         logger.info("HACK prefill attention path: %s", "GPU (Triton)" if self.gpu is not None
                     else describe_extend_path(self.store, self.extend_mode, self.generator))
 
@@ -116,8 +125,8 @@ class HackAttnBackend(AttentionBackend):
         return q3, k3, v3
 
     def _check_layer(self, layer: "RadixAttention", save_kv_cache: bool, k: Any) -> int:
-        if layer.is_cross_attention or getattr(layer, "sliding_window_size", -1) not in (None, -1):
-            raise NotImplementedError("the 'hack' backend supports causal self-attention without a sliding window")
+        if layer.is_cross_attention:  # refused at startup (engine.model_checks); never reached
+            raise NotImplementedError("the 'hack' backend does not serve cross-attention layers")
         if not save_kv_cache or k is None:
             raise NotImplementedError("the 'hack' backend stores K/V as it attends; save_kv_cache=False is unsupported")
         if self.forward_metadata is None:
@@ -128,6 +137,7 @@ class HackAttnBackend(AttentionBackend):
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         lid = self._check_layer(layer, save_kv_cache, k)
         q3, k3, v3 = self._shapes(q, k, v, layer)
+        window, cap = layer_features(layer)
         if self.gpu is not None:
             o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling)
         else:
@@ -137,20 +147,29 @@ class HackAttnBackend(AttentionBackend):
                 # dequantizing systems (KIVI, CacheGen) do; it quantizes for storage only.
                 mode = "exact"
             o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=mode,
-                             scale=layer.scaling, generator=self.generator)
+                             scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
         return o.reshape(q3.shape[0], -1)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         lid = self._check_layer(layer, save_kv_cache, k)
         q3, k3, v3 = self._shapes(q, k, v, layer)
+        window, cap = layer_features(layer)
         if self.gpu is not None:
             o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, self.decode_mode, layer.scaling)
         else:  # the store step (HackKVStore.write) runs inside decode
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.decode_mode,
-                             scale=layer.scaling, generator=self.generator)
+                             scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
         return o.reshape(q3.shape[0], -1)
 
     def support_triton(self) -> bool:
         return self.device.type == "cuda"
+
+
+def layer_features(layer: Any) -> tuple[Optional[int], float]:
+    """(sliding window or None, logit soft-cap or 0.0) of a RadixAttention layer."""
+    window = getattr(layer, "sliding_window_size", None)
+    cap = getattr(layer, "logit_cap", 0.0) or 0.0
+    return (None if window is None or window < 0 else int(window)), float(cap)
+
 

@@ -30,7 +30,14 @@ DIRECT_USES = (
     "sglang.srt.runtime_context.get_parallel",  # attention TP/DCP size when sizing the pool
     "sglang.srt.runtime_context.get_schedule",  # --max-running-requests when sizing the pool
     "sglang.srt.model_executor.forward_batch_info.ForwardBatch",  # its fields in DIRECT_FIELDS
+    "sglang.srt.configs.model_config.is_hybrid_swa_model",  # startup refusal (engine.model_checks)
+    "sglang.srt.layers.radix_attention.RadixAttention",  # layers checked at startup; LAYER_ATTRS read
+    "sglang.srt.layers.radix_attention.AttentionType",  # decoder / encoder-only / bidirectional layers
 )
+
+# Attributes of every RadixAttention that the backend reads (window, scaling, soft-cap, kind).
+LAYER_ATTRS = ("layer_id", "scaling", "logit_cap", "logit_capping_method", "sliding_window_size",
+               "is_cross_attention", "attn_type", "qk_head_dim", "v_head_dim")
 
 # Fields of upstream dataclasses read directly (class, field).
 DIRECT_FIELDS = (
@@ -193,9 +200,10 @@ HOOKS: tuple[Hook, ...] = (
     Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", _after_add_cli_args,
          "add --hack-* options, 'hack' to --kv-cache-dtype/--attention-backend, --disagg-mode"),
     Hook("sglang.srt.server_args.ServerArgs.from_cli_args", "AROUND", _around_from_cli_args,
-         "validate the HACK options, set page size/backend, publish settings to children"),
+         "validate the HACK options, set page size/backend, publish settings to children; refuse "
+         "models with attention features HACK does not serve (engine.model_checks)"),
     Hook("sglang.srt.server_args.ServerArgs.resolve_once", "BEFORE", _before_resolve_once,
-         "same checks for ServerArgs built without the CLI (offline Engine API)"),
+         "same checks (options and model features) for ServerArgs built without the CLI (Engine API)"),
     Hook("sglang.srt.mem_cache.kv_cache_dtype.configure_kv_cache_dtype", "AROUND",
          _around_configure_kv_cache_dtype, "accept kv_cache_dtype='hack'"),
     Hook("sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size",

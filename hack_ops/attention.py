@@ -13,6 +13,12 @@ cache then holds tokens 0..t):
     holds at every step (the paper's HACK/RQE ablation).
 So a teacher-forced pass over a whole sequence measures exactly what generation would see.
 
+Model features (all modes): `window` is SGLang's `sliding_window_size` (HF sliding_window - 1):
+the query at position t sees keys t-window..t, i.e. window+1 keys including itself, the same
+rule for sinks, the FP16 open partition and the quantized pages. `logit_cap` > 0 soft-caps the
+scaled scores (cap * tanh(s / cap)) before the softmax, as SGLang's kernels do. `scale` is the
+layer's scaling (e.g. query_pre_attn_scalar ** -0.5).
+
 Homomorphic steps ('hack'):
   channel_k: S = Σ_g sq*(Qq·Kq) + mq*ΣKq + Q·m_K, where Q' = Q ⊙ s_K(page) is quantized to
       INT8 per (query, page, head_dim group) — K's per-channel scale folded into Q, and ΣKq
@@ -75,11 +81,16 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     generator: torch.Generator | None = None,
+    window: int | None = None,
+    logit_cap: float = 0.0,
 ) -> Tensor:
     """Attention over dense [batch, heads, seq, head_dim] tensors; GQA when k/v have fewer
     heads. Queries are the last len(q) positions of the sequence (causal, bottom-right).
-    Returns float32 [batch, q_heads, len(q), head_dim]."""
+    window: sliding window (keys t-window..t visible; None or -1: none); logit_cap: soft-cap
+    of the scaled scores (0: none). Returns float32 [batch, q_heads, len(q), head_dim]."""
     _check(q, k, v, mode)
+    window = check_window(window)
+    logit_cap = check_logit_cap(logit_cap)
     cfg = config or HackConfig()
     d = q.shape[-1]
     if mode != "exact" and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
@@ -91,23 +102,53 @@ def attention(
     if mode == "exact":
         kf = k.float().repeat_interleave(rep, 1)
         vf = v.float().repeat_interleave(rep, 1)
-        s = qs @ kf.transpose(-1, -2)
-        valid = torch.arange(k.shape[2]) <= pos[:, None]
+        s = soft_cap(qs @ kf.transpose(-1, -2), logit_cap)
+        valid = visible(torch.arange(k.shape[2])[None, :], pos[:, None], window)
         s = s.masked_fill(~valid, float("-inf"))
         return torch.softmax(s, -1) @ vf
-    return _quantized_attention(qs, k.float(), v.float(), cfg, mode, pos, rep, generator)
+    return _quantized_attention(qs, k.float(), v.float(), cfg, mode, pos, rep, generator, window, logit_cap)
+
+
+def check_window(window: int | None) -> int | None:
+    """None for no window (SGLang's -1 too); else the window as an int >= 0."""
+    if window is None or window == -1:
+        return None
+    if isinstance(window, bool) or int(window) != window or window < 0:
+        raise ValueError(f"window must be None, -1 or an integer >= 0, got {window!r}")
+    return int(window)
+
+
+def check_logit_cap(cap: float | None) -> float:
+    cap = 0.0 if cap is None else float(cap)
+    if not math.isfinite(cap) or cap < 0:
+        raise ValueError(f"logit_cap must be a finite number >= 0, got {cap!r}")
+    return cap
+
+
+def visible(j: Tensor, t: Tensor, window: int | None) -> Tensor:
+    """Key positions j visible to queries at positions t (broadcast): causal, and within the
+    sliding window when there is one (t - window <= j, SGLang's inclusive rule)."""
+    ok = j <= t
+    return ok if window is None else ok & (j >= t - window)
+
+
+def soft_cap(s: Tensor, cap: float) -> Tensor:
+    """Logit soft-capping of scaled scores (cap * tanh(s / cap)); identity for cap 0."""
+    return s if not cap else cap * torch.tanh(s / cap)
 
 
 class _Cache:
     """Index masks describing what the serving cache holds for each query."""
 
-    def __init__(self, pos: Tensor, sk: int, cfg: HackConfig):
+    def __init__(self, pos: Tensor, sk: int, cfg: HackConfig, window: int | None = None):
         p = cfg.partition_size
         self.p = p
         self.skp = -(-sk // p) * p  # padded to whole pages
         j = torch.arange(self.skp)
         self.page = j // p
-        self.valid = (j[None, :] <= pos[:, None]) & (j[None, :] < sk)  # [Sq, Skp]
+        # Keys outside the window are masked out; the pages and open partition are what the
+        # store holds whatever the window (the window only narrows what a query reads).
+        self.valid = visible(j[None, :], pos[:, None], window) & (j[None, :] < sk)  # [Sq, Skp]
         self.sink = j < cfg.sink_tokens
         self.n_closed = (pos + 1) // p  # closed pages per query
         self.closed = self.page[None, :] < self.n_closed[:, None]  # [Sq, Skp]
@@ -226,9 +267,10 @@ def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConf
     return homomorphic_matmul_q(qp, qv_h, cfg.summation_elimination)
 
 
-def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep: int, gen) -> Tensor:
+def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep: int, gen,
+                         window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     sk = k.shape[-2]
-    c = _Cache(pos, sk, cfg)
+    c = _Cache(pos, sk, cfg, window)
     k = _pad(k, c.skp)
     v = _pad(v, c.skp)
     not_sink = ~c.sink & c.in_k
@@ -245,7 +287,7 @@ def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep:
             s_q = _requant_open_scores(qs, k, s_q, c, not_sink, cfg, mode, rep, gen)
             q_k = c.valid & not_sink
     s = torch.where(q_k, s_q, qs @ _heads(k.half().float(), rep).transpose(-1, -2))
-    s = s.masked_fill(~c.valid, float("-inf"))
+    s = soft_cap(s, logit_cap).masked_fill(~c.valid, float("-inf"))
     pr = torch.exp(s - s.amax(-1, keepdim=True))  # unnormalized numerator; masked -> 0
     denom = pr.sum(-1, keepdim=True)
     # Values: same split.

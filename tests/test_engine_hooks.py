@@ -43,3 +43,12 @@ def test_plugin_entry_points_are_registered():
     platforms = {ep.name: ep.value for ep in entry_points(group="sglang.srt.platforms")}
     assert plugins.get("hack") == "engine.plugin:load"
     assert platforms.get("hack") == "engine.platform:activate"
+
+
+def test_layer_attributes_exist():
+    """The RadixAttention attributes engine.backend / engine.model_checks read."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    layer = RadixAttention(num_heads=2, head_dim=64, scaling=0.125, num_kv_heads=1, layer_id=0)
+    for name in hooks.LAYER_ATTRS:
+        assert hasattr(layer, name), name

@@ -42,6 +42,31 @@ def test_bad_flags_fail_at_startup(tmp_path, args, message):
     assert "Traceback" not in out
 
 
+def test_unserved_model_feature_is_refused_at_startup(tmp_path):
+    """A model whose attention HACK does not serve (here MLA, a tiny config: the refusal comes
+    before any weight is read) stops the launcher with the sentence naming the feature and the
+    flag that works, not the scheduler at the first request."""
+    import json
+
+    model = tmp_path / "tiny-mla"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "kv_lora_rank": 16, "q_lora_rank": None,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32, "vocab_size": 128}))
+    server = SGLangServer(str(model), ["--kv-cache-dtype", "hack"], log_path=tmp_path / "launch.log")
+    server.start()
+    try:
+        code = server.wait_exit(EXIT_TIMEOUT_S)
+    finally:
+        server.stop()
+    out = server.log_path.read_text(errors="replace")
+    assert code == 2, out[-2000:]
+    assert ("--kv-cache-dtype hack does not serve multi-head latent attention (MLA) (model DeepseekV3ForCausalLM); "
+            "serve it with a BF16 KV cache instead (drop --kv-cache-dtype hack)") in out, out[-2000:]
+    assert "Traceback" not in out
+
+
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=env, timeout=120)

@@ -50,9 +50,12 @@ class Case:
     visibility, one teacher-forced reference call per sequence), and a store laid out on
     shuffled pages."""
 
-    def __init__(self, cfg: HackConfig, lens, heads=2, rep=3, head_dim=64, seed=0, mode="hack"):
+    def __init__(self, cfg: HackConfig, lens, heads=2, rep=3, head_dim=64, seed=0, mode="hack",
+                 window=None, logit_cap=0.0, scale=None):
         g = torch.Generator().manual_seed(seed)
         self.cfg, self.lens, self.mode = cfg, list(lens), mode
+        # the layer's features (tests/test_window_attention.py); defaults: a plain layer
+        self.feat = dict(window=window, logit_cap=logit_cap, scale=scale)
         p = cfg.partition_size
         b = len(lens)
         self.rows = [b + 4 - i for i in range(b)]  # reversed, not starting at row 0
@@ -69,7 +72,7 @@ class Case:
 
     def _reference(self, i: int, mode: str) -> torch.Tensor:
         t = lambda x: x.transpose(0, 1)[None]  # noqa: E731  [L, H, D] -> [1, H, L, D]
-        return attention(t(self.q[i]), t(self.k[i]), t(self.v[i]), self.cfg, mode=mode)[0].transpose(0, 1)
+        return attention(t(self.q[i]), t(self.k[i]), t(self.v[i]), self.cfg, mode=mode, **self.feat)[0].transpose(0, 1)
 
     def extend(self, upto, mode=None, layer=0, backend="torch"):
         """Extend every request i to length upto[i]; returns per-request outputs."""
@@ -78,7 +81,7 @@ class Case:
         plan = self.store.plan(self.table, [self.rows[i] for i in act], [upto[i] for i in act], ext)
         cat = lambda xs: torch.cat([xs[i][self.done[i]:upto[i]] for i in act])  # noqa: E731
         o = extend(self.store, layer, plan, cat(self.q), cat(self.k), cat(self.v), mode=mode or self.mode,
-                   backend=backend)
+                   backend=backend, **self.feat)
         outs, off = {}, 0
         for i, e in zip(act, ext):
             outs[i] = o[off:off + e]
@@ -93,10 +96,12 @@ class Case:
         if backend == "portable":  # the compiled kernel built without SIMD intrinsics
             self.store.write(layer, plan, pick(self.k), pick(self.v))
             d = self.store.head_dim
-            o = cpu_kernel.decode(self.store, layer, plan, pick(self.q), d ** -0.5, variant="portable")
+            scale = self.feat["scale"] or d ** -0.5
+            o = cpu_kernel.decode(self.store, layer, plan, pick(self.q), scale, variant="portable",
+                                  window=self.feat["window"], logit_cap=self.feat["logit_cap"])
         else:
             o = decode(self.store, layer, plan, pick(self.q), pick(self.k), pick(self.v), mode=self.mode,
-                       backend=backend, dequant_dtype=torch.float32)
+                       backend=backend, dequant_dtype=torch.float32, **self.feat)
         outs = {}
         for j, i in enumerate(act):
             outs[i] = o[j]

@@ -11,6 +11,10 @@ other in FP16; the cached prefix is read as decode reads it).
 Backends ('hack' decode): 'torch' (portable), 'cpu' (the compiled kernel, see cpu_kernel.py),
 'auto' = the compiled kernel when it is available and applies, else torch. 'dequant' decode
 dequantizes to dequant_dtype and calls SDPA (dequant.py); extend runs on the torch path.
+Model features, every path: `window` (SGLang's sliding_window_size: a query at t sees keys
+t-window..t; pages wholly before that are not read), `logit_cap` (soft-capping of the scaled
+scores) and `scale` (the layer's scaling). A kernel that lacks one says so in its why_not and
+the call goes to a path that has it.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from . import clock
 from .dequant import dequant_decode
 from .pages import request_pages
 from .plan import ForwardPlan
+from ..attention import check_logit_cap, check_window
 from .store import HackKVStore
-from .torch_attention import RequestView, attend_request
+from .torch_attention import RequestView, attend_request, first_page
 
 DECODE_MODES = ("hack", "dequant")
 EXTEND_MODES = ("hack", "exact", "dequant")
@@ -50,9 +55,12 @@ def _sinks(store: HackKVStore, layer: int, plan: ForwardPlan, b: int, seq_len: i
 
 def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor | None = None,
            v: Tensor | None = None, mode: str = "hack", scale: float | None = None, backend: str = "auto",
-           generator: torch.Generator | None = None, dequant_dtype: torch.dtype = torch.bfloat16) -> Tensor:
+           generator: torch.Generator | None = None, dequant_dtype: torch.dtype = torch.bfloat16,
+           window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """Decode attention: returns [B, Hq, D] in q's dtype. mode='dequant' dequantizes the
-    visible pages to `dequant_dtype` and calls SDPA (the strawman baseline)."""
+    visible pages to `dequant_dtype` and calls SDPA (the strawman baseline). window /
+    logit_cap: the layer's sliding window and soft-cap (module docstring)."""
+    window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     if mode not in DECODE_MODES:
         raise ValueError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
     if not plan.is_decode:
@@ -66,17 +74,18 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
             store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
     if mode == "dequant":
-        return dequant_decode(store, layer, plan, q, scale, dequant_dtype).to(q.dtype)
+        return dequant_decode(store, layer, plan, q, scale, dequant_dtype, window, logit_cap).to(q.dtype)
     with clock.phase("approximation"):
-        return _decode_on_codes(store, layer, plan, q, rep, mode, scale, backend, generator)
+        return _decode_on_codes(store, layer, plan, q, rep, mode, scale, backend, generator, window, logit_cap)
 
 
 def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, rep: int, mode: str,
-                     scale: float, backend: str, generator: torch.Generator | None) -> Tensor:
+                     scale: float, backend: str, generator: torch.Generator | None,
+                     window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
-    if cpu_kernel.usable(store, mode, backend, generator):
-        return cpu_kernel.decode(store, layer, plan, q, scale).to(q.dtype)
+    if cpu_kernel.usable(store, mode, backend, generator, window=window, logit_cap=logit_cap):
+        return cpu_kernel.decode(store, layer, plan, q, scale, window=window, logit_cap=logit_cap).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {cpu_kernel.why_not(store, mode, generator)}")
     if backend not in ("auto", "torch"):
@@ -87,7 +96,9 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
     for b, seq_len in enumerate(plan.seq_list):
         row = int(plan.rows[b])
         npg = int(plan.num_pages[b])
-        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer], plan.page_table[b, :npg].to(store.device))
+        lo = first_page(seq_len - 1, window, p)  # pages before the window are not gathered
+        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer],
+                           plan.page_table[b, lo:npg].to(store.device))
         win_start = (seq_len // p) * p  # the open page (empty when the page just closed)
         ranges = {name: [(win_start, store.tails[name][layer][row, : seq_len - win_start].float())]
                   for name in store.tails}
@@ -96,15 +107,18 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
                            sink_k=sk, sink_v=sv)
         qb = (q[b].float() * scale).reshape(1, h, rep, d)
         t = torch.tensor([seq_len - 1])
-        o = attend_request(qb, t, t.add(1).div(p, rounding_mode="floor"), rp, view, store.config, mode, generator)
+        o = attend_request(qb, t, t.add(1).div(p, rounding_mode="floor"), rp, view, store.config, mode, generator,
+                           window=window, logit_cap=logit_cap, page0=lo)
         out[b] = o.reshape(h * rep, d)
     return out.to(q.dtype)
 
 
 def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
            mode: str = "hack", scale: float | None = None, generator: torch.Generator | None = None,
-           backend: str = "auto") -> Tensor:
-    """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's dtype."""
+           backend: str = "auto", window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+    """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's
+    dtype. window / logit_cap: the layer's sliding window and soft-cap (module docstring)."""
+    window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     if mode not in EXTEND_MODES:
         raise ValueError(f"extend mode must be one of {EXTEND_MODES}, got {mode!r}")
     if backend not in ("auto", "torch", "cpu"):
@@ -121,15 +135,16 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if mode == "exact" and not plan.has_prefix:
-        return _exact_cold(plan, q, k, v, scale).to(q.dtype)
-    from . import cpu_extend  # late import: the compiled kernel is optional
+        return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
+    from . import cpu_extend  # late import: the compiled kernels are optional
 
-    path, why = cpu_extend.choose(store, mode, generator, backend)
+    # Kernels that lack the window or soft-cap decline (cpu_extend.choose says why).
+    path, why = cpu_extend.choose(store, mode, generator, backend, window, logit_cap)
     if path in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE):
         kw, vw, woff = _fp16_windows(store, plan, k, v, snaps)
         return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, mode == "exact").to(q.dtype)
     if path == cpu_extend.ExtendPath.PER_QUERY:
-        return _extend_kernel(store, layer, plan, q, k, v, snaps, mode, scale).to(q.dtype)
+        return _extend_kernel(store, layer, plan, q, k, v, snaps, mode, scale, window, logit_cap).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {why}")
     new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}
@@ -137,7 +152,9 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         npg = int(plan.num_pages[b])
-        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer], plan.page_table[b, :npg].to(store.device))
+        pg0 = first_page(pre, window, p)  # the first new token's window: earlier pages are not gathered
+        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer],
+                           plan.page_table[b, pg0:npg].to(store.device))
         sk, sv = _sinks(store, layer, plan, b, seq_len)
         exact = mode == "exact"
         ranges = {name: [(pre, x[lo:hi])] for name, x in new.items()}  # the new tokens in FP16
@@ -148,12 +165,14 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         t = torch.arange(pre, seq_len)
         nc = torch.full_like(t, pre // p) if exact else (t + 1) // p
         qb = (q[lo:hi].float() * scale).reshape(hi - lo, h, rep, d)
-        o = attend_request(qb, t, nc, rp, view, store.config, "hack" if exact else mode, generator)
+        o = attend_request(qb, t, nc, rp, view, store.config, "hack" if exact else mode, generator,
+                           window=window, logit_cap=logit_cap, page0=pg0)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)
 
 
-def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float,
+                window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """'exact' extend of requests without a cached prefix: every key is one of the chunk's own
     tokens, in FP16 as stored, so this is causal attention over them (torch SDPA, blocked and
     fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D]."""
@@ -162,8 +181,11 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         qb = q[lo:hi].float().transpose(0, 1)[None]
         kb, vb = (x[lo:hi].to(torch.float16).float().transpose(0, 1)[None] for x in (k, v))
-        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale,
-                                           enable_gqa=qb.shape[1] != kb.shape[1])
+        gqa = qb.shape[1] != kb.shape[1]
+        if window is None and not logit_cap:
+            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            o = _masked_dense(qb, kb, vb, scale, window, logit_cap, torch.arange(hi - lo))
         out[lo:hi] = o[0].transpose(0, 1)
     return out
 
@@ -187,8 +209,30 @@ def _fp16_windows(store: HackKVStore, plan: ForwardPlan, k: Tensor, v: Tensor, s
     return kw, vw, torch.tensor(offs, dtype=torch.long)
 
 
+def _masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, logit_cap: float,
+                  t: Tensor, block: int = 512) -> Tensor:
+    """Dense float attention [1, Hq, n, D] x [1, H, m, D] for queries at positions t (ascending)
+    over keys 0..m-1, with the window and soft-cap (which SDPA does not take). Queries go in
+    blocks, each over the keys its window can reach only, so memory stays O(block * window)."""
+    from ..attention import soft_cap, visible
+
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
+    for i in range(0, q.shape[2], block):
+        tb = t[i:i + block]
+        k_lo = 0 if window is None else max(0, int(tb[0]) - window)
+        k_hi = int(tb[-1]) + 1
+        s = soft_cap((q[:, :, i:i + block] * scale) @ k[:, :, k_lo:k_hi].transpose(-1, -2), logit_cap)
+        ok = visible(torch.arange(k_lo, k_hi)[None, :], tb[:, None], window)
+        out[:, :, i:i + block] = torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ v[:, :, k_lo:k_hi]
+    return out
+
+
 def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
-                   snaps: dict, mode: str, scale: float) -> Tensor:
+                   snaps: dict, mode: str, scale: float, window: int | None = None,
+                   logit_cap: float = 0.0) -> Tensor:
     """Extend on the compiled kernel: one kernel query per new token (position t sees a
     sequence of length t+1). Its open region is read from a window of FP16 tokens per request:
     the prefix's open page (kept before the write) followed by the new tokens."""
@@ -208,4 +252,5 @@ def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor,
     woff = torch.tensor([o for _, o in starts])[plan.tok_req]
     open_off = woff + (n_closed * p - wstart) * hd
     return cpu_kernel.attend(store, layer, q, scale, seq, n_closed, plan.page_table, plan.tok_req,
-                             plan.sink_slot.clamp(min=0)[plan.tok_req], kw, open_off, vw, open_off)
+                             plan.sink_slot.clamp(min=0)[plan.tok_req], kw, open_off, vw, open_off,
+                             window=window, logit_cap=logit_cap)

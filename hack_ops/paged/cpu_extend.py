@@ -71,18 +71,22 @@ def why_not(store, mode: str, generator=None, variant: str = "native") -> str | 
     return None
 
 
-def choose(store, mode: str, generator=None, backend: str = "auto") -> tuple[ExtendPath, str]:
-    """The path an extend with this store/mode takes, and a sentence saying why."""
+def choose(store, mode: str, generator=None, backend: str = "auto", window: int | None = None,
+           logit_cap: float = 0.0) -> tuple[ExtendPath, str]:
+    """The path an extend with this store/mode (and the layer's sliding window / soft-cap)
+    takes, and a sentence saying why."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     if backend == "torch":
         return ExtendPath.TORCH, "backend='torch' asked for"
     tiled = why_not(store, mode, generator, build_variant())
+    if tiled is None and (window is not None or logit_cap):
+        tiled = "a sliding window or logit soft-cap (the tiled kernel has neither yet)"
     if tiled is None:
         if simd(build_variant()):
             return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {AMX_NOTE}"
         return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {AMX_NOTE}"
-    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend")
+    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap)
     if per_query is None:
         return ExtendPath.PER_QUERY, f"per-query decode kernel, because the tiled kernel does not apply: {tiled}"
     return ExtendPath.TORCH, f"PyTorch, because the compiled kernels do not apply: {per_query}"

@@ -9,9 +9,10 @@ build`); otherwise the first decode builds it. Without a compiler, or for what t
 not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('cpu').
 
 Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a multiple of 64 up
-to 256, up to 16 query heads per KV head; decode 'hack' with any tails / sinks / RQE setting;
-extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on): the tiled kernel of hack_extend.c
-(bound in cpu_extend.py), or this file's per-query call (one kernel "request" per new token).
+to 256, up to 16 query heads per KV head, sliding windows and logit soft-capping; decode 'hack'
+with any tails / sinks / RQE setting; extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on):
+the tiled kernel of hack_extend.c (bound in cpu_extend.py; no windows or soft-caps), or this
+file's per-query call (one kernel "request" per new token).
 Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
 """
 from __future__ import annotations
@@ -45,7 +46,8 @@ class _Args(ctypes.Structure):
         "batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens",
         "k_open_quantized", "v_open_quantized", "meta_fp32", "max_pages",
         "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
-        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads")] + [
+        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads", "window")] + [
+        ("logit_cap", ctypes.c_double)] + [
         (n, _P) for n in ("seq_lens", "n_closed", "page_table", "table_rows", "sink_slots", "k_open_off",
                           "v_open_off", "k_pages", "v_pages", "k_open", "v_open", "sink_k", "sink_v", "q", "out")]
 
@@ -113,8 +115,11 @@ def load(variant: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode") -> str | None:
-    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'."""
+def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode",
+            window: int | None = None, logit_cap: float = 0.0) -> str | None:
+    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'.
+    window / logit_cap: the layer's features; this kernel has both (a kernel without them
+    returns its reason here, and the dispatcher falls back to a path that has them)."""
     cfg = store.config
     d = store.head_dim
     if os.environ.get("HACK_CPU_KERNEL", "1") == "0":
@@ -143,8 +148,10 @@ def why_not_loaded(variant: str = "native") -> str:
     return _errors.get(variant, "the kernel could not be loaded")
 
 
-def usable(store, mode: str, backend: str, generator=None, phase: str = "decode") -> bool:
-    return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase) is None
+def usable(store, mode: str, backend: str, generator=None, phase: str = "decode",
+           window: int | None = None, logit_cap: float = 0.0) -> bool:
+    return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase, window=window,
+                                                  logit_cap=logit_cap) is None
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -157,11 +164,12 @@ def _i64(x) -> torch.Tensor:
 
 def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed, page_table, table_rows,
            sink_slots, k_open: torch.Tensor | None, k_open_off, v_open: torch.Tensor | None, v_open_off,
-           variant: str = "native") -> torch.Tensor:
+           variant: str = "native", window: int | None = None, logit_cap: float = 0.0) -> torch.Tensor:
     """One query per row of q [N, Hq, D] at position seq_lens[i]-1: pages < n_closed[i] of
     page_table[table_rows[i]] read from codes, pages from n_closed[i] on from the FP16 tokens
     at k_open/v_open (fp16 [.., H, D], element offsets *_open_off[i]) unless the config reads
-    them quantized. Returns float32 [N, Hq, D]."""
+    them quantized. window (keys t-window..t, None: all) and logit_cap (0: none) are the layer's.
+    Returns float32 [N, Hq, D]."""
     lib = load(variant)
     if lib is None:
         raise RuntimeError(_errors.get(variant, "the CPU kernel is not available"))
@@ -190,6 +198,7 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
         k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
         v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
         v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(),
+        window=-1 if window is None else int(window), logit_cap=float(logit_cap or 0.0),
         seq_lens=_ptr(seq), n_closed=_ptr(ncl), page_table=_ptr(table), table_rows=_ptr(trows),
         sink_slots=_ptr(sinks), k_open_off=_ptr(koff), v_open_off=_ptr(voff),
         k_pages=_ptr(store.k_pages[layer]), v_pages=_ptr(store.v_pages[layer]), k_open=_ptr(k_open),
@@ -201,7 +210,8 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
     return out
 
 
-def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native") -> torch.Tensor:
+def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native",
+           window: int | None = None, logit_cap: float = 0.0) -> torch.Tensor:
     """Decode attention for the plan's batch (one query per request): float32 [B, Hq, D]."""
     p = store.page_size
     hd = store.num_heads * store.head_dim
@@ -209,7 +219,7 @@ def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str 
     off = rows * (p * hd)  # each request's tail row
     return attend(store, layer, q, scale, plan.seq_lens, plan.seq_lens // p, plan.page_table,
                   torch.arange(plan.batch_size), plan.sink_slot.clamp(min=0), store.tail("k", layer), off,
-                  store.tail("v", layer), off, variant)
+                  store.tail("v", layer), off, variant, window=window, logit_cap=logit_cap)
 
 
 def simd(variant: str = "native") -> bool:

@@ -37,8 +37,11 @@ def _dequant_tensor(tl: TensorLayout, buf: Tensor, pages: Tensor, p: int, d: int
 
 
 def dequant_decode(store, layer: int, plan: ForwardPlan, q: Tensor, scale: float,
-                   dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """Decode attention over dequantized pages; returns float32 [B, Hq, D]."""
+                   dtype: torch.dtype = torch.bfloat16, window: int | None = None,
+                   logit_cap: float = 0.0) -> Tensor:
+    """Decode attention over dequantized pages; returns float32 [B, Hq, D]. With a sliding
+    window only the pages from the window's first one are dequantized, and earlier keys of
+    that page are masked; logit_cap soft-caps the scores (then attention is computed densely)."""
     cfg, lay = store.config, store.layout
     p, d, h = cfg.partition_size, store.head_dim, store.num_heads
     gd = cfg.head_group(d)
@@ -49,22 +52,29 @@ def dequant_decode(store, layer: int, plan: ForwardPlan, q: Tensor, scale: float
         pages = plan.page_table[b, :npg].to(store.device)
         row = int(plan.rows[b])
         nc = seq_len // p  # closed pages
+        first = 0 if window is None else max(0, seq_len - 1 - window)  # first visible key
+        lo = first // p  # pages before it are not dequantized
         dense = {}
         with clock.phase("dequantization"):  # the dense copy only, not the SDPA
             for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
                 quant_open = cfg.open_mode(name) != OpenMode.FP16
                 n_q = npg if quant_open else nc  # pages read from their codes
                 x = torch.empty(h, npg * p, d, dtype=dtype)
-                if n_q:
-                    x[:, : n_q * p] = _dequant_tensor(tl, buf, pages[:n_q], p, d, cfg.kv_bits, gd, dtype)
+                if n_q > lo:
+                    x[:, lo * p: n_q * p] = _dequant_tensor(tl, buf, pages[lo:n_q], p, d, cfg.kv_bits, gd, dtype)
                 if not quant_open and seq_len > nc * p:  # the open page from the FP16 tail
                     x[:, nc * p:seq_len] = store.tails[name][layer][row, : seq_len - nc * p].transpose(0, 1).to(dtype)
                 s = min(cfg.sink_tokens, seq_len)
-                if s:
-                    sink = (store.sink_k if name == "k" else store.sink_v)[layer][int(plan.sink_slot[b]), :s]
-                    x[:, :s] = sink.transpose(0, 1).to(dtype)
-                dense[name] = x[:, :seq_len]
+                if s > first:
+                    sink = (store.sink_k if name == "k" else store.sink_v)[layer][int(plan.sink_slot[b]), first:s]
+                    x[:, first:s] = sink.transpose(0, 1).to(dtype)
+                dense[name] = x[:, first:seq_len]
         qb = (q[b].to(dtype)).reshape(1, hq, 1, d)
-        o = F.scaled_dot_product_attention(qb, dense["k"][None], dense["v"][None], scale=scale, enable_gqa=hq != h)
+        if logit_cap:
+            kk, vv = (dense[n].repeat_interleave(hq // h, 0).float() for n in ("k", "v"))
+            sc = (qb[0, :, 0].float() * scale)[:, None, :] @ kk.transpose(-1, -2)  # [Hq, 1, n]
+            o = torch.softmax(logit_cap * torch.tanh(sc / logit_cap), -1) @ vv
+        else:
+            o = F.scaled_dot_product_attention(qb, dense["k"][None], dense["v"][None], scale=scale, enable_gqa=hq != h)
         out[b] = o.reshape(hq, d).float()
     return out

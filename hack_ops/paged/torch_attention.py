@@ -11,6 +11,11 @@ per-token codes written as tokens arrive, or the open page re-quantized over its
 ablation). The arithmetic is the dense reference's (hack_ops.attention) step by step; only
 the order of float sums differs. One full softmax per query chunk (scores for every key, then
 P·V) keeps it simple.
+
+Sliding windows (`window`, SGLang's sliding_window_size: keys t-window..t): a chunk reads only
+the pages from the first one any of its queries can see (pages wholly before it are never
+unpacked or multiplied); keys before each query's window, on the boundary page, among the
+sinks or in the FP16 ranges, are masked per token. `logit_cap` soft-caps the scaled scores.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..attention import soft_cap, visible
 from ..config import HackConfig, OpenMode
 from ..quant import quantize
 from .pages import RequestPages, TensorPages, quantize_open_page
@@ -34,6 +40,7 @@ class RequestView:
     v16: list[tuple[int, Tensor]]
     sink_k: Tensor | None  # float [min(S, seq_len), H, D]
     sink_v: Tensor | None
+    key0: int = 0  # absolute position of key 0 (> 0 when a window skips the first pages)
 
     def fp16_at(self, name: str, start: int, count: int) -> Tensor:
         """FP16 tokens [start, start+count) of tensor 'k'/'v' from the range holding them."""
@@ -129,22 +136,45 @@ def _fill_range(x: Tensor, start: int, length: int, s_min: int) -> tuple[int, in
 
 
 def attend_request(q: Tensor, t: Tensor, nc: Tensor, rp: RequestPages, view: RequestView, cfg: HackConfig,
-                   mode: str, gen: torch.Generator | None = None, chunk: int = 64) -> Tensor:
+                   mode: str, gen: torch.Generator | None = None, chunk: int = 64,
+                   window: int | None = None, logit_cap: float = 0.0, page0: int = 0) -> Tensor:
     """q [n, H, rep, D] float (already scaled), positions t [n], closed pages nc [n] ->
-    float32 [n, H, rep, D]."""
-    outs = [_attend_chunk(q[i:i + chunk], t[i:i + chunk], nc[i:i + chunk], rp, view, cfg, mode, gen)
+    float32 [n, H, rep, D]. window / logit_cap: see the module docstring (None / 0: none).
+    page0: rp holds the request's pages from page0 on (a window's caller gathers no earlier ones)."""
+    if page0:
+        t, nc, view = t - page0 * cfg.partition_size, nc - page0, _shift_view(view, page0 * cfg.partition_size)
+    outs = [_attend_chunk(q[i:i + chunk], t[i:i + chunk], nc[i:i + chunk], rp, view, cfg, mode, gen,
+                          window, logit_cap)
             for i in range(0, q.shape[0], chunk)]
     return torch.cat(outs, 0)
 
 
-def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig, mode: str, gen) -> Tensor:
+def first_page(t_min: int, window: int | None, page_size: int) -> int:
+    """The first page a query at position >= t_min can see (0 without a window)."""
+    return 0 if window is None else max(0, t_min - window) // page_size
+
+
+def _from_page(tp: TensorPages, lo: int) -> TensorPages:
+    return tp if not lo else TensorPages(*(None if x is None else x[:, lo:] for x in
+                                           (tp.codes, tp.scale, tp.minimum, tp.sums)))
+
+
+def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig, mode: str, gen,
+                  window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     n, h, rep, d = q.shape
     p = cfg.partition_size
+    lo = first_page(int(t.min()), window, p)
+    if lo:  # pages wholly before every query's window are not read at all
+        rp = RequestPages(_from_page(rp.k, lo), _from_page(rp.v, lo))
+        nc = nc - lo
+        t = t - lo * p
+        view = _shift_view(view, lo * p)
     npg = rp.k.codes.shape[1]
     kp_ = npg * p
-    s_n = min(cfg.sink_tokens, view.seq_len)
+    k0 = view.key0  # absolute position of key 0; the sinks are absolute positions 0..S-1
+    s_n = max(0, min(cfg.sink_tokens, view.seq_len + k0) - k0)
     j = torch.arange(kp_)
-    valid = j[None, :] <= t[:, None]
+    valid = visible(j[None, :], t[:, None], window)
     sink = (j < s_n)[None, :]
     closed = (j // p)[None, :] < nc[:, None]
     exact = (j >= view.exact_from)[None, :]
@@ -173,8 +203,9 @@ def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig
         skip, st = _fill_range(x, start, x.shape[0], s_n)
         s16[..., st:start + x.shape[0]] = torch.einsum("nhrd,jhd->nhrj", q, x[skip:])
     if s_n:
-        s16[..., :s_n] = torch.einsum("nhrd,jhd->nhrj", q, view.sink_k)
+        s16[..., :s_n] = torch.einsum("nhrd,jhd->nhrj", q, view.sink_k[k0:k0 + s_n])
     s = torch.where(k16_mask[:, None, None], s16, s)
+    s = soft_cap(s, logit_cap).masked_fill(~valid[:, None, None], float("-inf"))
     pr = torch.exp(s - s.amax(-1, keepdim=True))
     denom = pr.sum(-1, keepdim=True)
     # ---- P·V
@@ -190,8 +221,23 @@ def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig
         skip, st = _fill_range(x, start, x.shape[0], s_n)
         o = o + torch.einsum("nhrj,jhd->nhrd", pv16[..., st:start + x.shape[0]], x[skip:])
     if s_n:
-        o = o + torch.einsum("nhrj,jhd->nhrd", pv16[..., :s_n], view.sink_v)
+        o = o + torch.einsum("nhrj,jhd->nhrd", pv16[..., :s_n], view.sink_v[k0:k0 + s_n])
     return o / denom
+
+
+def _shift_view(view: RequestView, k0: int) -> RequestView:
+    """The view with key positions counted from k0 (the first page read): FP16 ranges are cut
+    to the keys from k0 on; sinks before k0 are dropped (fp16 sinks after: see s_n)."""
+    def cut(ranges):
+        out = []
+        for st, x in ranges:
+            skip = max(0, k0 - st)
+            if skip < x.shape[0]:
+                out.append((st + skip - k0, x[skip:]))
+        return out
+
+    return RequestView(seq_len=view.seq_len - k0, exact_from=max(0, view.exact_from - k0), k16=cut(view.k16),
+                       v16=cut(view.v16), sink_k=view.sink_k, sink_v=view.sink_v, key0=view.key0 + k0)
 
 
 def _requant_open(q, t, nc, s, view: RequestView, cfg: HackConfig, mode: str, gen, open_c, pr):
@@ -204,7 +250,7 @@ def _requant_open(q, t, nc, s, view: RequestView, cfg: HackConfig, mode: str, ge
     is_k = pr is None
     for page, r in sorted(keys):
         x = view.fp16_at("k" if is_k else "v", page * p, r)
-        tp = quantize_open_page(x, r, page == 0, cfg, is_k, gen)
+        tp = quantize_open_page(x, r, page * p + view.key0 == 0, cfg, is_k, gen)
         sel = open_c & ((nc == page) & (count == r))[:, None]
         cols = slice(page * p, (page + 1) * p)
         if is_k:

@@ -11,6 +11,11 @@
  * (position t: seq_len t+1), each with its own count of closed pages and a pointer to the FP16
  * tokens of its open region (the tail row in decode, a window of the new tokens in extend).
  *
+ * Sliding window (window >= 0): the query at t sees keys t-window..t. Items start at the page
+ * holding key t-window, so pages wholly before the window are never read; on that boundary
+ * page (and among the sinks) earlier keys get a zero softmax numerator. logit_cap > 0
+ * soft-caps the scaled scores (cap * tanh(s / cap)) before the softmax.
+ *
  * Work split (flash-decoding): one item = (request, KV head, run of up to CHUNK_PAGES pages),
  * all query heads of the GQA group together; each item keeps its own softmax max, the items
  * of a head are merged at the end in a fixed order, so results do not depend on the thread
@@ -102,6 +107,11 @@ static void fp16_pv(const uint16_t *x, int n, int64_t stride, int d, int rep, co
 #endif
 }
 
+/* The first key a query of a sequence of length L sees (0 without a window). */
+static inline int64_t first_key(const hack_decode_args *a, int64_t L) {
+    return a->window >= 0 && L - 1 - a->window > 0 ? L - 1 - a->window : 0;
+}
+
 /* One item: scores, local max, numerators, P.V for pages [p0, p1) of (b, h). */
 static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out, float *s, float *ws) {
     const hack_decode_args *a = it->a;
@@ -110,6 +120,7 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out,
     const int64_t tok0 = it->p0 * P, tok1 = it->p1 * P < L ? it->p1 * P : L, nt = tok1 - tok0;
     const int64_t sinks = a->sink_tokens < L ? a->sink_tokens : L;
     const int64_t hd = H * d, trow = a->table_rows[it->b] * a->max_pages;
+    const int64_t first = first_key(a, L), vis0 = first > tok0 ? first - tok0 : 0; /* window */
     const float *q = a->q + (it->b * H * rep + it->h * rep) * d;
     /* scores */
     for (int64_t p = it->p0; p < it->p1; p++) {
@@ -123,11 +134,16 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out,
     }
     if (it->p0 == 0 && sinks)
         fp16_scores(a->sink_k + a->sink_slots[it->b] * a->sink_tokens * hd + it->h * d, (int)sinks, hd, d, rep, q, s, nt);
-    /* local softmax numerators */
+    if (a->logit_cap > 0.0) {
+        const float cap = (float)a->logit_cap;
+        for (int64_t j = 0; j < rep * nt; j++) s[j] = cap * tanhf(s[j] / cap);
+    }
+    /* local softmax numerators; keys before the window (j < vis0) get 0 */
     for (int r = 0; r < rep; r++) {
-        float *sr = s + r * nt, m = sr[0], l = 0.0f;
-        for (int64_t j = 1; j < nt; j++) m = sr[j] > m ? sr[j] : m;
-        for (int64_t j = 0; j < nt; j++) { sr[j] = exp_neg(sr[j] - m); l += sr[j]; }
+        float *sr = s + r * nt, m = sr[vis0], l = 0.0f;
+        for (int64_t j = vis0 + 1; j < nt; j++) m = sr[j] > m ? sr[j] : m;
+        for (int64_t j = 0; j < vis0; j++) sr[j] = 0.0f;
+        for (int64_t j = vis0; j < nt; j++) { sr[j] = exp_neg(sr[j] - m); l += sr[j]; }
         m_out[r] = m;
         l_out[r] = l;
     }
@@ -152,14 +168,17 @@ int hack_decode(const hack_decode_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, P = a->page_size;
     if (d > MAX_D || d % 64 || rep > MAX_REP || d / a->group > MAX_G || P > 256) return -1;
     int64_t n_items = 0;
-    for (int64_t b = 0; b < B; b++) n_items += H * ((((a->seq_lens[b] + P - 1) / P) + CHUNK_PAGES - 1) / CHUNK_PAGES);
+    for (int64_t b = 0; b < B; b++) {
+        int64_t np = (a->seq_lens[b] + P - 1) / P - first_key(a, a->seq_lens[b]) / P; /* pages read */
+        n_items += H * ((np + CHUNK_PAGES - 1) / CHUNK_PAGES);
+    }
     item_t *items = (item_t *)malloc(sizeof(item_t) * n_items);
     float *mls = (float *)malloc(sizeof(float) * n_items * rep * (d + 2));
     int64_t k = 0;
     for (int64_t b = 0; b < B; b++) {
-        int64_t L = a->seq_lens[b], np = (L + P - 1) / P;
+        int64_t L = a->seq_lens[b], np = (L + P - 1) / P, fp = first_key(a, L) / P;
         for (int64_t h = 0; h < H; h++)
-            for (int64_t p0 = 0; p0 < np; p0 += CHUNK_PAGES) {
+            for (int64_t p0 = fp; p0 < np; p0 += CHUNK_PAGES) {
                 item_t it = {a, b, h, p0, p0 + CHUNK_PAGES < np ? p0 + CHUNK_PAGES : np, L, a->n_closed[b]};
                 items[k++] = it;
             }

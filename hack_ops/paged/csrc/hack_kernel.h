@@ -28,6 +28,8 @@ typedef struct {
     int64_t k_page_bytes, k_codes_off, k_min_off, k_scale_off, k_sums_off, k_sums_bytes;
     int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
     int64_t nthreads;
+    int64_t window;   /* sliding window (query at t sees keys t-window..t); -1: none */
+    double logit_cap; /* > 0: scores soft-capped to cap * tanh(s / cap); 0: none */
     const int64_t *seq_lens, *n_closed, *page_table, *table_rows, *sink_slots;
     const int64_t *k_open_off, *v_open_off; /* element offset of each query's open region */
     const uint8_t *k_pages, *v_pages;

@@ -1,0 +1,108 @@
+"""Which model attention features the HACK KV cache serves, checked when the server starts.
+
+Served (CPU and CUDA paths alike unless noted): causal decoder self-attention with MHA, GQA or
+MQA (one KV head), head_dim a multiple of the HACK head_dim group (64..256 tested), per-layer
+sliding windows (the layer's `sliding_window_size`), the layer's scaling and tanh logit
+soft-capping (`logit_cap`).
+
+Refused, with a sentence naming the feature and the flag that works, before anything is served:
+  * in the launcher, from the model's HF config (exit status 2 like any bad option):
+    multi-head latent attention (MLA), encoder-decoder / cross-attention models, non-causal
+    (bidirectional) attention, and models SGLang serves with its hybrid sliding-window pool
+    (two pools the HACK pool does not replace: --disable-hybrid-swa-memory gives one pool);
+  * in each scheduler, once the model's layers exist (HackAttnBackend.__init__), per layer:
+    cross-attention, encoder-only or bidirectional layers, another soft-capping method than
+    tanh, K and V head dims that differ, and on CUDA windows/soft-caps (not in the Triton
+    kernels yet).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+BF16_HINT = "serve it with a BF16 KV cache instead (drop --kv-cache-dtype hack)"
+
+
+class UnsupportedModelError(ValueError):
+    """A model feature the HACK KV cache does not serve (refused at startup)."""
+
+
+def _sentence(feature: str, model: str, hint: str = BF16_HINT) -> str:
+    return f"--kv-cache-dtype hack does not serve {feature} (model {model}); {hint}"
+
+
+def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False) -> Optional[str]:
+    """The refusal sentence for an HF config's attention features, or None when served."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+    if getattr(text, "kv_lora_rank", None) or getattr(hf_config, "kv_lora_rank", None):
+        return _sentence("multi-head latent attention (MLA)", arch)
+    if getattr(hf_config, "is_encoder_decoder", False) or getattr(text, "cross_attention_layers", None):
+        return _sentence("cross-attention (an encoder-decoder model)", arch)
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
+        return _sentence("non-causal (bidirectional) attention", arch)
+    if not disable_hybrid_swa_memory and _hybrid_swa(hf_config, text):
+        return _sentence("SGLang's hybrid sliding-window KV pool", arch,
+                         "add --disable-hybrid-swa-memory (one pool; the HACK backend applies each layer's "
+                         "window) or drop --kv-cache-dtype hack")
+    return None
+
+
+def _hybrid_swa(hf_config: Any, text: Any) -> bool:
+    from sglang.srt.configs.model_config import is_hybrid_swa_model
+
+    try:
+        return bool(is_hybrid_swa_model(list(getattr(hf_config, "architectures", None) or []), text))
+    except Exception:  # an odd config: SGLang itself will judge it
+        return False
+
+
+def check_model_path(model_path: str, trust_remote_code: bool = False,
+                     disable_hybrid_swa_memory: bool = False) -> Optional[str]:
+    """config_refusal for a local model folder; None when there is no readable config (SGLang
+    reports a missing or broken model itself)."""
+    import os
+
+    if not model_path or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    except Exception:
+        return None
+    return config_refusal(cfg, disable_hybrid_swa_memory)
+
+
+def layer_refusal(layers: Iterable[Any], gpu: bool = False) -> Optional[str]:
+    """The refusal sentence for the first RadixAttention layer the HACK paths cannot serve."""
+    for layer in layers:
+        name = f"layer {getattr(layer, 'layer_id', '?')}"
+        kind = getattr(getattr(layer, "attn_type", None), "value", "decoder")
+        if getattr(layer, "is_cross_attention", False):
+            return _sentence("cross-attention layers", name)
+        if kind == "encoder_only":
+            return _sentence("encoder-only attention layers", name)
+        if kind != "decoder":
+            return _sentence(f"non-causal attention layers ({kind})", name)
+        cap = getattr(layer, "logit_cap", 0.0) or 0.0
+        method = getattr(layer, "logit_capping_method", "tanh")
+        if cap > 0 and method != "tanh":
+            return _sentence(f"logit soft-capping by {method!r} (tanh is served)", name)
+        if getattr(layer, "qk_head_dim", 0) != getattr(layer, "v_head_dim", 0):
+            return _sentence("different K and V head dims", name)
+        window = getattr(layer, "sliding_window_size", -1)
+        if gpu and ((window is not None and window >= 0) or cap > 0):
+            return _sentence("sliding-window or soft-capped layers on CUDA (the HACK Triton kernels lack them)",
+                             name, "serve it on the CPU path or with a BF16 KV cache")
+    return None
+
+
+def check_model_layers(model: Any, gpu: bool = False) -> None:
+    """Raise UnsupportedModelError for a model whose attention layers HACK cannot serve."""
+    if model is None:
+        return
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    reason = layer_refusal((m for m in model.modules() if isinstance(m, RadixAttention)), gpu=gpu)
+    if reason:
+        raise UnsupportedModelError(reason)
