@@ -24,8 +24,9 @@ from disagg.replay import generate
 from engine.metrics import rundir
 from engine.metrics.http_client import HttpRunLoader
 from engine.metrics.run_view import build_view
-from test_dashboard_browser import (ARTIFACTS, _chart, _free_port, _metric, _no_crash,  # noqa: F401
-                                    _text, _titles, _wait, browser)
+import test_dashboard_browser as B
+from test_dashboard_browser import (ARTIFACTS, _chart, _free_port, _metric, _no_crash, _text,
+                                    _titles, _wait)
 from test_metrics_grafana import exposition_names, grafana_queries, metric_names
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e,
@@ -61,6 +62,32 @@ def live(tmp_path_factory):
     finally:
         _hack("down", env=env, timeout=300)
         cluster.down(state)   # idempotent; stops it even if its state file went missing
+
+
+@pytest.fixture()
+def browser():
+    """A fresh chromium per page: one crashed tab (seen on a loaded machine) does not take
+    the next page's checks with it."""
+    import shutil
+    import tempfile
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    for path in (B.CHROMIUM, B.CHROMEDRIVER):
+        if not os.access(path, os.X_OK):
+            pytest.fail(f"{path} is missing: `make install` installs Debian's chromium and "
+                        "chromium-driver")
+    profile = tempfile.mkdtemp(prefix="chromium-profile-")
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = B.CHROMIUM
+    for flag in B.FLAGS + [f"--user-data-dir={profile}"]:
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(B.CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+    shutil.rmtree(profile, ignore_errors=True)
 
 
 def _server(state: dict, role: str) -> dict:
@@ -200,7 +227,20 @@ def _check_page(driver, shot: str) -> None:
             By.CSS_SELECTOR, ".scatterlayer .trace")))
     _no_crash(driver)
     ARTIFACTS.mkdir(exist_ok=True)
-    driver.save_screenshot(str(ARTIFACTS / shot))
+    _screenshot(driver, ARTIFACTS / shot)
+
+
+def _screenshot(driver, path: Path) -> None:
+    """Keep a screenshot as an artifact. Capturing a page that re-renders every second can
+    crash chromium's tab on a loaded machine; the checks above have passed by then, so a
+    failed capture is reported as a warning, not as a failure of the page."""
+    import warnings
+
+    from selenium.common.exceptions import WebDriverException
+    try:
+        driver.save_screenshot(str(path))
+    except WebDriverException as exc:
+        warnings.warn(f"screenshot {path.name} not taken: {exc.msg}")
 
 
 def test_dashboard_without_arguments_shows_this_run(live, browser):
