@@ -165,9 +165,10 @@ def _children(pid: int) -> list[int]:
 def _dashboard(env: dict, *args: str) -> tuple[subprocess.Popen, str, Path]:
     port = _free_port()
     log = Path(env["HACK_RUNS_DIR"]).parent / f"dashboard-{port}.log"
-    proc = subprocess.Popen([sys.executable, "-m", "hack_cli.main", "dashboard", "--port",
-                             str(port), "--refresh", "1", *args], env=env,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    with open(log, "w") as out:     # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "hack_cli.main", "dashboard", "--port",
+                                 str(port), "--refresh", "1", *args], env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 90
     while time.time() < deadline:
