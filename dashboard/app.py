@@ -1,7 +1,8 @@
 """Streamlit entry point of `hack dashboard`.
 
 Configuration comes from the environment (set by `hack dashboard`): HACK_RUNS_DIR,
-HACK_DASHBOARD_RUN_DIR, HACK_DASHBOARD_URL, HACK_DASHBOARD_REFRESH_S. The query
+HACK_DASHBOARD_RUN_DIR, HACK_DASHBOARD_URL, HACK_DASHBOARD_SERVERS (the servers behind that
+URL, comma-separated), HACK_DASHBOARD_REFRESH_S. The query
 parameter `?run=<run directory name>` opens a run of the runs root directly.
 """
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _live_fragment(name: str, body, *args) -> None:
 
 
 def _one_run(target: str, kind: str) -> bool:
-    view = views.get_source(target, kind).view()
+    view = views.get_source(target, kind, config.servers if kind == "url" else ()).view()
     views.run_page(view, max_requests)
     return view.data.live
 
@@ -67,7 +68,8 @@ def _two_runs(a: str, b: str) -> bool:
 
 
 if config.url:
-    st.sidebar.markdown(f"Following **{config.url}** over HTTP")
+    st.sidebar.markdown(f"Following **{config.url}** over HTTP" + (
+        f" ({len(config.servers)} servers of its cluster)" if config.servers else ""))
     _live_fragment(config.url, _one_run, config.url, "url")
 else:
     runs = [str(r) for r in run_choices(config)]

@@ -21,7 +21,8 @@ HOW_TO_START = (
     "No run directory yet. A run directory is written by a HACK cluster started with "
     "`hack up` (each server writes its metrics into it), or by "
     "`hack dashboard --synthetic` (a clearly labelled synthetic run to try the "
-    "dashboard). Runs live under $HACK_RUNS_DIR (default ./runs); open one with "
+    "dashboard). Runs live under $HACK_RUNS_DIR (default ~/.cache/sglang-hack/runs); "
+    "open one with "
     "`hack dashboard --run-dir DIR`, or follow a live cluster with "
     "`hack dashboard --url http://ROUTER`.")
 
@@ -32,6 +33,7 @@ class DashboardConfig:
     run_dir: Path | None = None
     url: str | None = None
     refresh_s: float = 2.0
+    servers: tuple[str, ...] = ()   # the servers behind `url` (from a cluster state)
 
 
 def config_from_env() -> DashboardConfig:
@@ -44,7 +46,9 @@ def config_from_env() -> DashboardConfig:
     return DashboardConfig(runs_root=rundir.runs_root(),
                            run_dir=Path(run_dir) if run_dir else None,
                            url=os.environ.get("HACK_DASHBOARD_URL") or None,
-                           refresh_s=max(0.5, refresh))
+                           refresh_s=max(0.5, refresh),
+                           servers=tuple(u for u in os.environ.get(
+                               "HACK_DASHBOARD_SERVERS", "").split(",") if u))
 
 
 def run_choices(config: DashboardConfig) -> list[Path]:
@@ -70,11 +74,12 @@ def run_title(path: Path) -> str:
 class Source:
     """One run directory or URL, followed incrementally."""
 
-    def __init__(self, target: str, kind: str) -> None:
+    def __init__(self, target: str, kind: str, servers: tuple[str, ...] = ()) -> None:
         if kind not in ("dir", "url"):
             raise ValueError(f"source kind must be 'dir' or 'url', got {kind!r}")
         self.target, self.kind = target, kind
-        self.loader = RunLoader(Path(target)) if kind == "dir" else HttpRunLoader(target)
+        self.loader = RunLoader(Path(target)) if kind == "dir" else \
+            HttpRunLoader(target, servers=list(servers))
         self._lock = threading.Lock()
         self._sig: tuple | None = None
         self._view: RunView | None = None

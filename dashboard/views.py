@@ -12,9 +12,9 @@ from engine.metrics.run_view import RunView
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)
-def get_source(target: str, kind: str) -> Source:
+def get_source(target: str, kind: str, servers: tuple[str, ...] = ()) -> Source:
     """One incremental loader per run directory or URL, shared by all browser tabs."""
-    return Source(target, kind)
+    return Source(target, kind, servers)
 
 
 def _chart(fig, key: str) -> None:
@@ -37,8 +37,12 @@ def header(view: RunView) -> None:
     title = meta.get("label") or view.data.source
     st.subheader(title)
     facts = [f"KV mode: **{meta.get('kv_mode', '?')}**",
-             f"link: **{meta.get('link_rate') or 'unshaped'}**",
-             f"source: `{view.data.source}`",
+             f"link: **{meta.get('link_rate') or 'unshaped'}**"]
+    if meta.get("model"):
+        facts.append(f"model: **{meta['model']}**")
+    if meta.get("created"):
+        facts.append(f"started {meta['created']}")
+    facts += [f"source: `{view.data.source}`",
              "**live**" if view.data.live else "finished" if meta.get("finished")
              else "not live"]
     servers = meta.get("servers") or []
@@ -46,6 +50,8 @@ def header(view: RunView) -> None:
         facts.append("servers: " + ", ".join(
             f"{s.get('id')}" + (f" ({s['url']})" if s.get("url") else "") for s in servers))
     st.markdown(" · ".join(facts))
+    if meta.get("command"):
+        st.caption(f"`{meta['command']}`")
     if meta.get("synthetic"):
         st.info("Synthetic run: these timings come from a queueing model written through "
                 "the metrics sink, not from serving a model.", icon=":material/science:")

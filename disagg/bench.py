@@ -107,6 +107,7 @@ def run(model_path: str, methods: list[str], rates: list[float], workload: str, 
         # Slow links move BF16 KV for minutes: the decode must not give up on it first.
         spec = cluster.ClusterSpec(model_path=model_path, kv=method, link_mbps=max(rates),
                                    run_dir=(run_root / method) if run_root else None,
+                                   label=f"bench-disagg-{method}",
                                    waiting_timeout_s=900)
         log(f"[{method}] starting cluster ...")
         state = cluster.up(spec, log=log)

@@ -1,8 +1,10 @@
 """A local disaggregated cluster: prefill server(s), decode server(s) and the PD router.
 
 `up()` starts everything, waits for health and writes a state file (pids, namespace, veth,
-URLs) before returning; `down()` stops what a state file names, by pid, and removes the
-namespace and veth. `clean_stale()` (run by every `up()`) handles state left by a crash:
+URLs) before returning, and a run directory under the runs root ($HACK_RUNS_DIR) whose
+run.json names the method, model, link, servers and command line before any request;
+`down()` stops what a state file names, by pid, removes the namespace and veth and marks the
+run finished; `status()` says what a state file's processes are doing. `clean_stale()` (run by every `up()`) handles state left by a crash:
 processes of dead clusters are stopped and orphaned `hackpd-*` namespaces and `hkv*` veths
 are removed.
 """
@@ -11,12 +13,14 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.error
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cpu_runtime import shared_host_env
+from engine.metrics import rundir
 
 from . import netns, procs
 from .server_cmd import METHODS, router_command, server_command
@@ -30,7 +34,12 @@ def state_dir() -> Path:
 
 
 def default_run_root() -> Path:
-    return Path(os.environ.get("HACK_RUN_ROOT", Path.home() / ".cache" / "sglang-hack" / "runs"))
+    """The one runs root of every command (engine.metrics.rundir.runs_root)."""
+    return rundir.runs_root()
+
+
+def link_rate_label(link_mbps: float | None) -> str | None:
+    return None if link_mbps is None else f"{link_mbps:g}mbit"
 
 
 @dataclass
@@ -46,6 +55,10 @@ class ClusterSpec:
     extra_server_args: list[str] = field(default_factory=list)
     # Seconds a decode waits for a silent prefill before failing the request.
     waiting_timeout_s: int = 300
+    model: str | None = None  # the model's name as given (default: its folder's name)
+    label: str | None = None  # run directory label (default: "<kv>-<rate>mbit")
+    command: str | None = None  # the command line that started it, kept in run.json
+    enable_metrics: bool = False  # SGLang's /metrics, with the hack:* metrics beside sglang:*
 
     def validate(self) -> None:
         if self.kv not in METHODS:
@@ -95,6 +108,7 @@ def _server_env(host_ip: str, run_dir: Path, role: str, index: int, spec: Cluste
         "HACK_METRICS_RUN_DIR": str(run_dir),
         "HACK_METRICS_ROLE": role,
         "HACK_METRICS_INSTANCE": str(index),
+        "HACK_METRICS_PROMETHEUS": "1" if spec.enable_metrics else "0",
     })
     if role == "decode":
         env["HACK_DISAGG_FAULT_FILE"] = str(run_dir / f"fault-trigger-decode-{index}")
@@ -108,11 +122,19 @@ def up(spec: ClusterSpec, log=print) -> dict:
     for line in clean_stale():
         log(f"stale state: {line}")
     name = uuid.uuid4().hex[:6]
-    run_dir = Path(spec.run_dir or default_run_root() / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    rate = link_rate_label(spec.link_mbps)
+    label = spec.label or f"{spec.kv}-{rate or 'loopback'}"
+    extra = {"cluster": name, "model": spec.model or Path(spec.model_path).name, "model_path": spec.model_path,
+             "link_mbps": spec.link_mbps, "command": spec.command,
+             "prefill": spec.prefill, "decode": spec.decode}
+    if spec.run_dir:
+        run_dir = rundir.init_run(spec.run_dir, label, spec.kv, link_rate=rate, extra=extra)
+    else:
+        run_dir = rundir.create_run(label, spec.kv, link_rate=rate, extra=extra)
     state = {"name": name, "run_dir": str(run_dir), "kv": spec.kv, "link_mbps": spec.link_mbps,
              "model_path": spec.model_path, "owner_pid": os.getpid(), "pids": [], "servers": [],
-             "link": None, "router_url": None, "started": time.time()}
+             "link": None, "router_url": None, "started": time.time(),
+             "command": spec.command, "enable_metrics": spec.enable_metrics}
     state_path = state_dir() / f"{name}.json"
 
     def save() -> None:
@@ -132,8 +154,11 @@ def up(spec: ClusterSpec, log=print) -> dict:
             for i in range(count):
                 port = procs.free_port("127.0.0.1")
                 bport = procs.free_port("127.0.0.1") if role == "prefill" else None
+                extra_args = list(spec.extra_server_args)
+                if spec.enable_metrics and "--enable-metrics" not in extra_args:
+                    extra_args.append("--enable-metrics")
                 cmd = server_command(role, spec.kv, spec.model_path, ip, port, bport,
-                                     spec.max_total_tokens, spec.extra_server_args)
+                                     spec.max_total_tokens, extra_args)
                 log_path = run_dir / f"{role}-{i}.log"
                 pid = procs.spawn(cmd, _server_env(ip, run_dir, role, i, spec), log_path,
                                   netns=link.namespace if (link and role == "prefill") else None)
@@ -142,6 +167,7 @@ def up(spec: ClusterSpec, log=print) -> dict:
                 state["servers"].append({"role": role, "index": i, "pid": pid, "url": url,
                                          "bootstrap_port": bport, "log": str(log_path)})
                 save()
+                rundir.register_server(run_dir, f"{role}-{i}", role, url, pid=pid)
                 pids.append(pid)
                 urls.append(url + "/health")
                 logs.append(log_path)
@@ -155,6 +181,7 @@ def up(spec: ClusterSpec, log=print) -> dict:
                                  "url": f"http://127.0.0.1:{rport}", "log": str(rlog)})
         state["router_url"] = f"http://127.0.0.1:{rport}"
         save()
+        rundir.update_run(run_dir, router=state["router_url"])
         wait_healthy([state["router_url"] + "/health"], [rpid], spec.health_timeout_s, [rlog])
         state["ready"] = time.time()
         save()
@@ -166,18 +193,76 @@ def up(spec: ClusterSpec, log=print) -> dict:
 
 
 def down(state: dict) -> list[str]:
-    """Stop every process of `state` (router first), remove its link and state file."""
-    done = []
-    for srv in reversed(state.get("servers", [])):
-        if procs.stop(int(srv["pid"])):
-            done.append(f"stopped {srv['role']}-{srv['index']} (pid {srv['pid']})")
-    for pid in state.get("pids", []):
-        procs.stop(int(pid))
+    """Stop every process of `state` at once, remove its link and state file, mark its run
+    finished."""
+    servers = list(reversed(state.get("servers", [])))
+    running = set(procs.stop_all([int(s["pid"]) for s in servers] +
+                                 [int(p) for p in state.get("pids", [])]))
+    done = [f"stopped {s['role']}-{s['index']} (pid {s['pid']})" for s in servers
+            if int(s["pid"]) in running]
     link = state.get("link")
     if link:
         done += [f"removed {x}" for x in netns.remove(link.get("namespace"), link.get("veth_root"))]
+    run_dir = state.get("run_dir")
+    if run_dir and (Path(run_dir) / rundir.RUN_JSON).exists():
+        try:
+            if not rundir.read_run(run_dir).get("finished"):
+                rundir.mark_finished(run_dir)
+        except (OSError, ValueError) as exc:
+            done.append(f"run.json of {run_dir} not marked finished: {exc}")
     (state_dir() / f"{state['name']}.json").unlink(missing_ok=True)
     return done
+
+
+def _health(url: str, timeout: float = 5.0) -> str:
+    """'ok', 'HTTP <code>' or 'unreachable' for a server's /health."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return "ok" if r.status == 200 else f"HTTP {r.status}"
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}"
+    except Exception:  # noqa: BLE001 - refused, timed out, no route: not answering
+        return "unreachable"
+
+
+def status(state: dict) -> dict:
+    """What a cluster's state file names and what is true now: each server's pid alive and
+    /health answer. `stale` when no process of it is alive (a crash, a reboot, a kill -9):
+    `hack down` (or the next `hack up`) removes such state."""
+    servers, problems = [], []
+    for s in state.get("servers", []):
+        alive = procs.alive(int(s["pid"]))
+        health = _health(s["url"]) if alive else "process gone"
+        servers.append({"role": s["role"], "index": s["index"], "url": s["url"], "pid": s["pid"],
+                        "alive": alive, "health": health})
+        if health != "ok":
+            problems.append(f"{s['role']}-{s['index']} (pid {s['pid']}): {health}")
+    owner = state.get("owner_pid")
+    starting = owner != "detached" and owner and procs.alive(int(owner)) and "ready" not in state
+    stale = not any(s["alive"] for s in servers) and not starting
+    link = state.get("link") or {}
+    ns = link.get("namespace")
+    if ns and netns.can_shape()[0] and ns not in netns.list_namespaces():
+        problems.append(f"network namespace {ns} is gone")
+    return {"name": state["name"], "kv": state.get("kv"), "link_mbps": state.get("link_mbps"),
+            "model_path": state.get("model_path"), "run_dir": state.get("run_dir"),
+            "router_url": state.get("router_url"), "started": state.get("started"),
+            "ready": state.get("ready"), "namespace": ns, "command": state.get("command"),
+            "owner": owner, "state": "stale" if stale else "starting" if starting
+            else "degraded" if problems else "running",
+            "problems": problems, "servers": servers}
+
+
+def find_state(name: str | None = None, url: str | None = None) -> dict | None:
+    """The cluster named `name`, or the one whose router or a server has `url`."""
+    want = url.rstrip("/") if url else None
+    for st in load_states():
+        if name is not None and st.get("name") == name:
+            return st
+        urls = [st.get("router_url")] + [s.get("url") for s in st.get("servers", [])]
+        if want is not None and want in [u.rstrip("/") for u in urls if u]:
+            return st
+    return None
 
 
 def load_states() -> list[dict]:

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
 from . import cluster, netns, procs
@@ -33,12 +34,12 @@ def run(model_path: str, requests: int = 3, rps: float = 0.2, dashboard: bool = 
     link = DEMO_LINK_MBPS if shaped else None
     if not shaped:
         log(f"note: {why}; running on loopback without a shaped link, so transfer time is small")
-    run_root = cluster.default_run_root() / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     tok = load_tokenizer(model_path)
     items = build("demo", tok, requests, rps, seed=0)
     summaries = {}
     state = None
     dash_pid = None
+    runs: dict[str, str] = {}
     stop = {"now": False}
 
     def on_signal(signum, _frame) -> None:
@@ -51,7 +52,10 @@ def run(model_path: str, requests: int = 3, rps: float = 0.2, dashboard: bool = 
             log(f"[{method}] starting prefill + decode + router"
                 f"{f' over a {link:g} Mbit/s link' if link else ''} ...")
             state = cluster.up(cluster.ClusterSpec(model_path=model_path, kv=method, link_mbps=link,
-                                                   run_dir=run_root / method), log=log)
+                                                   label=f"demo-{method}",
+                                                   command=" ".join(["hack", *sys.argv[1:]])),
+                                log=log)
+            runs[method] = state["run_dir"]
             log(f"[{method}] router {state['router_url']}; replaying {requests} requests ...")
             summaries[method] = summarize(replay(state["router_url"], items))
             log(_line(method, summaries[method]))
@@ -62,11 +66,12 @@ def run(model_path: str, requests: int = 3, rps: float = 0.2, dashboard: bool = 
         for m, s in summaries.items():
             log(_line(m, s))
         if dashboard:
-            dash_log = run_root / "dashboard.log"
-            cmd = [sys.executable, "-m", "hack_cli.main", "dashboard", "--run-dir", str(run_root / "hack"),
+            dash_log = Path(runs["hack"]) / "dashboard.log"
+            cmd = [sys.executable, "-m", "hack_cli.main", "dashboard", "--run-dir", runs["hack"],
                    "--port", str(port)]
             dash_pid = procs.spawn(cmd, dict(os.environ), dash_log)
-            log(f"dashboard: http://127.0.0.1:{port}  (run dir {run_root})")
+            log(f"dashboard: http://127.0.0.1:{port}  (runs {runs['bf16']} and {runs['hack']}; "
+                "'Compare two runs' puts them side by side)")
         log(f"HACK router stays up at {state['router_url']}; "
             f"{'stopping in ' + format(duration_s, 'g') + ' s' if duration_s else 'Ctrl-C to stop'}")
         deadline = time.time() + duration_s if duration_s else None

@@ -33,6 +33,7 @@ DIRECT_USES = (
     "sglang.srt.configs.model_config.is_hybrid_swa_model",  # startup refusal (engine.model_checks)
     "sglang.srt.layers.radix_attention.RadixAttention",  # layers checked at startup; LAYER_ATTRS read
     "sglang.srt.layers.radix_attention.AttentionType",  # decoder / encoder-only / bidirectional layers
+    "sglang.srt.entrypoints.http_server.app",  # SGLang's FastAPI app: the /hack/* routes go there
 )
 
 # Attributes of every RadixAttention that the backend reads (window, scaling, soft-cap, kind).
@@ -181,6 +182,19 @@ def _after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, 
     _metrics_call(on_batch_result, self, batch)
 
 
+def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
+    from sglang.srt.entrypoints import http_server
+
+    from .metrics.http_api import install_routes
+
+    try:
+        if install_routes(http_server.app):
+            logger.info("sglang-hack: /hack/streams, /hack/events, /hack/run installed")
+    except Exception:
+        logger.exception("sglang-hack: the live /hack/* routes could not be installed "
+                         "(serving continues without them)")
+
+
 # ---------------------------------------------------------------- disaggregation (bodies: disagg/)
 
 def _disagg(name: str) -> Callable:
@@ -230,6 +244,9 @@ HOOKS: tuple[Hook, ...] = (
          _after_handle_generate_request, "metrics: arrival, queue start, memory sampler"),
     Hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "AFTER",
          _after_process_batch_result, "metrics: queue/prefill ends, first token, decode steps, finish"),
+    Hook("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "BEFORE",
+         _before_setup_and_run_http_server,
+         "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app"),
     Hook("sglang.srt.disaggregation.utils.setup_state_kv_args", "AFTER",
          _disagg("sglang_hooks.after_setup_state_kv_args"),
          "PD: FP16 tails (live slots) and sinks travel as state components; layout fingerprint"),

@@ -1,11 +1,18 @@
-"""`hack up`, `hack down`, `hack demo`: a local prefill/decode cluster behind the PD router."""
+"""`hack up`, `hack status`, `hack down`, `hack demo`: a local prefill/decode cluster behind
+the PD router."""
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
 import sys
+import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from disagg.server_cmd import METHODS
+from engine.metrics.rundir import RUNS_ROOT_HELP
 
 
 def _model_path(name: str) -> str:
@@ -27,9 +34,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")
     p.add_argument("--decode", type=int, default=1, help="number of decode servers")
     p.add_argument("--max-total-tokens", type=int, default=32768, help="KV tokens per server")
-    p.add_argument("--run-dir", default=None, help="where logs, metrics and wire logs go")
+    p.add_argument("--run-dir", default=None,
+                   help="where logs, metrics and wire logs go (default: a new directory under "
+                        f"the runs root, {RUNS_ROOT_HELP})")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="SGLang's Prometheus /metrics on every server, with the hack:* metrics")
+    p.add_argument("--foreground", action="store_true",
+                   help="stay attached: stop everything on Ctrl-C or SIGTERM")
     p.add_argument("--json", action="store_true", help="print the cluster state as JSON")
     p.set_defaults(func=cmd_up)
+
+    s = sub.add_parser("status", help="clusters started by `hack up`: servers, health, link, run dir")
+    s.add_argument("--json", action="store_true", help="print the status as JSON")
+    s.set_defaults(func=cmd_status)
 
     d = sub.add_parser("down", help="stop what `hack up` started and remove its network namespaces")
     d.add_argument("--name", default=None, help="only this cluster (default: all)")
@@ -45,12 +62,35 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.set_defaults(func=cmd_demo)
 
 
+class Stopped(Exception):
+    """SIGTERM or Ctrl-C while `hack up` runs in the foreground (or is still starting)."""
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn the first SIGTERM/SIGINT into `Stopped` (so the caller's cleanup runs), and ignore
+    further ones while that cleanup stops the servers."""
+    def handler(signum: int, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise Stopped(signal.Signals(signum).name)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from disagg import cluster
 
-    spec = cluster.ClusterSpec(model_path=_model_path(args.model), kv=args.kv,
+    spec = cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,
-                               max_total_tokens=args.max_total_tokens, run_dir=args.run_dir)
+                               max_total_tokens=args.max_total_tokens, run_dir=args.run_dir,
+                               command=shlex.join(["hack", *sys.argv[1:]]),
+                               enable_metrics=args.enable_metrics)
     if args.link_mbps is not None:
         from disagg import netns
 
@@ -60,14 +100,60 @@ def cmd_up(args: argparse.Namespace) -> int:
     log = (lambda m: print(m, file=sys.stderr)) if args.json else print
     log(f"starting {args.prefill} prefill + {args.decode} decode ({args.kv}) "
         f"{'over a ' + format(args.link_mbps, 'g') + ' Mbit/s link' if args.link_mbps else 'on loopback'} ...")
-    state = cluster.up(spec, log=log)
-    cluster.detach(state)
+    try:
+        with stop_on_signals():
+            # up() stops what it started when interrupted (its own cleanup on any exception).
+            state = cluster.up(spec, log=log)
+            if not args.foreground:
+                cluster.detach(state)
+            if args.json:
+                print(json.dumps(state, indent=1), flush=True)
+            else:
+                print(f"router:  {state['router_url']}")
+                print(f"run dir: {state['run_dir']}")
+                print("dashboard: hack dashboard   (status: hack status)")
+                print("stop with: " + ("Ctrl-C" if args.foreground else "hack down"), flush=True)
+            if not args.foreground:
+                return 0
+            try:
+                while True:
+                    time.sleep(0.5)
+            except Stopped:
+                log("stopping ...")
+                for line in cluster.down(state):
+                    log(f"{state['name']}: {line}")
+                return 0
+    except Stopped as exc:
+        print(f"hack up: {exc} during startup; stopped what was started", file=sys.stderr)
+        return 128 + signal.Signals[str(exc)].value
+
+
+def _fmt_time(t: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from disagg import cluster
+
+    report = [cluster.status(st) for st in cluster.load_states()]
     if args.json:
-        print(json.dumps(state, indent=1))
-    else:
-        print(f"router:  {state['router_url']}")
-        print(f"run dir: {state['run_dir']}")
-        print("stop with: hack down")
+        print(json.dumps({"state_dir": str(cluster.state_dir()), "clusters": report}, indent=1))
+        return 0
+    if not report:
+        print(f"no clusters (state in {cluster.state_dir()}); start one with `hack up`")
+        return 0
+    for c in report:
+        link = f"{c['link_mbps']:g} Mbit/s ({c['namespace']})" if c["link_mbps"] else "loopback"
+        print(f"cluster {c['name']}: {c['state'].upper()}  kv {c['kv']}  link {link}")
+        print(f"  router  {c['router_url'] or '-'}   started {_fmt_time(c['started'])}")
+        print(f"  run dir {c['run_dir']}")
+        print(f"  {'server':<10} {'pid':>8}  {'health':<14} url")
+        for s in c["servers"]:
+            print(f"  {s['role'] + '-' + str(s['index']):<10} {s['pid']:>8}  {s['health']:<14} {s['url']}")
+        for p in c["problems"]:
+            print(f"  problem: {p}")
+        if c["state"] == "stale":
+            print(f"  stale: no process of it is alive; `hack down --name {c['name']}` removes it")
     return 0
 
 

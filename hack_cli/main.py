@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # Each module defines register(subparsers) and sets `func` on the parsers it adds.
@@ -28,8 +29,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sigterm_as_interrupt(signum: int, _frame) -> None:
+    # SIGTERM unwinds like Ctrl-C, so every command's cleanup (finally blocks that stop the
+    # servers it started) runs; commands with their own handling install their own handler.
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    old = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         rc = args.func(args)
     except KeyboardInterrupt:
@@ -37,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as exc:
         print(f"hack {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
     return int(rc or 0)
 
 

@@ -27,7 +27,7 @@ def env(tmp_path):
 
     if not model_dir().exists():
         pytest.skip("model not prepared (hack model prepare smollm2)")
-    return dict(os.environ, HACK_CLUSTER_STATE_DIR=str(tmp_path / "state"), HACK_RUN_ROOT=str(tmp_path / "runs"))
+    return dict(os.environ, HACK_CLUSTER_STATE_DIR=str(tmp_path / "state"), HACK_RUNS_DIR=str(tmp_path / "runs"))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root")
@@ -64,7 +64,7 @@ def test_hack_demo_headless_compares_bf16_and_hack_and_stops_cleanly(env):
     assert demo.returncode == 0, out[-3000:]
     assert "comparison" in out and "bf16" in out and "hack" in out
     assert "stopped: servers, router, dashboard and links are gone" in out
-    started = [json.loads(p.read_text()) for p in Path(env["HACK_RUN_ROOT"]).glob("demo-*/*/cluster.json")]
+    started = [json.loads(p.read_text()) for p in Path(env["HACK_RUNS_DIR"]).glob("*-demo-*/cluster.json")]
     assert {s["kv"] for s in started} == {"bf16", "hack"}
     names = {s["link"]["namespace"] for s in started if s.get("link")}
     assert not names & set(netns.list_namespaces())

@@ -149,12 +149,13 @@ def install_routes(app: FastAPI, run_dir: str | os.PathLike | None = None,
                    server: str | None = None) -> bool:
     """Add the /hack/* routes to `app`; False (and nothing added) when metrics are off."""
     run_dir = run_dir or os.environ.get("HACK_METRICS_RUN_DIR")
-    if not run_dir:
+    if not run_dir or getattr(app.state, "hack_routes", False):
         return False
     if server is None:
         server = (f"{os.environ.get('HACK_METRICS_ROLE', 'colocated')}-"
                   f"{os.environ.get('HACK_METRICS_INSTANCE', '0')}")
     app.include_router(make_router(run_dir, server))
+    app.state.hack_routes = True    # once per app, however many times a hook fires
     return True
 
 

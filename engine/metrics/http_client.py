@@ -1,7 +1,9 @@
 """Follow a live cluster over HTTP: the same RunData as `RunLoader`, from /hack/* routes.
 
-Given a server URL (one that serves /hack/streams) it follows that server; given a
-router URL it asks the router for its workers (`GET /workers`) and follows each of them.
+Given a server URL (one that serves /hack/streams) it follows that server. Given a router
+URL it follows the servers it is told about (`servers=`: `hack dashboard` passes those of the
+cluster state that `hack up` wrote, since SGLang's PD router `--mini-lb` lists no workers), or
+else asks the router for its workers (`GET /workers`, sglang-router's regular mode).
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ def _urls_in(obj: Any) -> list[str]:
 
 
 class HttpRunLoader:
-    def __init__(self, url: str, timeout: float = 3.0) -> None:
+    def __init__(self, url: str, timeout: float = 3.0, servers: list[str] | None = None) -> None:
         self.url = url.rstrip("/")
+        self.known_servers = [u.rstrip("/") for u in servers or []]
         self.timeout = timeout
         self._cursor: dict[tuple[str, str], int] = {}
         self._batches: dict[tuple[str, str], list[pa.RecordBatch]] = {}
@@ -47,6 +50,8 @@ class HttpRunLoader:
 
     def servers(self) -> tuple[list[str], list[str]]:
         """(server URLs that serve /hack/*, warnings)."""
+        if self.known_servers:
+            return self._check(self.known_servers, "server")
         try:
             if self._get(f"{self.url}/hack/streams").status_code == 200:
                 return [self.url], []
@@ -60,15 +65,20 @@ class HttpRunLoader:
         if not workers:
             return [], [f"{self.url} serves no /hack/streams and lists no workers: is it a "
                         "HACK server or router with metrics enabled?"]
+        return self._check(workers, "worker")
+
+    def _check(self, urls: list[str], what: str) -> tuple[list[str], list[str]]:
         ok, warn = [], []
-        for w in workers:
+        for w in urls:
             try:
-                if self._get(f"{w}/hack/streams").status_code == 200:
+                code = self._get(f"{w}/hack/streams").status_code
+                if code == 200:
                     ok.append(w)
                     continue
-            except requests.RequestException:
-                pass
-            warn.append(f"worker {w} does not serve /hack/streams: its metrics are missing")
+                why = f"answers HTTP {code} for /hack/streams"
+            except requests.RequestException as exc:
+                why = f"is not reachable ({type(exc).__name__})"
+            warn.append(f"{what} {w} {why}: its metrics are missing")
         return ok, warn
 
     def load(self) -> RunData:

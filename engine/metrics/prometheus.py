@@ -63,6 +63,15 @@ class PrometheusExport:
                            "BF16-equivalent bytes over stored bytes (codes+side+tails)",
                            labels, multiprocess_mode="mostrecent", **kw)
         self._open: OrderedDict[tuple, int] = OrderedDict()
+        self._seen: set[tuple[str, str]] = set()
+
+    def _touch(self, role: str, server: str) -> None:
+        """Export a server's counters at 0 from its first record on: a rate() over a counter
+        that appears only with its first error or transfer misses that first increment, and
+        a dashboard panel would show 'no data' rather than 0."""
+        self._seen.add((role, server))
+        for m in (self.transfer_bytes, self.transfer_bf16, self.output_tokens, self.errors):
+            m.labels(role, server)
 
     def observe_rows(self, rows: Iterable[dict]) -> None:
         for row in rows:
@@ -70,6 +79,8 @@ class PrometheusExport:
 
     def _observe(self, row: dict) -> None:
         role, server, kind = row["role"], row["server"], row["kind"]
+        if (role, server) not in self._seen:
+            self._touch(role, server)
         self.events.labels(role, server, kind).inc()
         if kind == "sample":
             self._sample(role, server, row)

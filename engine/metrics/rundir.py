@@ -1,6 +1,7 @@
 """Run directories: `<runs root>/<YYYYmmdd-HHMMSS>-<label>/` with `run.json` + streams.
 
-The runs root is `$HACK_RUNS_DIR` if set, else `runs/` under the current directory.
+The runs root is `$HACK_RUNS_DIR` if set, else `~/.cache/sglang-hack/runs` (one default for
+every command: `hack up`, `hack bench`, `hack demo` write there, `hack dashboard` reads there).
 `run.json` (format version 1) holds what the dashboard cannot learn from the streams:
 
     {"run_format": 1, "label": "hack-200mbit", "kv_mode": "hack", "link_rate": "200mbit",
@@ -27,9 +28,29 @@ RUN_JSON = "run.json"
 _LABEL_RE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
+RUNS_ROOT_VAR = "HACK_RUNS_DIR"
+DEFAULT_RUNS_ROOT = "~/.cache/sglang-hack/runs"
+RUNS_ROOT_HELP = f"${RUNS_ROOT_VAR}, default {DEFAULT_RUNS_ROOT}"
+
+
 def runs_root() -> Path:
-    """Where run directories live: $HACK_RUNS_DIR, else ./runs."""
-    return Path(os.environ.get("HACK_RUNS_DIR") or "runs")
+    """Where run directories live: $HACK_RUNS_DIR, else ~/.cache/sglang-hack/runs.
+    Not the current directory: `hack up` and `hack dashboard` run from different places."""
+    return Path(os.environ.get(RUNS_ROOT_VAR) or DEFAULT_RUNS_ROOT).expanduser()
+
+
+def _initial_meta(label: str, kv_mode: str, link_rate: str | None, router: str | None,
+                  synthetic: bool, extra: dict | None, now: dt.datetime) -> dict:
+    meta = {"run_format": RUN_FORMAT, "label": label, "kv_mode": kv_mode,
+            "link_rate": link_rate, "created": now.isoformat(timespec="seconds"),
+            "finished": None, "synthetic": bool(synthetic), "router": router,
+            "servers": []}
+    meta.update(extra or {})
+    return meta
+
+
+def clean_label(label: str) -> str:
+    return _LABEL_RE.sub("-", label).strip("-") or "run"
 
 
 def create_run(label: str, kv_mode: str, *, link_rate: str | None = None,
@@ -37,7 +58,7 @@ def create_run(label: str, kv_mode: str, *, link_rate: str | None = None,
                synthetic: bool = False, extra: dict | None = None,
                now: dt.datetime | None = None) -> Path:
     """Make a new run directory and its run.json; returns its path."""
-    clean = _LABEL_RE.sub("-", label).strip("-") or "run"
+    clean = clean_label(label)
     now = now or dt.datetime.now(dt.timezone.utc)
     base = Path(root) if root is not None else runs_root()
     base.mkdir(parents=True, exist_ok=True)
@@ -51,12 +72,20 @@ def create_run(label: str, kv_mode: str, *, link_rate: str | None = None,
             continue
     else:
         raise RuntimeError(f"could not create a run directory for {clean!r} in {base}")
-    meta = {"run_format": RUN_FORMAT, "label": clean, "kv_mode": kv_mode,
-            "link_rate": link_rate, "created": now.isoformat(timespec="seconds"),
-            "finished": None, "synthetic": bool(synthetic), "router": router,
-            "servers": []}
-    meta.update(extra or {})
-    _write_json(path / RUN_JSON, meta)
+    _write_json(path / RUN_JSON, _initial_meta(clean, kv_mode, link_rate, router, synthetic,
+                                               extra, now))
+    return path
+
+
+def init_run(path: str | os.PathLike, label: str, kv_mode: str, *,
+             link_rate: str | None = None, extra: dict | None = None) -> Path:
+    """Use a given directory as a run directory: a fresh run.json replaces an old one (a
+    directory reused by a new cluster is a new run)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        _write_json(path / RUN_JSON, _initial_meta(clean_label(label), kv_mode, link_rate, None,
+                                                   False, extra, dt.datetime.now(dt.timezone.utc)))
     return path
 
 
@@ -87,13 +116,13 @@ def update_run(run_dir: str | os.PathLike, **changes: Any) -> dict:
 
 
 def register_server(run_dir: str | os.PathLike, server_id: str, role: str,
-                    url: str | None = None) -> dict:
-    """Add or replace one server entry in run.json."""
+                    url: str | None = None, **extra: Any) -> dict:
+    """Add or replace one server entry in run.json (`extra`: e.g. pid)."""
     run_dir = Path(run_dir)
     with _locked(run_dir):
         meta = read_run(run_dir)
         servers = [s for s in meta.get("servers", []) if s.get("id") != server_id]
-        servers.append({"id": server_id, "role": role, "url": url})
+        servers.append({"id": server_id, "role": role, "url": url, **extra})
         meta["servers"] = sorted(servers, key=lambda s: s["id"])
         _write_json(run_dir / RUN_JSON, meta)
     return meta
