@@ -122,6 +122,7 @@ class PageCodec:
         self.item_lens = list(item_lens)
         self.entries = len(ptrs)
         self.header = torch.zeros((num_pages, self.entries, HEADER_WORDS), dtype=torch.int32)
+        self._hdr = self.header.numpy()  # same memory; cheaper element access than the tensor
         self.row_bytes = self.entries * HEADER_WORDS * 4
         self.lock = threading.Lock()
         self.staging: torch.Tensor | None = None
@@ -170,12 +171,12 @@ class PageCodec:
                     self.stats["bytes_in"] += item
                     if n < 0:  # would not be smaller than the page: send it raw
                         blocks.append((sp, dp, item))
-                        self.header[p, e, 0], self.header[p, e, 1] = item, PageMode.RAW
+                        self._hdr[p, e] = (item, PageMode.RAW)
                         self.stats["raw_pages"] += 1
                         self.stats["bytes_out"] += item
                     else:
                         blocks.append((base + off, dp, int(n)))
-                        self.header[p, e, 0], self.header[p, e, 1] = int(n), PageMode.CODED
+                        self._hdr[p, e] = (int(n), PageMode.CODED)
                         off += int(n)
                         self.stats["bytes_out"] += int(n)
             for p, d in zip(src, dst):
@@ -192,7 +193,7 @@ class PageCodec:
         t0 = time.perf_counter()
         scratch = self.scratch.data_ptr()
         for p in pages:
-            row = self.header[p]
+            row = self._hdr[p]
             for e in range(self.entries):
                 length, mode = int(row[e, 0]), int(row[e, 1])
                 if mode == PageMode.RAW:
@@ -207,7 +208,7 @@ class PageCodec:
                 if not ok:
                     ctypes.memset(addr, 0xFF, item)
                     failed += 1
-            row.zero_()  # a page that is not sent again must not be decoded again
+            row[:] = 0  # a page that is not sent again must not be decoded again
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["failed"] += failed
         return failed
