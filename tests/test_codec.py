@@ -182,3 +182,19 @@ def test_round_trip_on_real_kv() -> None:
                 assert torch.equal(_bits(decode(s, book, t.numel())), _bits(t))
                 if fmt is FloatFormat.BF16:
                     assert s.numel() / t.nbytes < 0.78
+
+
+@pytest.mark.slow
+def test_triton_kernels_compile_for_gpus() -> None:
+    """Ahead-of-time compilation for sm80 and sm90 with no GPU (in a subprocess: the
+    interpreter flag must be off)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from hack_ops.codec.triton_codec import aot_compile\n"
+            "for cc in (80, 90):\n    print(cc, aot_compile(cc))\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and all(line.count("_bf16") == 3 and line.count("_fp16") == 3 for line in lines), r.stdout

@@ -220,3 +220,27 @@ def decode(stream: torch.Tensor, book: Codebook, n: int | None = None) -> torch.
     if int(err.item()):
         raise CodecError("escape stream out of range")
     return out.view(h.fmt.torch_dtype)
+
+
+def aot_compile(cc: int) -> list[tuple[str, int]]:
+    """Compile every kernel (BF16 and FP16, chunk 4096) for CUDA compute capability `cc` with no
+    GPU present (catches what only works in the interpreter). Returns (kernel, shared bytes).
+    Must run without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+
+    kernels = (
+        ("count", _count_kernel, {"x_ptr": "*i16", "n": "i64", "lut_ptr": "*u8", "count_ptr": "*i32"}, {}),
+        ("write", _write_kernel, {"x_ptr": "*i16", "n": "i64", "lut_ptr": "*u8", "dir_ptr": "*i32",
+                                  "off_ptr": "*i64", "out_ptr": "*u8"}, {}),
+        ("decode", _decode_kernel, {"in_ptr": "*u8", "dir_ptr": "*i32", "off_ptr": "*i64", "cb_ptr": "*u8",
+                                    "out_ptr": "*i16", "n": "i64", "err_ptr": "*i32"}, {"EB": 128}),
+    )
+    out = []
+    for fp16 in (False, True):
+        for name, fn, sig, extra in kernels:
+            consts = {"CHUNK": DEFAULT_CHUNK, "FP16": fp16, **extra}
+            full = {**sig, **{k: "constexpr" for k in consts}}
+            k = triton.compile(triton.compiler.ASTSource(fn=fn, signature=full, constexprs=consts),
+                               target=GPUTarget("cuda", cc, 32))
+            out.append((f"{name}_{'fp16' if fp16 else 'bf16'}", int(k.metadata.shared)))
+    return out
