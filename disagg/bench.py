@@ -120,20 +120,31 @@ def run(model_path: str, methods: list[str], rates: list[float], workload: str, 
             out.setdefault("failed_methods", {})[method] = reason
             continue
         try:
-            warm = build(workload, tok, 1, None, seed=seed + 1, prompt_tokens=prompt_tokens)
-            replay(state["router_url"], warm)  # first request pays one-time costs
-            for rate in sorted(rates, reverse=True):
-                set_rate(state["link"], rate)
-                flush_caches(state)  # the same prompts at every rate: no radix-cache hits
-                log(f"[{method}] {rate:g} Mbit/s: {n} requests ...")
-                point = run_point(state["router_url"], items, Path(state["run_dir"]))
-                point.update(method=method, link_mbps=rate)
-                out["points"].append(point)
-                log(f"[{method}] {rate:g} Mbit/s: mean JCT {point['jct_s']['mean']}, "
-                    f"TTFT {point['ttft_s']['mean']}, wire {point['wire_bytes_mean']}")
+            _run_method(method, state, rates, items, workload, tok, seed, prompt_tokens, n, out, log)
+        except (RuntimeError, requests.RequestException) as exc:
+            # A server that dies mid-run (e.g. killed for memory on a shared host) ends this
+            # method's points, not the whole benchmark.
+            log(f"[{method}] stopped: {exc}")
+            out.setdefault("failed_methods", {})[method] = f"stopped mid-run: {str(exc)[:300]}"
         finally:
             cluster.down(state)
     return out
+
+
+def _run_method(method: str, state: dict, rates: list[float], items: list, workload: str, tok: Any,
+                seed: int, prompt_tokens: int | None, n: int, out: dict, log: Callable[[str], None]) -> None:
+    """Every rate on one running cluster (the link rate changed in place)."""
+    warm = build(workload, tok, 1, None, seed=seed + 1, prompt_tokens=prompt_tokens)
+    replay(state["router_url"], warm)  # first request pays one-time costs
+    for rate in sorted(rates, reverse=True):
+        set_rate(state["link"], rate)
+        flush_caches(state)  # the same prompts at every rate: no radix-cache hits
+        log(f"[{method}] {rate:g} Mbit/s: {n} requests ...")
+        point = run_point(state["router_url"], items, Path(state["run_dir"]))
+        point.update(method=method, link_mbps=rate)
+        out["points"].append(point)
+        log(f"[{method}] {rate:g} Mbit/s: mean JCT {point['jct_s']['mean']}, "
+            f"TTFT {point['ttft_s']['mean']}, wire {point['wire_bytes_mean']}")
 
 
 def startup_error(message: str) -> str:
@@ -160,7 +171,7 @@ def compare(result: dict) -> list[str]:
                          f"output tokens {'identical' if same else 'DIFFER'}; KV bytes/request "
                          f"{100 * (b.get('wire_bytes_mean') or 0) / (a.get('wire_bytes_mean') or 1):.1f}% of bf16")
     for method, reason in (result.get("failed_methods") or {}).items():
-        lines.append(f"`{method}` did not start: {reason}")
+        lines.append(f"`{method}`: {reason}" if reason.startswith("stopped") else f"`{method}` did not start: {reason}")
     for h in ("hack", "hack-exact-prefill"):
         for base, target in (("bf16", 40), ("dequant", 20)):
             if jct.get(h) and jct.get(base):
