@@ -110,6 +110,8 @@ def test_kv_like_data_is_coded_below_78_percent() -> None:
     book = cb.default(FloatFormat.BF16)
     x = (torch.randn(64, 3, 64, 30, generator=torch.Generator().manual_seed(3)) * 0.5).to(torch.bfloat16)
     assert encode(x, book).numel() / x.nbytes < 0.78
+    x[40:] = 0  # a page's unused token slots: zeros code like any value, not as escapes
+    assert encode(x, book).numel() / x.nbytes < 0.78
 
 
 @pytest.mark.parametrize("backend", [CodecBackend.CPU, CodecBackend.REFERENCE])
@@ -151,8 +153,9 @@ def test_codebook_calibration_and_file(tmp_path) -> None:
     g = torch.Generator().manual_seed(5)
     xs = [(torch.randn(1000, generator=g) * 100).to(torch.bfloat16)]
     book = cb.calibrate(xs, FloatFormat.BF16)
-    hist = cb.exponent_histogram(xs[0])
-    top = set(np.argsort(-hist.numpy(), kind="stable")[:16].tolist())
+    hist = cb.exponent_histogram(xs[0]).numpy()
+    # exponent 0 is always in the book; the 15 most frequent others (ties: smaller) join it
+    top = set((np.argsort(-hist[1:], kind="stable")[:15] + 1).tolist()) | {0}
     assert set(book.exponents) == top
     books = cb.CodebookSet({FloatFormat.BF16: book}, "test")
     books.save(tmp_path / cb.FILE_NAME)

@@ -1,8 +1,8 @@
 """The per-model exponent codebook: the 16 most frequent exponents of its KV cache.
 
 Calibrated once from a few prompts (`hack codec calibrate`) and stored next to the prepared
-model as kv_codebook.json; without one, DEFAULT_* (exponents of values between 2^-12 and
-2^3, where the KV of small LLMs sits) is used. Both sides of a transfer must use the same
+model as kv_codebook.json; without one, DEFAULT_* (zero and the exponents of values between
+2^-11 and 2^3, where the KV of small LLMs sits) is used. Both sides of a transfer must use the same
 codebook: its `ident` is written in every stream and in the PD layout fingerprint.
 """
 from __future__ import annotations
@@ -19,10 +19,13 @@ from .format import CODEBOOK_SIZE, FloatFormat
 
 FILE_NAME = "kv_codebook.json"
 
-# Biased exponents: BF16 bias 127, FP16 bias 15.
+# Biased exponents: BF16 bias 127, FP16 bias 15. Exponent 0 (zeros) is always in the book:
+# KV pages carry unused token slots (the open page of a request), zero in a fresh pool, and
+# as escapes they would make that page code worse than raw.
+ZERO_EXPONENT = 0
 DEFAULT_EXPONENTS = {
-    FloatFormat.BF16: tuple(range(115, 131)),  # 2^-12 .. 2^3
-    FloatFormat.FP16: tuple(range(3, 19)),  # 2^-12 .. 2^3
+    FloatFormat.BF16: (ZERO_EXPONENT, *range(116, 131)),  # 0 and 2^-11 .. 2^3
+    FloatFormat.FP16: (ZERO_EXPONENT, *range(4, 19)),  # 0 and 2^-11 .. 2^3
 }
 
 
@@ -74,11 +77,12 @@ def exponent_histogram(t: torch.Tensor) -> torch.Tensor:
 
 
 def from_histogram(fmt: FloatFormat, hist: torch.Tensor) -> Codebook:
-    """The 16 most frequent exponents (ties: the smaller exponent), in ascending order."""
+    """Exponent 0 plus the 15 most frequent other exponents (ties: the smaller exponent), in
+    ascending order."""
     limit = 1 << fmt.exp_bits
     h = hist[:limit].to(torch.float64)
-    order = sorted(range(limit), key=lambda e: (-float(h[e]), e))
-    return Codebook(fmt, tuple(sorted(order[:CODEBOOK_SIZE])))
+    order = sorted(range(1, limit), key=lambda e: (-float(h[e]), e))
+    return Codebook(fmt, tuple(sorted([ZERO_EXPONENT, *order[:CODEBOOK_SIZE - 1]])))
 
 
 def calibrate(tensors: Iterable[torch.Tensor], fmt: FloatFormat) -> Codebook:
