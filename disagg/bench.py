@@ -1,6 +1,6 @@
 """`hack bench disagg`: JCT/TTFT and their breakdown per KV method and link rate.
 
-For each method (bf16, dequant, hack) one cluster is started with a shaped link (`hack up`
+For each method (bf16, bf16-lossless, fp8, dequant, hack, ...) one cluster is started with a shaped link (`hack up`
 machinery); the link rate is then changed in place (tc qdisc change) for each rate, so the
 servers, their warm-up and their memory are the same across rates. The same workload (same
 token ids, same Poisson arrival times) is replayed at every point.
@@ -89,7 +89,8 @@ def run_point(url: str, items: list, run_dir: Path) -> dict[str, Any]:
         breakdown = {"prefill": ttft, "decode": (jct - ttft) if jct is not None and ttft is not None else None}
     summary.update(breakdown_s=breakdown, wire_s_mean=mean(xfer_s), wire_bytes_mean=mean(xfer_b),
                    prompt_tokens_mean=mean([len(i.input_ids) for i in items]),
-                   errors=[r.error for r in results if not r.ok][:3])
+                   errors=[r.error for r in results if not r.ok][:3],
+                   output_ids=[r.output_ids for r in results])  # same-output checks across methods
     return summary
 
 
@@ -110,29 +111,68 @@ def run(model_path: str, methods: list[str], rates: list[float], workload: str, 
                                    label=f"bench-disagg-{method}",
                                    waiting_timeout_s=900)
         log(f"[{method}] starting cluster ...")
-        state = cluster.up(spec, log=log)
         try:
-            warm = build(workload, tok, 1, None, seed=seed + 1, prompt_tokens=prompt_tokens)
-            replay(state["router_url"], warm)  # first request pays one-time costs
-            for rate in sorted(rates, reverse=True):
-                set_rate(state["link"], rate)
-                flush_caches(state)  # the same prompts at every rate: no radix-cache hits
-                log(f"[{method}] {rate:g} Mbit/s: {n} requests ...")
-                point = run_point(state["router_url"], items, Path(state["run_dir"]))
-                point.update(method=method, link_mbps=rate)
-                out["points"].append(point)
-                log(f"[{method}] {rate:g} Mbit/s: mean JCT {point['jct_s']['mean']}, "
-                    f"TTFT {point['ttft_s']['mean']}, wire {point['wire_bytes_mean']}")
+            state = cluster.up(spec, log=log)
+        except RuntimeError as exc:
+            # A method the servers refuse at startup (e.g. fp8 without AMX kernels on this CPU)
+            # is reported with its reason; the other methods still run.
+            reason = startup_error(str(exc))
+            log(f"[{method}] could not start: {reason}")
+            out.setdefault("failed_methods", {})[method] = reason
+            continue
+        try:
+            _run_method(method, state, rates, items, workload, tok, seed, prompt_tokens, n, out, log)
+        except (RuntimeError, requests.RequestException) as exc:
+            # A server that dies mid-run (e.g. killed for memory on a shared host) ends this
+            # method's points, not the whole benchmark.
+            log(f"[{method}] stopped: {exc}")
+            out.setdefault("failed_methods", {})[method] = f"stopped mid-run: {str(exc)[:300]}"
         finally:
             cluster.down(state)
     return out
 
 
+def _run_method(method: str, state: dict, rates: list[float], items: list, workload: str, tok: Any,
+                seed: int, prompt_tokens: int | None, n: int, out: dict, log: Callable[[str], None]) -> None:
+    """Every rate on one running cluster (the link rate changed in place)."""
+    warm = build(workload, tok, 1, None, seed=seed + 1, prompt_tokens=prompt_tokens)
+    replay(state["router_url"], warm)  # first request pays one-time costs
+    for rate in sorted(rates, reverse=True):
+        set_rate(state["link"], rate)
+        flush_caches(state)  # the same prompts at every rate: no radix-cache hits
+        log(f"[{method}] {rate:g} Mbit/s: {n} requests ...")
+        point = run_point(state["router_url"], items, Path(state["run_dir"]))
+        point.update(method=method, link_mbps=rate)
+        out["points"].append(point)
+        log(f"[{method}] {rate:g} Mbit/s: mean JCT {point['jct_s']['mean']}, "
+            f"TTFT {point['ttft_s']['mean']}, wire {point['wire_bytes_mean']}")
+
+
+def startup_error(message: str) -> str:
+    """The server's own error line out of cluster.up's message (its log tail), else the message."""
+    lines = [ln.strip() for ln in message.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "Error:" in ln or "error:" in ln]
+    return errors[-1] if errors else (lines[0] if lines else message)
+
+
 def compare(result: dict) -> list[str]:
-    """The target check: at the slowest link, each HACK method's mean JCT vs BF16 and dequant."""
+    """The target checks: at the slowest link, each HACK method's mean JCT vs BF16 and dequant;
+    at every rate, bf16-lossless's mean TTFT vs bf16 and whether their output tokens agree."""
     slow = min(result["rates_mbps"])
     jct = {p["method"]: p["jct_s"]["mean"] for p in result["points"] if p["link_mbps"] == slow}
     lines = []
+    for rate in sorted(result["rates_mbps"]):
+        pts = {p["method"]: p for p in result["points"] if p["link_mbps"] == rate}
+        a, b = pts.get("bf16"), pts.get("bf16-lossless")
+        if a and b and a["ttft_s"]["mean"] and b["ttft_s"]["mean"]:
+            x = a["ttft_s"]["mean"] / b["ttft_s"]["mean"]
+            same = a.get("output_ids") is not None and a.get("output_ids") == b.get("output_ids")
+            target = f" (target: >= 1.2x; {'met' if x >= 1.2 else 'missed'})" if rate == slow else ""
+            lines.append(f"at {rate:g} Mbit/s `bf16-lossless` mean TTFT is {x:.2f}x better than bf16{target}; "
+                         f"output tokens {'identical' if same else 'DIFFER'}; KV bytes/request "
+                         f"{100 * (b.get('wire_bytes_mean') or 0) / (a.get('wire_bytes_mean') or 1):.1f}% of bf16")
+    for method, reason in (result.get("failed_methods") or {}).items():
+        lines.append(f"`{method}`: {reason}" if reason.startswith("stopped") else f"`{method}` did not start: {reason}")
     for h in ("hack", "hack-exact-prefill"):
         for base, target in (("bf16", 40), ("dequant", 20)):
             if jct.get(h) and jct.get(base):

@@ -44,8 +44,12 @@ def digest_items(ptrs: Sequence[int], item_lens: Sequence[int],
 def compute(computer, kv_page_indices: torch.Tensor, state_indices: torch.Tensor | None = None) -> int:
     """Replacement body of sglang's KvChecksumComputer.compute for CPU tensors."""
     pages = _ints(kv_page_indices)
-    ptrs = list(computer._kv_data_ptrs)
-    lens = list(computer._kv_item_lens)
+    from .transfer_codec import header_ptrs
+
+    skip = header_ptrs()  # the codec's page headers are not KV: the digest covers decoded pages
+    kv = [(p, n) for p, n in zip(computer._kv_data_ptrs, computer._kv_item_lens) if int(p) not in skip]
+    ptrs = [p for p, _ in kv]
+    lens = [n for _, n in kv]
     idx: list[list[int]] = [pages] * len(ptrs)
     if computer._state_data_ptrs:
         sptrs = list(computer._state_data_ptrs)

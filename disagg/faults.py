@@ -3,7 +3,7 @@
 Off unless the decode server was started with HACK_DISAGG_FAULT_FILE=<path>. When that file
 exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
 wire would have damaged it, and the file is removed (one fault per trigger):
-  corrupt   one byte of the first received page of layer 0 is flipped;
+  corrupt   one byte (byte 200) of the first received page of layer 0's K is flipped;
   truncate  the first received page of every layer is zeroed, as if its bytes never arrived
             (the open partition's page holds no codes yet, so it would not show a loss).
 The digest check (SGLang's --disaggregation-enable-kv-checksum, computed on the CPU by
@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,15 @@ def inject_receive_fault(scheduler: Any, req: Any) -> str | None:
     pages = received_pages(scheduler, req)
     if not pages:
         return None
+    # A HACK buffer has one row per page; SGLang's BF16/FP16 buffers one row per token.
+    rows = 1 if hasattr(pool, "store") else scheduler.token_to_kv_pool_allocator.page_size
     if kind == "corrupt":
         buf = pool.k_buffer[0]
-        buf.view(-1)[pages[0] * buf[0].numel()] ^= 0x5A
+        page_bytes = rows * buf[0].numel() * buf.element_size()
+        # Byte 200 of the page: inside the codes, or the coded planes of a --hack-kv-codec page.
+        buf.view(torch.uint8).view(-1)[pages[0] * page_bytes + 200] ^= 0x5A
     else:
         for buf in list(pool.k_buffer) + list(pool.v_buffer):
-            buf[pages[0]].zero_()
+            buf[pages[0] * rows:(pages[0] + 1) * rows].zero_()
     logger.warning("fault injection: %s the received KV of request %s", kind, req.rid)
     return kind

@@ -57,13 +57,20 @@ def is_hack_pool(pool: Any) -> bool:
     return isinstance(pool, HackKVPool)
 
 
-def model_identity() -> str:
-    """A short name of the served model (the last component of its path)."""
+def model_path() -> str | None:
+    """The served model's folder (None when SGLang's runtime context has none)."""
     try:
         from sglang.srt.runtime_context import get_model
 
-        path = str(get_model().model_path)
-    except Exception:  # noqa: BLE001 - the identity is informative; the geometry is checked too
+        return str(get_model().model_path)
+    except Exception:  # noqa: BLE001 - callers fall back to defaults
+        return None
+
+
+def model_identity() -> str:
+    """A short name of the served model (the last component of its path)."""
+    path = model_path()
+    if path is None:  # the identity is informative; the geometry is checked too
         return "unknown"
     return path.rstrip("/").rsplit("/", 1)[-1]
 

@@ -8,13 +8,17 @@ Methods (same launcher, same model, same transfer path; only the KV cache differ
   dequant  --kv-cache-dtype hack --hack-attention dequant: the same 2-bit pages, dequantized
            before attention (the paper's CacheGen/KVQuant-style strawman)
   bf16     the model's BF16 KV cache (the paper's baseline)
+  bf16-lossless
+           the same BF16 KV cache, its pages sent coded with the lossless SplitZip codec
+           (--hack-kv-codec splitzip; disagg.transfer_codec)
+  fp8      SGLang's own FP8 KV cache (--kv-cache-dtype fp8_e4m3): half of BF16's bytes, lossy
 Every method uses page size 64 so the transfer engine moves the same number of items.
 """
 from __future__ import annotations
 
 import sys
 
-METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill")
+METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill", "bf16-lossless", "fp8")
 PAGE_SIZE = 64
 
 # CPU-specific flags, each for a reason observed with SGLang 0.5.23 (see docs/disagg.md).
@@ -42,6 +46,11 @@ def method_flags(method: str) -> list[str]:
     if method == "bf16":
         return ["--kv-cache-dtype", "auto", "--dtype", "bfloat16", "--attention-backend",
                 "torch_native", "--page-size", str(PAGE_SIZE)]
+    if method == "bf16-lossless":
+        return [*method_flags("bf16"), "--hack-kv-codec", "splitzip"]
+    if method == "fp8":
+        return ["--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16", "--attention-backend",
+                "torch_native", "--page-size", str(PAGE_SIZE)]
     raise ValueError(f"unknown KV method {method!r}; choose one of {', '.join(METHODS)}")
 
 
@@ -61,6 +70,9 @@ def server_command(role: str, method: str, model_path: str, host: str, port: int
         cmd += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     if role == "colocated":
         cmd = [c for c in cmd if c != "--disaggregation-enable-kv-checksum"]
+        if "--hack-kv-codec" in cmd:  # nothing is transferred: the codec has nothing to code
+            i = cmd.index("--hack-kv-codec")
+            del cmd[i:i + 2]
     return cmd + list(extra or [])
 
 

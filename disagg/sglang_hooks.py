@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from . import checksum as cpu_checksum
-from . import pd_state
+from . import pd_state, transfer_codec
 from .faults import inject_receive_fault
 
 logger = logging.getLogger(__name__)
@@ -34,6 +34,8 @@ def after_setup_state_kv_args(result: Any, kv_args: Any, token_to_kv_pool: Any, 
         MooncakeKVSender.supports_host_tensor_indices = False
     if pd_state.is_hack_pool(token_to_kv_pool):
         pd_state.attach(kv_args, token_to_kv_pool)
+    elif transfer_codec.active() is transfer_codec.KvCodec.SPLITZIP:
+        transfer_codec.attach(kv_args, token_to_kv_pool, pd_state.model_path())
 
 
 def around_state_indices_for_request(original: Callable, scheduler: Any, req: Any, seq_len: int,
@@ -63,12 +65,22 @@ def before_prefill_send_kv_chunk(scheduler: Any, req: Any, last_chunk: bool = Fa
     return None
 
 
+def around_send_kvcache(original: Callable, manager: Any, session_id: str, prefill_kv_indices: Any,
+                        dst_kv_ptrs: list, dst_kv_indices: Any, *a: Any, **kw: Any) -> int:
+    """With --hack-kv-codec the pages travel coded (disagg.transfer_codec); else unchanged."""
+    codec = transfer_codec.current()
+    if codec is None:
+        return original(manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **kw)
+    return codec.send(manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices)
+
+
 # ---- decode -------------------------------------------------------------------------------
 
 def before_decode_verify_kv_checksums(scheduler: Any, batch: Any, *a: Any, **kw: Any) -> None:
     """Runs once on every batch of requests whose KV just landed, before their first step."""
     pool = _kv_pool(scheduler)
     hack = pd_state.is_hack_pool(pool)
+    codec = transfer_codec.current()
     req_to_token = scheduler.req_to_token_pool.req_to_token
     for req in batch.reqs:
         if req.kv.req_pool_idx is None:
@@ -76,7 +88,22 @@ def before_decode_verify_kv_checksums(scheduler: Any, batch: Any, *a: Any, **kw:
         inject_receive_fault(scheduler, req)
         if hack:
             pd_state.install_received_sinks(pool, req_to_token, int(req.kv.req_pool_idx))
+        if codec is not None:
+            # Before SGLang digests the pages: the digest covers the decoded bytes.
+            pages = _received_pages(scheduler, req)
+            failed = codec.decode_pages(pages)
+            if failed:
+                logger.error("request %s: %d coded KV pages could not be decoded; the digest "
+                             "check fails it", getattr(req, "rid", "?"), failed)
     return None
+
+
+def _received_pages(scheduler: Any, req: Any) -> list[int]:
+    """The pages prefill sent for `req`: [cache_protected_len, prompt length) of its row."""
+    page = scheduler.token_to_kv_pool_allocator.page_size
+    start = int(getattr(req.kv, "cache_protected_len", 0) or 0)
+    row = scheduler.req_to_token_pool.req_to_token[int(req.kv.req_pool_idx), start:len(req.origin_input_ids)]
+    return [int(x) // page for x in row[::page].tolist()]
 
 
 def around_ensure_prefill_info(original: Callable, queue: Any, addr_to_reqs: dict) -> Any:
@@ -111,9 +138,34 @@ def incompatible_reason(message: str, addr: str) -> str:
         dec = message.split("decode server has kv_cache_dtype=", 1)[1].split(".", 1)[0]
     except IndexError:
         return f"incompatible prefill {addr}: {message}"
+    (pre, pre_codec), (dec, dec_codec) = transfer_codec.split_fingerprint(pre), transfer_codec.split_fingerprint(dec)
+    if pre == dec and pre_codec != dec_codec:
+        return (f"incompatible prefill/decode pairing with {addr}: prefill uses "
+                f"{transfer_codec.describe(pre_codec)}, decode uses {transfer_codec.describe(dec_codec)}. "
+                "Start both with the same --hack-kv-codec and the same model folder (kv_codebook.json)")
     return (f"incompatible prefill/decode pairing with {addr}: prefill has "
             f"{pd_state.describe_fingerprint(pre)}; decode has {pd_state.describe_fingerprint(dec)}. "
             "Start both with the same model and the same --kv-cache-dtype/--hack-* options")
+
+
+# ---- server options ----
+
+def after_add_cli_args(result: Any, parser: Any, *a: Any, **kw: Any) -> None:
+    transfer_codec.add_arguments(parser)
+
+
+def before_from_cli_args(cls: Any, ns: Any, *a: Any, **kw: Any) -> None:
+    """Refuse a --hack-kv-codec combination that cannot work, before the model loads."""
+    try:
+        codec = transfer_codec.check_options(ns)
+    except ValueError as exc:
+        from engine.hooks import _CLI_PARSER
+
+        if _CLI_PARSER:
+            _CLI_PARSER[0].error(str(exc))  # usage + message, exit status 2
+        raise
+    transfer_codec.publish(codec)
+    return None
 
 
 # ---- HTTP entry (any disaggregated server) ------------------------------------------------

@@ -1,4 +1,4 @@
-"""`hack bench disagg`: BF16 vs dequant vs HACK disaggregated serving across link rates."""
+"""`hack bench disagg`: BF16 (raw, lossless-coded, FP8) vs dequant vs HACK disaggregated serving across link rates."""
 from __future__ import annotations
 
 import argparse
@@ -13,9 +13,10 @@ DOC = DOCS / "disagg.md"
 
 
 def register(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser("disagg", help="JCT/TTFT and breakdown of bf16, dequant, hack over shaped links")
+    p = bsub.add_parser("disagg", help="JCT/TTFT and breakdown of KV methods (bf16, bf16-lossless, fp8, dequant, hack, ...) over shaped links")
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--methods", default="bf16,dequant,hack")
+    p.add_argument("--methods", default="bf16,dequant,hack",
+                   help="comma-separated KV methods of `hack up --kv` (e.g. bf16,bf16-lossless,fp8,dequant,hack)")
     p.add_argument("--rates", default="100,1000,10000", help="link rates in Mbit/s, comma-separated")
     p.add_argument("--workload", default="longdoc", help="a workload of datasets/workloads.json")
     p.add_argument("--requests", type=int, default=4)
@@ -25,13 +26,15 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
     p.add_argument("--out", default=None, help="also write the JSON result here")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/disagg.md")
+    p.add_argument("--doc-block", default="disagg",
+                   help="the docs/disagg.md marker block to write (keeps earlier runs' tables)")
     p.set_defaults(func=run_cli)
 
 
 def run_default(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(model="smollm2", methods="bf16,dequant,hack", rates="100,1000,10000",
                             workload="longdoc", requests=4, rps=0.05, prompt_tokens=None, seed=0,
-                            json=False, out=None, no_doc=False)
+                            json=False, out=None, no_doc=False, doc_block="disagg")
     return run_cli(ns)
 
 
@@ -66,8 +69,8 @@ def render(result: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def write_doc(block: str) -> None:
-    replace_block(DOC, "disagg", block)
+def write_doc(block: str, name: str = "disagg") -> None:
+    replace_block(DOC, name, block)
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -88,7 +91,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.out:
         save_json(result, Path(args.out))
     if not args.no_doc:
-        write_doc(render(result, command))
+        write_doc(render(result, command), getattr(args, "doc_block", "disagg"))
     if args.json:
         print(json.dumps(result, indent=1))
     else:

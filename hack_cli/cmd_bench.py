@@ -11,6 +11,7 @@ BENCH_MODULES: list[str] = [
     "hack_cli.bench_disagg",
     "hack_cli.bench_attention",
     "hack_cli.bench_serve",
+    "hack_cli.bench_codec",
 ]
 
 

@@ -14,6 +14,7 @@ COMMAND_MODULES = [
     "hack_cli.cmd_dashboard",
     "hack_cli.cmd_cluster",
     "hack_cli.cmd_serve",
+    "hack_cli.cmd_codec",
 ]
 
 
