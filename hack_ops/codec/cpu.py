@@ -10,15 +10,12 @@ Environment: HACK_CODEC_CPU=0 disables it; HACK_KERNEL_CACHE sets the cache dire
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..cbuild import build_library
 from .codebook import Codebook
 from .format import DEFAULT_CHUNK, CodecError, FloatFormat, check_chunk, max_stream_bytes
 
@@ -35,37 +32,11 @@ _libs: dict[str, ctypes.CDLL | None] = {}
 _errors: dict[str, str] = {}
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("HACK_KERNEL_CACHE")
-    if base:
-        return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "sglang-hack" / "cpu-kernels"
-
-
 def build(variant: str = "native") -> Path:
     """Compile (if not cached) and return the library's path; RuntimeError on failure."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler found (install gcc)")
-    flags = VARIANTS[variant]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    probe = subprocess.run([cc, *flags, "-Q", "--help=target"], capture_output=True, text=True).stdout
-    key = hashlib.sha256((SOURCE.read_text() + " ".join(flags) + version + probe).encode()).hexdigest()[:16]
-    out = cache_dir() / f"splitzip_{variant}_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), str(SOURCE)],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building the SplitZip CPU codec failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp_so, out)
-    return out
+    return build_library(f"splitzip_{variant}", [SOURCE], [], VARIANTS[variant], "the SplitZip CPU codec")
 
 
 def load(variant: str = "native") -> ctypes.CDLL | None:

@@ -18,16 +18,13 @@ Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache dir
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..cbuild import build_library
 from ..config import OpenMode
 
 CSRC = Path(__file__).parent / "csrc"
@@ -56,46 +53,12 @@ _libs: dict[str, ctypes.CDLL | None] = {}
 _errors: dict[str, str] = {}
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("HACK_KERNEL_CACHE")
-    if base:
-        return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(xdg) / "sglang-hack" / "cpu-kernels"
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-
-
 def build(variant: str = "native") -> Path:
     """Compile (if not cached) and return the shared library's path; RuntimeError on failure."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {tuple(VARIANTS)}, got {variant!r}")
-    missing = [p.name for p in SOURCES + HEADERS if not p.exists()]
-    if missing:
-        raise RuntimeError(f"the kernel sources {missing} are not installed")
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler found (install gcc)")
-    flags = VARIANTS[variant]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    # -march=native resolves per machine: key the cache on what it expands to.
-    probe = subprocess.run([cc, *flags, "-Q", "--help=target"], capture_output=True, text=True).stdout
-    text = "".join(p.read_text() for p in SOURCES + HEADERS)
-    key = hashlib.sha256((text + " ".join(flags) + version + probe).encode()).hexdigest()[:16]
-    out = cache_dir() / f"hack_decode_{variant}_{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp_so), *map(str, SOURCES), "-lm"],
-                             capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building the CPU kernel failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written file
-    return out
+    return build_library(f"hack_decode_{variant}", SOURCES, HEADERS, VARIANTS[variant], "the CPU kernel",
+                         libs=["-lm"])
 
 
 def load(variant: str = "native") -> ctypes.CDLL | None:
