@@ -32,24 +32,6 @@
 
 int hack_decode_simd(void) { return HACK_SIMD; }
 
-/* exp for x <= 0 (softmax numerators), about 1 ulp; branch-free so loops vectorize. */
-static inline float exp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    return p * two_n;
-}
-
 /* Scores against n FP16 keys (token stride `stride` elements) for the group's query heads. */
 static void fp16_scores(const uint16_t *x, int n, int64_t stride, int d, int rep, const float *q, float *s, int64_t ld) {
     for (int j = 0; j < n; j++) {
@@ -143,7 +125,7 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out,
         float *sr = s + r * nt, m = sr[vis0], l = 0.0f;
         for (int64_t j = vis0 + 1; j < nt; j++) m = sr[j] > m ? sr[j] : m;
         for (int64_t j = 0; j < vis0; j++) sr[j] = 0.0f;
-        for (int64_t j = vis0; j < nt; j++) { sr[j] = exp_neg(sr[j] - m); l += sr[j]; }
+        for (int64_t j = vis0; j < nt; j++) { sr[j] = hack_exp_neg(sr[j] - m); l += sr[j]; }
         m_out[r] = m;
         l_out[r] = l;
     }

@@ -67,24 +67,7 @@ typedef struct {
     float *snk, *snv; /* [S][D] sink keys / values as floats */
 } xscratch_t;
 
-/* ---- small helpers (copied from the decode kernel's files on purpose: they stay static) -- */
-
-static inline float xexp_neg(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    return p * two_n;
-}
+/* ---- small helpers ------------------------------------------------------------------------ */
 
 #if HACK_SIMD
 static inline __m512 xexp_neg16(__m512 x) {
@@ -504,14 +487,14 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
         }
         for (int l = 0; l < LN; l++) {
             const float mn = mloc[l] > m[l] ? mloc[l] : m[l];
-            alpha[l] = xexp_neg(m[l] - mn);
+            alpha[l] = hack_exp_neg(m[l] - mn);
             m[l] = mn;
             add[l] = 0.0f;
         }
         for (int j = 0; j < ns; j++) {
             float *sj = w->s + j * LN;
             for (int l = 0; l < LN; l++) {
-                sj[l] = sj[l] == -INFINITY ? 0.0f : xexp_neg(sj[l] - m[l]);
+                sj[l] = sj[l] == -INFINITY ? 0.0f : hack_exp_neg(sj[l] - m[l]);
                 add[l] += sj[l];
             }
         }

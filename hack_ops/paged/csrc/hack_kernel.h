@@ -2,6 +2,7 @@
 #ifndef HACK_KERNEL_H
 #define HACK_KERNEL_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -19,6 +20,25 @@
 #define MAX_REP 16
 #define MAX_G 16
 #define MAX_P 256
+
+/* exp for x <= 0 (softmax numerators), about 1 ulp; branch-free so loops vectorize. Shared by
+ * the decode and extend kernels so both round the same way. */
+static inline float hack_exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    return p * two_n;
+}
 
 typedef struct {
     int64_t batch, heads, rep, head_dim, page_size, bits, group, sink_tokens;
