@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "SGLANG_HACK_KV_CODEC"
 FINGERPRINT_TAG = "+splitzip:"
 STAGING_BYTES = 64 << 20  # coded streams per transfer batch; flushed when full
+MAX_BATCH_BLOCKS = 512  # pages per synchronous transfer call (one batch of thousands of small
+# writes failed over a 100 Mbit/s link; SGLang's own path sends few, contiguous blocks)
 HEADER_WORDS = 2  # per (page, entry): int32 stream length, int32 mode
 
 
@@ -157,7 +159,7 @@ class PageCodec:
             for e in range(self.entries):
                 item = self.item_lens[e]
                 for p, d in zip(src, dst):
-                    if off + item > cap:
+                    if off + item > cap or len(blocks) >= MAX_BATCH_BLOCKS:
                         enc_s += time.perf_counter() - t0
                         ret = manager._transfer_data(session_id, blocks)
                         if ret != 0:
