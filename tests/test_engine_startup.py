@@ -17,6 +17,19 @@ pytestmark = [pytest.mark.integration]
 EXIT_TIMEOUT_S = 120  # importing SGLang alone takes 6-9 s; nothing here loads a model
 
 
+def _refused_launch(model_path, args, log_path) -> str:
+    """Start the launcher, expect it to exit with status 2 (a refusal), return its log."""
+    server = SGLangServer(str(model_path), args, log_path=log_path)
+    server.start()
+    try:
+        code = server.wait_exit(EXIT_TIMEOUT_S)
+    finally:
+        server.stop()
+    out = server.log_path.read_text(errors="replace")
+    assert code == 2, out[-2000:]
+    return out
+
+
 @pytest.mark.parametrize("args, message", [
     (["--kv-cache-dtype", "hack", "--page-size", "16"],
      "--page-size 16 conflicts with the HACK partition size 64"),
@@ -30,14 +43,7 @@ EXIT_TIMEOUT_S = 120  # importing SGLang alone takes 6-9 s; nothing here loads a
 ])
 def test_bad_flags_fail_at_startup(tmp_path, args, message):
     # The model path does not even exist: the refusal must come before anything loads it.
-    server = SGLangServer(str(tmp_path / "no-model"), args, log_path=tmp_path / "launch.log")
-    server.start()
-    try:
-        code = server.wait_exit(EXIT_TIMEOUT_S)
-    finally:
-        server.stop()
-    out = server.log_path.read_text(errors="replace")
-    assert code == 2, out[-2000:]
+    out = _refused_launch(tmp_path / "no-model", args, tmp_path / "launch.log")
     assert message in out, out[-2000:]
     assert "Traceback" not in out
 
@@ -54,14 +60,7 @@ def test_unserved_model_feature_is_refused_at_startup(tmp_path):
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
         "num_hidden_layers": 1, "num_attention_heads": 2, "kv_lora_rank": 16, "q_lora_rank": None,
         "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 32, "vocab_size": 128}))
-    server = SGLangServer(str(model), ["--kv-cache-dtype", "hack"], log_path=tmp_path / "launch.log")
-    server.start()
-    try:
-        code = server.wait_exit(EXIT_TIMEOUT_S)
-    finally:
-        server.stop()
-    out = server.log_path.read_text(errors="replace")
-    assert code == 2, out[-2000:]
+    out = _refused_launch(model, ["--kv-cache-dtype", "hack"], tmp_path / "launch.log")
     assert ("--kv-cache-dtype hack does not serve multi-head latent attention (MLA) (model DeepseekV3ForCausalLM); "
             "serve it with a BF16 KV cache instead (drop --kv-cache-dtype hack)") in out, out[-2000:]
     assert "Traceback" not in out
