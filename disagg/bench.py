@@ -159,7 +159,6 @@ def compare(result: dict) -> list[str]:
     """The target checks: at the slowest link, each HACK method's mean JCT vs BF16 and dequant;
     at every rate, bf16-lossless's mean TTFT vs bf16 and whether their output tokens agree."""
     slow = min(result["rates_mbps"])
-    jct = {p["method"]: p["jct_s"]["mean"] for p in result["points"] if p["link_mbps"] == slow}
     lines = []
     for rate in sorted(result["rates_mbps"]):
         pts = {p["method"]: p for p in result["points"] if p["link_mbps"] == rate}
@@ -173,12 +172,18 @@ def compare(result: dict) -> list[str]:
                          f"{100 * (b.get('wire_bytes_mean') or 0) / (a.get('wire_bytes_mean') or 1):.1f}% of bf16")
     for method, reason in (result.get("failed_methods") or {}).items():
         lines.append(f"`{method}`: {reason}" if reason.startswith("stopped") else f"`{method}` did not start: {reason}")
+    # The issue's targets: at the slowest link (100 Mbit/s) >= 40% below BF16 and >= 20% below
+    # dequant; at 1000 Mbit/s still >= 15% below BF16.
+    checks = [(slow, "bf16", 40), (slow, "dequant", 20)]
+    if 1000 in result["rates_mbps"] and slow != 1000:
+        checks.append((1000, "bf16", 15))
     for h in ("hack", "hack-exact-prefill"):
-        for base, target in (("bf16", 40), ("dequant", 20)):
+        for rate, base, target in checks:
+            jct = {p["method"]: p["jct_s"]["mean"] for p in result["points"] if p["link_mbps"] == rate}
             if jct.get(h) and jct.get(base):
                 gain = 100 * (1 - jct[h] / jct[base])
                 word = "lower" if gain >= 0 else "higher"
-                lines.append(f"at {slow:g} Mbit/s `{h}` mean JCT is {abs(gain):.1f}% {word} than {base} "
+                lines.append(f"at {rate:g} Mbit/s `{h}` mean JCT is {abs(gain):.1f}% {word} than {base} "
                              f"(target: >= {target}% lower; {'met' if gain >= target else 'missed'})")
     return lines
 

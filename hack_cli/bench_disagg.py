@@ -28,13 +28,15 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-doc", action="store_true", help="do not update docs/disagg.md")
     p.add_argument("--doc-block", default="disagg",
                    help="the docs/disagg.md marker block to write (keeps earlier runs' tables)")
+    p.add_argument("--plot", default=None,
+                   help="also draw mean JCT against link rate per method into this PNG (a link sweep)")
     p.set_defaults(func=run_cli)
 
 
 def run_default(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(model="smollm2", methods="bf16,dequant,hack", rates="100,1000,10000",
                             workload="longdoc", requests=4, rps=0.05, prompt_tokens=None, seed=0,
-                            json=False, out=None, no_doc=False, doc_block="disagg")
+                            json=False, out=None, no_doc=False, doc_block="disagg", plot=None)
     return run_cli(ns)
 
 
@@ -65,7 +67,10 @@ def render(result: dict, command: str) -> str:
             f"| {_fmt(b.get('quantization'))} | {_fmt(b.get('transfer'))} | {_fmt(approx)} "
             f"| {_fmt(b.get('decode'))} | {_fmt(b.get('waiting'))} | {_fmt(p.get('wire_s_mean'))} "
             f"| {'n/a' if wire is None else f'{wire / 1e6:.1f} MB'} |")
-    lines += ["", *[f"- {c}" for c in compare(result)]]
+    from .bench_plot import summary_lines
+
+    sweep = summary_lines(result) if len(result["rates_mbps"]) > 2 else []
+    lines += ["", *[f"- {c}" for c in compare(result) + sweep]]
     return "\n".join(lines)
 
 
@@ -90,6 +95,10 @@ def run_cli(args: argparse.Namespace) -> int:
     result["command"] = command
     if args.out:
         save_json(result, Path(args.out))
+    if getattr(args, "plot", None):
+        from .bench_plot import plot
+
+        plot(result, Path(args.plot))
     if not args.no_doc:
         write_doc(render(result, command), getattr(args, "doc_block", "disagg"))
     if args.json:

@@ -33,3 +33,44 @@ def test_serve_table_has_a_row_per_method_and_the_ratios():
     assert len(rows) == 3 and rows[0].count("|") == rows[2].count("|") == 9
     assert "| hack | 6,000 | 20.0 | 20.0 | 200 | 200 | 20.0 | 2.0s |" in text
     assert "capacity x6.00" in text and "`hack bench serve --quick`" in text
+
+
+def _sweep(jct: dict[str, dict[float, float]]) -> dict:
+    pts = [{"method": m, "link_mbps": r, "jct_s": {"mean": v, "p50": v, "p99": v * 1.1}}
+           for m, by_rate in jct.items() for r, v in by_rate.items()]
+    return {"workload": "longdoc", "requests": 2, "methods": list(jct), "points": pts,
+            "rates_mbps": sorted({r for by_rate in jct.values() for r in by_rate}), "date": "2026-01-01"}
+
+
+def test_catch_up_rate_interpolates_the_crossing_on_a_log_axis():
+    from hack_cli.bench_plot import catch_up_rate, summary_lines
+
+    # bf16 is 20 s slower at 100 and 20 s faster at 400: the crossing is half-way in log rate (200).
+    res = _sweep({"bf16": {100: 60.0, 400: 20.0}, "hack": {100: 40.0, 400: 40.0},
+                  "dequant": {100: 70.0, 400: 50.0}})
+    assert abs(catch_up_rate(res, "hack") - 200.0) < 1e-6
+    assert catch_up_rate(res, "dequant") == 100  # bf16 already faster at the lowest rate
+    assert catch_up_rate(_sweep({"bf16": {100: 9.0}, "hack": {100: 5.0}}), "hack") is None
+    lines = summary_lines(res)
+    assert "bf16 catches up with `hack` at ~200 Mbit/s" in lines
+    assert "bf16 is already as fast as `dequant` at 100 Mbit/s" in lines
+
+
+def test_sweep_plot_writes_a_png(tmp_path):
+    from hack_cli.bench_plot import plot
+
+    res = _sweep({"bf16": {50: 90.0, 100: 60.0, 1000: 30.0}, "hack": {50: 35.0, 100: 34.0, 1000: 33.0}})
+    out = plot(res, tmp_path / "sweep.png")
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_disagg_targets_include_the_fast_link():
+    from disagg.bench import compare
+
+    res = _sweep({"bf16": {100: 100.0, 1000: 40.0}, "dequant": {100: 80.0, 1000: 60.0},
+                  "hack": {100: 50.0, 1000: 36.0}})
+    lines = compare(res)
+    assert "at 100 Mbit/s `hack` mean JCT is 50.0% lower than bf16 (target: >= 40% lower; met)" in lines
+    assert "at 100 Mbit/s `hack` mean JCT is 37.5% lower than dequant (target: >= 20% lower; met)" in lines
+    assert "at 1000 Mbit/s `hack` mean JCT is 10.0% lower than bf16 (target: >= 15% lower; missed)" in lines
