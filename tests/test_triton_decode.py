@@ -25,15 +25,21 @@ def _kernel_device(kernel_device):
 
 
 def _run_decode(device, cfg: HackConfig, head_dim: int, rep: int, lens: list[int], seed: int = 0,
-                kv_heads: int = KV_HEADS, **kw):
-    """Inputs built on the CPU, the kernel on `device`; out, q and the reference come back on the CPU."""
+                kv_heads: int = KV_HEADS, features: dict | None = None, poison=None, **kw):
+    """Inputs built on the CPU, the kernel on `device`; out, q and the reference come back on the CPU.
+    features: the layer's window / logit_cap (run() and the reference) and scale (sm_scale);
+    poison(layout, batch): spoils cache entries the kernel must not read, before it runs."""
+    feats = dict(features or {})
+    scale = feats.pop("scale", None)
     lay = page_layout(cfg, kv_heads, head_dim)
     b = random_batch(lay, lens, [0] * len(lens), kv_heads * rep, seed=seed, device=device)
+    if poison is not None:
+        poison(lay, b)
     q = torch.randn(len(lens), kv_heads * rep, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    att = HackDecodeAttention(lay, kv_heads * rep, **kw)
+    att = HackDecodeAttention(lay, kv_heads * rep, sm_scale=scale, **kw)
     att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
-    out = att.run(q.to(device), **cache_kwargs(b["bufs"]), out=torch.empty(q.shape, device=device)).cpu()
-    refs = [dense_reference(q[i:i + 1], b["k"][i], b["v"][i], lay)[0] for i in range(len(lens))]
+    out = att.run(q.to(device), **cache_kwargs(b["bufs"]), out=torch.empty(q.shape, device=device), **feats).cpu()
+    refs = [dense_reference(q[i:i + 1], b["k"][i], b["v"][i], lay, scale=scale, **feats)[0] for i in range(len(lens))]
     return out, torch.stack(refs), b, att, q, lay
 
 
@@ -129,6 +135,84 @@ def test_bad_input_is_refused(kernel_device):
                 HackConfig(rounding="stochastic"), HackConfig(partition_size=16), HackConfig(partition_size=48)):
         with pytest.raises(NotImplementedError):
             HackDecodeAttention(page_layout(cfg, KV_HEADS, 48 if cfg.partition_size == 48 else 64), 2)
+
+
+# Sliding windows (hack_ops.attention's `window`: keys t-window..t) against the page size 32:
+# inside one page, spanning pages off the page grid, wider than every context; with sinks that
+# drop out of the window for the longer requests. Soft-cap on and off, a non-default scale.
+WINDOW_LENS = [1, 5, 31, 40, 97, 150]
+
+
+@pytest.mark.parametrize("window,cap", [(7, 0.0), (45, 30.0), (1000, 0.0), (0, 0.0)])
+def test_sliding_window_and_soft_cap(kernel_device, window, cap):
+    cfg = HackConfig(partition_size=32, sink_tokens=2)
+    feats = dict(window=window, logit_cap=cap, scale=0.2)
+    out, ref, *_ = _run_decode(kernel_device, cfg, 64, 2, WINDOW_LENS, seed=window, features=feats)
+    assert_matches_reference(out, ref, f"window={window} cap={cap}")
+
+
+def test_soft_cap_changes_the_result(kernel_device):
+    """A cap near the scores' size bends them: the capped kernel matches the capped reference,
+    which is far from the uncapped one (so the cap is not silently ignored)."""
+    cfg = HackConfig(partition_size=32)
+    feats = dict(logit_cap=2.0, scale=0.5)
+    out, ref, b, att, q, lay = _run_decode(kernel_device, cfg, 64, 2, [40, 97], features=feats)
+    assert_matches_reference(out, ref, "cap=2")
+    plain = torch.stack([dense_reference(q[i:i + 1], b["k"][i], b["v"][i], lay, scale=0.5)[0] for i in range(2)])
+    assert (plain - ref).abs().max() > 10 * (out - ref).abs().max() + 0.05
+
+
+def poison_before_window(window: int):
+    """A poison for _run_decode: NaN in the side tables (minimum and scale of K and V) of every
+    page wholly before each request's window, so reading one (even masked: 0 * NaN) shows."""
+    def poison(lay, b):
+        for pages, n in zip(b["pages"], b["lens"]):
+            first = max(0, n - 1 - window) // lay.page_size
+            for tl_, buf in ((lay.k, b["bufs"]["k_buf"]), (lay.v, b["bufs"]["v_buf"])):
+                for sec in ("minimum", "scale"):
+                    view = tl_.view(buf, sec)
+                    for pg in pages[:first]:
+                        view[pg] = float("nan")
+    return poison
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_pages_before_the_window_are_not_read(kernel_device, splits):
+    cfg = HackConfig(partition_size=32, sink_tokens=1)
+    out, ref, *_ = _run_decode(kernel_device, cfg, 64, 2, [40, 97, 150], features=dict(window=40),
+                               poison=poison_before_window(40), num_splits=splits)
+    assert not out.isnan().any()
+    assert_matches_reference(out, ref, f"splits={splits}")
+
+
+def test_window_splits_cover_only_the_window():
+    """The flash-decoding split is planned over the pages the window touches, not the context."""
+    lay = page_layout(HackConfig(partition_size=32), KV_HEADS, 64)
+    att = HackDecodeAttention(lay, 2)
+    att.plan(torch.tensor([0, 40]), torch.arange(40), torch.tensor([40 * 32]))
+    assert att.splits(None)[0] * att.splits(None)[1] >= 40
+    n, per = att.splits(40)  # 41 keys touch at most 3 pages of 32
+    assert n * per >= 3 and (n - 1) * per < 3
+
+
+def test_gemma3_shape_window_and_cap(kernel_device):
+    """Gemma-3-270M's attention: 4 query heads on 1 KV head, head_dim 256, the default page
+    (64), a window spanning pages and a soft-cap, the layer's own scale."""
+    feats = dict(window=70, logit_cap=20.0, scale=256 ** -0.5)
+    out, ref, *_ = _run_decode(kernel_device, HackConfig(), 256, 4, [3, 64, 150], kv_heads=1, features=feats)
+    assert_matches_reference(out, ref, "D=256 MQA window 70 cap 20")
+
+
+def test_bad_window_or_cap_is_refused(kernel_device):
+    lay = page_layout(HackConfig(partition_size=32), KV_HEADS, 64)
+    b = random_batch(lay, [40], [0], 2, device=kernel_device)
+    att = HackDecodeAttention(lay, 2)
+    att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
+    q = torch.zeros(1, 2, 64, device=kernel_device)
+    with pytest.raises(ValueError, match="window"):
+        att.run(q, **cache_kwargs(b["bufs"]), window=-3)
+    with pytest.raises(ValueError, match="logit_cap"):
+        att.run(q, **cache_kwargs(b["bufs"]), logit_cap=float("inf"))
 
 
 @pytest.mark.cuda

@@ -26,17 +26,24 @@ def _kernel_device(kernel_device):
 
 
 def _extend(device, cfg: HackConfig, d: int, rep: int, prefix: list[int], new: list[int], seed: int = 0,
-            heads: int = H, **kw):
-    """The kernel on `device`; out (and b["q"]) come back on the CPU, next to the reference."""
+            heads: int = H, features: dict | None = None, poison=None, **kw):
+    """The kernel on `device`; out (and b["q"]) come back on the CPU, next to the reference.
+    features: the layer's window / logit_cap (run() and the reference) and scale (sm_scale);
+    poison(layout, batch): spoils cache entries the kernel must not read, before it runs."""
+    feats = dict(features or {})
+    scale = feats.pop("scale", None)
     lay = page_layout(cfg, heads, d)
     b = random_batch(lay, prefix, new, heads * rep, seed=seed, device=device)
-    att = HackPrefillAttention(lay, heads * rep, **kw)
+    if poison is not None:
+        poison(lay, b)
+    att = HackPrefillAttention(lay, heads * rep, sm_scale=scale, **kw)
     att.plan(b["qo_indptr"], b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
     out = att.run(b["q"], b["k_new"], b["v_new"], **cache_kwargs(b["bufs"]),
-                  out=torch.empty(b["q"].shape, device=device)).cpu()
+                  out=torch.empty(b["q"].shape, device=device), **feats).cpu()
     b["q"] = b["q"].cpu()
     qo = b["qo_indptr"].tolist()
-    ref = torch.cat([chunked_reference(b["q"][qo[i]:qo[i + 1]], b["k"][i], b["v"][i], lay) for i in range(len(new))])
+    ref = torch.cat([chunked_reference(b["q"][qo[i]:qo[i + 1]], b["k"][i], b["v"][i], lay, scale=scale, **feats)
+                     for i in range(len(new))])
     return out, ref, b, lay
 
 
@@ -131,6 +138,55 @@ def test_bad_input_is_refused(kernel_device):
         att.run(b["q"], b["k_new"][:-1], b["v_new"], **cache_kwargs(b["bufs"]))
     with pytest.raises(ValueError, match="q must be"):
         att.run(b["q"][:, :1], b["k_new"], b["v_new"], **cache_kwargs(b["bufs"]))
+
+
+@pytest.mark.parametrize("window,cap", [(7, 0.0), (45, 30.0), (1000, 0.0)])
+def test_sliding_window_and_soft_cap(kernel_device, window, cap):
+    """Windows inside one page (32), spanning pages off the grid, wider than every context, over
+    the mixed batch (aligned and unaligned cached prefixes, sinks that leave the window), with
+    and without a soft-cap, at a non-default scale."""
+    cfg = HackConfig(partition_size=32, sink_tokens=2, range_search=False)
+    feats = dict(window=window, logit_cap=cap, scale=0.2)
+    out, ref, *_ = _extend(kernel_device, cfg, 64, 2, *_mixed(32), seed=window, features=feats)
+    assert_matches_reference(out, ref, f"window={window} cap={cap}")
+
+
+def test_soft_cap_changes_the_result(kernel_device):
+    cfg = HackConfig(partition_size=32, range_search=False)
+    feats = dict(logit_cap=2.0, scale=0.5)
+    out, ref, b, lay = _extend(kernel_device, cfg, 64, 2, [40], [30], features=feats)
+    assert_matches_reference(out, ref, "cap=2")
+    plain = chunked_reference(b["q"], b["k"][0], b["v"][0], lay, scale=0.5)
+    assert (plain - ref).abs().max() > 10 * (out - ref).abs().max() + 0.05
+
+
+def test_pages_before_the_window_are_not_read(kernel_device):
+    """NaN in the side tables of every cached page wholly before the first new token's window:
+    a read (even a masked one: 0 * NaN) would show in the output."""
+    window = 40
+
+    def poison(lay, b):
+        for pages, pre in zip(b["pages"], b["prefix"]):
+            first = max(0, pre - window) // lay.page_size
+            for tl_, buf in ((lay.k, b["bufs"]["k_buf"]), (lay.v, b["bufs"]["v_buf"])):
+                for sec in ("minimum", "scale"):
+                    view = tl_.view(buf, sec)
+                    for pg in pages[:first]:
+                        view[pg] = float("nan")
+
+    cfg = HackConfig(partition_size=32, sink_tokens=1, range_search=False)
+    out, ref, *_ = _extend(kernel_device, cfg, 64, 2, [100, 130], [20, 5], features=dict(window=window),
+                           poison=poison)
+    assert not out.isnan().any()
+    assert_matches_reference(out, ref, "poisoned pages before the window")
+
+
+def test_gemma3_shape_window_and_cap(kernel_device):
+    """Gemma-3-270M's attention: 4 query heads on 1 KV head, head_dim 256, the default format
+    (Π=64), a fresh prompt and an unaligned cached prefix, a window spanning pages, a soft-cap."""
+    feats = dict(window=70, logit_cap=20.0, scale=256 ** -0.5)
+    out, ref, *_ = _extend(kernel_device, HackConfig(), 256, 4, [0, 70], [90, 20], heads=1, features=feats)
+    assert_matches_reference(out, ref, "D=256 MQA window 70 cap 20")
 
 
 @pytest.mark.cuda

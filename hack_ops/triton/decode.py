@@ -6,6 +6,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..attention import check_logit_cap, check_window
 from ..layout import PageLayout
 from .batch import PagedBatch, plan_batch
 from .decode_kernel import hack_decode_combine, hack_decode_kernel
@@ -34,6 +35,12 @@ def choose_splits(batch_size: int, kv_heads: int, max_pages: int, device: torch.
     return min(triton_next_pow2(want), triton_next_pow2(max_pages), MAX_SPLITS)
 
 
+def window_pages(max_pages: int, page: int, window: int | None) -> int:
+    """Pages a decode query can see: all of them, or those its window (window + 1 keys,
+    anywhere on the page grid) touches."""
+    return max_pages if window is None else min(max_pages, (window + page - 1) // page + 1)
+
+
 def check_queries(name: str, q: Tensor, shape: tuple[int, ...]) -> None:
     if not q.is_floating_point() or tuple(q.shape) != shape or q.stride(-1) != 1:
         raise ValueError(f"{name} must be floating point {list(shape)}, contiguous along head_dim; got "
@@ -44,7 +51,9 @@ class HackDecodeAttention:
     """One query token per request over a paged HACK cache (plus FP16 tail and sinks).
 
     plan() takes the page table once per batch (all layers share it); run() is called per
-    layer. The new token must already be stored (hack_ops.triton.store, phase='all').
+    layer, with the layer's sliding window and soft-cap (hack_ops.attention's `window` and
+    `logit_cap`; sm_scale is the layer's scaling). The new token must already be stored
+    (hack_ops.triton.store, phase='all').
     dot_f16 forces the fp16-MMA integer product (default: only where INT8 MMA is missing).
     """
 
@@ -70,17 +79,29 @@ class HackDecodeAttention:
         """seq_lens count the new token. tail_rows: FP16 tail row per request (default: its
         index); sink_slots: sink row per request (default: the sequence's first page)."""
         b = plan_batch(kv_indptr, kv_indices, seq_lens, self.spec.page, None, tail_rows, sink_slots)
-        splits = self.fixed_splits or choose_splits(b.batch_size, self.spec.heads, b.max_pages, kv_indices.device)
-        self.num_splits = max(1, min(splits, b.max_pages))
-        self.pages_per_split = max(1, -(-b.max_pages // self.num_splits))
         self.batch = b
+        self._splits_by_span: dict[int, tuple[int, int]] = {}
+        self.num_splits, self.pages_per_split = self.splits(None)
+
+    def splits(self, window: int | None) -> tuple[int, int]:
+        """(num_splits, pages_per_split) over the pages a query of this batch can see."""
+        b = self.batch
+        span = window_pages(b.max_pages, self.spec.page, window)
+        if span not in self._splits_by_span:
+            splits = self.fixed_splits or choose_splits(b.batch_size, self.spec.heads, span, b.kv_indices.device)
+            n = max(1, min(splits, span))
+            self._splits_by_span[span] = (n, max(1, -(-span // n)))
+        return self._splits_by_span[span]
 
     def run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, tail_k: Tensor, tail_v: Tensor | None = None,
-            sink_k: Tensor | None = None, sink_v: Tensor | None = None, out: Tensor | None = None) -> Tensor:
+            sink_k: Tensor | None = None, sink_v: Tensor | None = None, out: Tensor | None = None,
+            window: int | None = None, logit_cap: float = 0.0) -> Tensor:
         """q [B, Hq, D] -> out [B, Hq, D] (q's dtype unless `out` is given). Cache tensors as in
-        hack_ops.triton.store.store (tail_v / sinks may be None when the format has none)."""
+        hack_ops.triton.store.store (tail_v / sinks may be None when the format has none).
+        window: keys t-window..t visible (None or -1: all); logit_cap > 0: tanh soft-capping."""
         if self.batch is None:
             raise RuntimeError("call plan() before run()")
+        window, logit_cap = check_window(window), check_logit_cap(logit_cap)
         b = self.batch
         shape = (b.batch_size, self.num_qo_heads, self.spec.head_dim)
         check_queries("q", q, shape)
@@ -90,8 +111,9 @@ class HackDecodeAttention:
         check_queries("out", out, shape)
         if b.batch_size == 0:
             return out
-        for launch in decode_launches(self.spec, b, q, cache, out, self.sm_scale, self.num_splits,
-                                      self.pages_per_split, self._dot_f16(q.device)):
+        num_splits, pages_per_split = self.splits(window)
+        for launch in decode_launches(self.spec, b, q, cache, out, self.sm_scale, num_splits, pages_per_split,
+                                      self._dot_f16(q.device), window, logit_cap):
             launch()
         return out
 
@@ -100,8 +122,10 @@ class HackDecodeAttention:
 
 
 def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs, out: Tensor, sm_scale: float,
-                    num_splits: int, pages_per_split: int, dot_f16: bool) -> list[Launch]:
-    """The split kernel, plus the combine kernel when the sequence is split."""
+                    num_splits: int, pages_per_split: int, dot_f16: bool, window: int | None = None,
+                    logit_cap: float = 0.0) -> list[Launch]:
+    """The split kernel, plus the combine kernel when the sequence is split. window /
+    logit_cap (checked values) switch the kernel's WINDOW / CAP variants on."""
     hq = q.shape[1]
     rep = hq // spec.heads
     if num_splits == 1:
@@ -114,10 +138,11 @@ def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs
         hack_decode_kernel, (b.batch_size, spec.heads, num_splits),
         [q, q.stride(0), q.stride(1), *cache.args(),
          b.kv_indptr, b.kv_indices, b.seq_lens, b.tail_rows, b.sink_slots,
-         o_arg, out.stride(0), out.stride(1), m_part, l_part, sm_scale, pages_per_split],
+         o_arg, out.stride(0), out.stride(1), m_part, l_part, sm_scale, pages_per_split,
+         0 if window is None else window, float(logit_cap)],
         dict(REP=rep, BLOCK_H=max(16, triton_next_pow2(rep)), P=spec.page, D=spec.head_dim, GD=spec.group,
              NG=spec.ngroups, BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail,
-             NSPLIT=num_splits, DOT_F16=dot_f16),
+             NSPLIT=num_splits, DOT_F16=dot_f16, WINDOW=window is not None, CAP=logit_cap > 0),
         dict(num_warps=decode_warps(spec, dot_f16), num_stages=1),
     )]
     if num_splits > 1:

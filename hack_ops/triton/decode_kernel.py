@@ -5,6 +5,10 @@ KV head (padded to 16 for the MMA), so each K/V page is loaded and unpacked once
 A split owns a contiguous range of pages: split 0 also attends to the FP16 sinks; the split
 holding the open page reads its K from the request's FP16 tail, and its V from the V tail
 (tail_tensors='kv', the default) or from the page's per-token codes ('per_channel').
+A sliding window (WINDOW; the query at t = L-1 sees keys t-window..t) moves the splits' start
+to the window's first page, so pages wholly before it are never read; the boundary page, the
+open partition and the sinks are masked per token. CAP soft-caps the scaled scores. Both are
+constexpr switches: the kernel without them is the same code as before they existed.
 With one split the kernel normalizes and writes the output itself; otherwise it writes
 (acc, max, sum) per split and hack_decode_combine merges them.
 """
@@ -13,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_blocks import fp16_pv, fp16_scores, quant_pv, quant_scores, sink_block, softmax_step
+from .jit_blocks import fp16_pv, fp16_scores, masked_scores, quant_pv, quant_scores, sink_block, softmax_step
 
 
 @triton.jit
@@ -25,10 +29,11 @@ def hack_decode_kernel(
     sk_ptr, sv_ptr, s_ss, s_sj, s_sh,
     kv_indptr, kv_indices, seq_lens, tail_rows, sink_slots,
     o_ptr, s_ob, s_oh, m_ptr, l_ptr,
-    sm_scale, pages_per_split,
+    sm_scale, pages_per_split, window, logit_cap,
     REP: tl.constexpr, BLOCK_H: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
     S: tl.constexpr, BS: tl.constexpr, V_TAIL: tl.constexpr, NSPLIT: tl.constexpr, DOT_F16: tl.constexpr,
+    WINDOW: tl.constexpr = False, CAP: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -37,7 +42,13 @@ def hack_decode_kernel(
     n_closed = L // P
     r = L % P
     n_pages = (L + P - 1) // P
-    first = split * pages_per_split
+    if WINDOW:
+        lo = tl.maximum(L - 1 - window, 0)  # the first visible key
+        pg_from = tl.maximum(lo, S)  # the first key the page passes attend to (sinks have their own)
+    else:
+        lo = 0
+        pg_from = S
+    first = lo // P + split * pages_per_split  # the splits cover the window's pages only
     last = tl.minimum(first + pages_per_split, n_pages)
     page0 = tl.load(kv_indptr + b)
 
@@ -56,16 +67,16 @@ def hack_decode_kernel(
     jj = tl.arange(0, P)
 
     if S > 0:
-        if split == 0:
+        if (split == 0) & (lo < S):
             slot = tl.load(sink_slots + b).to(tl.int64)
-            m_i, l_i, acc = sink_block(q_base, q_off, row_ok, sm_scale, t, sk_ptr + slot * s_ss + h * s_sh,
-                                       sv_ptr + slot * s_ss + h * s_sh, s_sj, m_i, l_i, acc,
-                                       GD, NG, S, BS)
+            m_i, l_i, acc = sink_block(q_base, q_off, row_ok, sm_scale, t, t * 0 + lo, sk_ptr + slot * s_ss + h * s_sh,
+                                       sv_ptr + slot * s_ss + h * s_sh, s_sj, m_i, l_i, acc, logit_cap,
+                                       GD, NG, S, BS, CAP)
     for pg in range(first, tl.minimum(last, n_closed)):
         page = tl.load(kv_indices + page0 + pg).to(tl.int64)
         s = quant_scores(q_base, q_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, ksc_ptr, ksum_ptr,
                          kc_ps, kmin_ps, ksc_ps, ksum_ps, P, D, GD, NG, BITS, DOT_F16)
-        s = tl.where((pg * P + jj >= S)[None, :], s, -float("inf"))
+        s = masked_scores(s, (pg * P + jj >= pg_from)[None, :], logit_cap, CAP)
         p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
         acc += quant_pv(p, P, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
                         P, D, GD, NG, BITS, DOT_F16)
@@ -77,7 +88,7 @@ def hack_decode_kernel(
         t_base = trow * s_tr + h * s_th
         s = fp16_scores(q_base, q_off, row_ok, sm_scale, tk_ptr + t_base, off, tok, tk_ptr + t_base, off, jj < 0,
                         GD, NG)
-        s = tl.where((tok & (n_closed * P + jj >= S))[None, :], s, -float("inf"))
+        s = masked_scores(s, (tok & (n_closed * P + jj >= pg_from))[None, :], logit_cap, CAP)
         p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
         if V_TAIL:
             acc += fp16_pv(p, tv_ptr + t_base, off, tok, tv_ptr + t_base, off, jj < 0, GD, NG)

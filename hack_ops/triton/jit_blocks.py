@@ -132,15 +132,34 @@ def quant_pv(p, written, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc
 
 
 @triton.jit
-def sink_block(q_base, row_off, row_ok, sm_scale, t, sk_base, sv_base, s_sj, m_i, l_i, acc,
-               GD: tl.constexpr, NG: tl.constexpr, S: tl.constexpr, BS: tl.constexpr):
-    """Attend rows (queries at positions t [M]) to their sequence's FP16 sinks (token j at
-    sk_base / sv_base + j * s_sj)."""
+def soft_cap(s, cap):
+    """Logit soft-capping cap * tanh(s / cap) of finite scores (hack_ops.attention.soft_cap).
+    tanh from one exp of -2|x| (no overflow; tl has no tanh that also runs in the interpreter);
+    |error| <= ~1e-7 * cap, far below the kernels' tolerance."""
+    x = s / cap
+    e = tl.exp(-2.0 * tl.abs(x))
+    th = (1.0 - e) / (1.0 + e)
+    return cap * tl.where(x < 0.0, -th, th)
+
+
+@triton.jit
+def masked_scores(s, valid, logit_cap, CAP: tl.constexpr):
+    """Scores ready for the softmax: soft-capped when the layer has a cap (CAP), -inf off `valid`."""
+    if CAP:
+        s = soft_cap(s, logit_cap)
+    return tl.where(valid, s, -float("inf"))
+
+
+@triton.jit
+def sink_block(q_base, row_off, row_ok, sm_scale, t, lo, sk_base, sv_base, s_sj, m_i, l_i, acc, logit_cap,
+               GD: tl.constexpr, NG: tl.constexpr, S: tl.constexpr, BS: tl.constexpr, CAP: tl.constexpr):
+    """Attend rows (queries at positions t [M], seeing keys from position lo [M] on: the sliding
+    window, 0 without one) to their sequence's FP16 sinks (token j at sk_base / sv_base + j * s_sj)."""
     js = tl.arange(0, BS)
     ok = js < S
     off = js * s_sj
     s = fp16_scores(q_base, row_off, row_ok, sm_scale, sk_base, off, ok, sk_base, off, js < 0, GD, NG)
-    s = tl.where(ok[None, :] & (js[None, :] <= t[:, None]), s, -float("inf"))
+    s = masked_scores(s, ok[None, :] & (js[None, :] <= t[:, None]) & (js[None, :] >= lo[:, None]), logit_cap, CAP)
     p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
     acc += fp16_pv(p, sv_base, off, ok, sv_base, off, js < 0, GD, NG)
     return m_i, l_i, acc

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..attention import check_logit_cap, check_window
 from ..layout import PageLayout
 from .batch import PagedBatch, plan_batch
 from .decode import check_queries
@@ -60,12 +61,16 @@ class HackPrefillAttention:
 
     def run(self, q: Tensor, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor, tail_k: Tensor,
             tail_v: Tensor | None = None, sink_k: Tensor | None = None, sink_v: Tensor | None = None,
-            out: Tensor | None = None, save_kv_cache: bool = True) -> Tensor:
+            out: Tensor | None = None, save_kv_cache: bool = True, window: int | None = None,
+            logit_cap: float = 0.0) -> Tensor:
         """q [N, Hq, D], k/v [N, H, D] (the new tokens, rows by qo_indptr) -> out [N, Hq, D].
         Cache tensors as in hack_ops.triton.store.store. save_kv_cache=False: the caller runs
-        the store itself (pages phase before this call, tail phase after)."""
+        the store itself (pages phase before this call, tail phase after). window / logit_cap:
+        the layer's sliding window (keys t-window..t; None or -1: all) and tanh soft-cap (> 0).
+        The store writes every token whatever the window (the window only narrows the reads)."""
         if self.batch is None:
             raise RuntimeError("call plan() before run()")
+        window, logit_cap = check_window(window), check_logit_cap(logit_cap)
         b, sp = self.batch, self.spec
         check_queries("q", q, (b.total_new, self.num_qo_heads, sp.head_dim))
         for name, t in (("k", k), ("v", v)):
@@ -79,7 +84,7 @@ class HackPrefillAttention:
         if save_kv_cache:
             store_launch(sp, b, k, v, cache, "pages")()
         dot_f16 = self._dot_f16(q.device)
-        prefill_launch(sp, b, q, k, v, cache, out, self.sm_scale, self._block_m(dot_f16), dot_f16)()
+        prefill_launch(sp, b, q, k, v, cache, out, self.sm_scale, self._block_m(dot_f16), dot_f16, window, logit_cap)()
         if save_kv_cache:
             store_launch(sp, b, k, v, cache, "tail")()
         return out
@@ -94,14 +99,17 @@ class HackPrefillAttention:
 
 
 def prefill_launch(spec: KernelSpec, b: PagedBatch, q: Tensor, k: Tensor, v: Tensor, cache: CacheArgs,
-                   out: Tensor, sm_scale: float, block_m: int, dot_f16: bool) -> Launch:
+                   out: Tensor, sm_scale: float, block_m: int, dot_f16: bool, window: int | None = None,
+                   logit_cap: float = 0.0) -> Launch:
+    """The attention kernel; window / logit_cap (checked values) switch its WINDOW / CAP variants on."""
     rep = q.shape[1] // spec.heads
     return Launch(
         hack_prefill_kernel, (-(-b.max_new // block_m), b.batch_size, q.shape[1]),
         [q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), *cache.args(),
          b.qo_indptr, b.prefix_lens, b.kv_indptr, b.kv_indices, b.tail_rows, b.sink_slots,
-         out, out.stride(0), out.stride(1), sm_scale],
+         out, out.stride(0), out.stride(1), sm_scale, 0 if window is None else window, float(logit_cap)],
         dict(REP=rep, BM=block_m, P=spec.page, D=spec.head_dim, GD=spec.group, NG=spec.ngroups,
-             BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail, DOT_F16=dot_f16),
+             BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail, DOT_F16=dot_f16,
+             WINDOW=window is not None, CAP=logit_cap > 0),
         dict(num_warps=PREFILL_WARPS, num_stages=1),
     )

@@ -13,13 +13,17 @@ A (row, page) pair is in exactly one pass, so each pass masks the other's rows; 
 softmax is indifferent to the order. The store's pages phase must run before this kernel (new
 V codes, newly closed K pages), its tail phase after (it overwrites the tails read here): see
 HackPrefillAttention.run.
+With a sliding window (WINDOW; row t sees keys t-window..t) the quantized pass starts at the
+first page the block's first row can see, so pages wholly before every row's window are never
+read, and each pass masks per token; CAP soft-caps the scaled scores. Both are constexpr
+switches: without them the kernel is the same code as before they existed.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .jit_blocks import fp16_pv, fp16_scores, quant_pv, quant_scores, sink_block, softmax_step
+from .jit_blocks import fp16_pv, fp16_scores, masked_scores, quant_pv, quant_scores, sink_block, softmax_step
 
 
 @triton.jit
@@ -31,10 +35,11 @@ def hack_prefill_kernel(
     sk_ptr, sv_ptr, s_ss, s_sj, s_sh,
     qo_indptr, prefix_lens, kv_indptr, kv_indices, tail_rows, sink_slots,
     o_ptr, s_ot, s_oh,
-    sm_scale,
+    sm_scale, window, logit_cap,
     REP: tl.constexpr, BM: tl.constexpr,
     P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
     S: tl.constexpr, BS: tl.constexpr, V_TAIL: tl.constexpr, DOT_F16: tl.constexpr,
+    WINDOW: tl.constexpr = False, CAP: tl.constexpr = False,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1)
@@ -61,18 +66,29 @@ def hack_prefill_kernel(
         l_i = tl.zeros((BM,), tl.float32)
         acc = tl.zeros((BM, NG, GD), tl.float32)
         jj = tl.arange(0, P)
+        if WINDOW:
+            lo = t - window  # each row's first visible key (<= 0: all)
+            lo_min = tl.maximum(t_min - window, 0)  # the block's
+        else:
+            lo = t * 0
+            lo_min = 0
 
         if S > 0:
-            slot = tl.load(sink_slots + b).to(tl.int64)
-            m_i, l_i, acc = sink_block(q_base, q_off, row_ok, sm_scale, t, sk_ptr + slot * s_ss + h * s_sh,
-                                       sv_ptr + slot * s_ss + h * s_sh, s_sj, m_i, l_i, acc, GD, NG, S, BS)
-        # Quantized pass: pages closed for at least the block's last row.
-        for pg in range(0, (t_max + 1) // P):
+            if lo_min < S:
+                slot = tl.load(sink_slots + b).to(tl.int64)
+                m_i, l_i, acc = sink_block(q_base, q_off, row_ok, sm_scale, t, lo, sk_ptr + slot * s_ss + h * s_sh,
+                                           sv_ptr + slot * s_ss + h * s_sh, s_sj, m_i, l_i, acc, logit_cap,
+                                           GD, NG, S, BS, CAP)
+        # Quantized pass: pages closed for at least the block's last row (from the window's first).
+        for pg in range(lo_min // P, (t_max + 1) // P):
             page = tl.load(kv_indices + page0 + pg).to(tl.int64)
             s = quant_scores(q_base, q_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, ksc_ptr, ksum_ptr,
                              kc_ps, kmin_ps, ksc_ps, ksum_ps, P, D, GD, NG, BITS, DOT_F16)
             sees_closed = row_ok & (t >= (pg + 1) * P - 1)
-            s = tl.where(sees_closed[:, None] & (pg * P + jj >= S)[None, :], s, -float("inf"))
+            valid = sees_closed[:, None] & (pg * P + jj >= S)[None, :]
+            if WINDOW:
+                valid = valid & ((pg * P + jj)[None, :] >= lo[:, None])
+            s = masked_scores(s, valid, logit_cap, CAP)
             p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
             acc += quant_pv(p, P, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
                             P, D, GD, NG, BITS, DOT_F16)
@@ -89,7 +105,9 @@ def hack_prefill_kernel(
                             k_ptr + h * s_kh, src * s_kt, new, GD, NG)
             inside = row_ok & (t >= pg * P) & (t < (pg + 1) * P - 1)
             valid = inside[:, None] & (pos[None, :] <= t[:, None]) & (pos >= S)[None, :]
-            s = tl.where(valid, s, -float("inf"))
+            if WINDOW:
+                valid = valid & (pos[None, :] >= lo[:, None])
+            s = masked_scores(s, valid, logit_cap, CAP)
             p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
             if V_TAIL:
                 acc += fp16_pv(p, tv_ptr + t_base, jj * s_tj, old, v_ptr + h * s_vh, src * s_vt, new, GD, NG)

@@ -95,13 +95,13 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
 
 
 def dense_reference(q: Tensor, k: Tensor, v: Tensor, layout: PageLayout, mode: str = "hack",
-                    scale: float | None = None) -> Tensor:
+                    scale: float | None = None, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """hack_ops.attention for one sequence: q [Sq, Hq, D] (the last Sq positions), k/v [L, H, D]
-    -> [Sq, Hq, D] float32."""
+    -> [Sq, Hq, D] float32; window / logit_cap: the layer's sliding window and soft-cap."""
     from ..attention import attention
 
     out = attention(q.permute(1, 0, 2)[None], k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None],
-                    layout.config, mode=mode, causal=True, scale=scale)
+                    layout.config, mode=mode, causal=True, scale=scale, window=window, logit_cap=logit_cap)
     return out[0].permute(1, 0, 2)
 
 
