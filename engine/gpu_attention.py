@@ -3,7 +3,9 @@
 The plan is the same HackKVStore.plan the CPU path uses (page table, request rows, sink slots,
 all checks), turned into the CSR page table the Triton wrappers take. Per layer: decode stores
 the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
-which stores the chunk's pages, attends, then appends the tails.
+which stores the chunk's pages, attends, then appends the tails. Each call takes the layer's
+scaling, sliding window and logit soft-cap (engine.backend.layer_features); the kernels skip
+the pages before the window.
 
 This module cannot run on the project's CI machine (no GPU). What can be checked there is
 checked: the format is accepted by kernel_spec at startup, and the plan conversion is pure
@@ -61,7 +63,7 @@ class GpuAttention:
                 s.sink_v[layer] if s.config.sink_tokens else None)
 
     def decode(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, mode: str,
-               scale: float) -> Tensor:
+               scale: float, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
         from hack_ops.triton.decode import HackDecodeAttention
         from hack_ops.triton.store import store as store_tokens
 
@@ -75,10 +77,10 @@ class GpuAttention:
         attn.sm_scale = float(scale)
         cache = self._cache(layer)
         store_tokens(self.layout, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
-        return attn.run(q.contiguous(), *cache)
+        return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
 
     def extend(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, mode: str,
-               scale: float) -> Tensor:
+               scale: float, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
         from hack_ops.triton.prefill import HackPrefillAttention
 
         indptr, indices, lens, qo, rows = self._csr
@@ -89,4 +91,5 @@ class GpuAttention:
             attn.plan(qo, indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
             self._prefill[hq] = attn
         attn.sm_scale = float(scale)
-        return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer))
+        return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer), window=window,
+                        logit_cap=logit_cap)

@@ -1,9 +1,9 @@
 """Which model attention features the HACK KV cache serves, checked when the server starts.
 
-Served (CPU and CUDA paths alike unless noted): causal decoder self-attention with MHA, GQA or
-MQA (one KV head), head_dim a multiple of the HACK head_dim group (64..256 tested), per-layer
-sliding windows (the layer's `sliding_window_size`), the layer's scaling and tanh logit
-soft-capping (`logit_cap`).
+Served (CPU and CUDA paths alike): causal decoder self-attention with MHA, GQA or MQA (one KV
+head), head_dim a multiple of the HACK head_dim group (64..256 tested; on CUDA a power of two),
+per-layer sliding windows (the layer's `sliding_window_size`), the layer's scaling and tanh
+logit soft-capping (`logit_cap`).
 
 Refused, with a sentence naming the feature and the flag that works, before anything is served:
   * in the launcher, from the model's HF config (exit status 2 like any bad option):
@@ -12,8 +12,8 @@ Refused, with a sentence naming the feature and the flag that works, before anyt
     (two pools the HACK pool does not replace: --disable-hybrid-swa-memory gives one pool);
   * in each scheduler, once the model's layers exist (HackAttnBackend.__init__), per layer:
     cross-attention, encoder-only or bidirectional layers, another soft-capping method than
-    tanh, K and V head dims that differ, and on CUDA windows/soft-caps (not in the Triton
-    kernels yet).
+    tanh, K and V head dims that differ, and on CUDA a head_dim the Triton kernels lack (not a
+    power of two >= 32).
 """
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def layer_refusal(layers: Iterable[Any], gpu: bool = False) -> Optional[str]:
             return _sentence(f"logit soft-capping by {method!r} (tanh is served)", name)
         if getattr(layer, "qk_head_dim", 0) != getattr(layer, "v_head_dim", 0):
             return _sentence("different K and V head dims", name)
-        window = getattr(layer, "sliding_window_size", -1)
-        if gpu and ((window is not None and window >= 0) or cap > 0):
-            return _sentence("sliding-window or soft-capped layers on CUDA (the HACK Triton kernels lack them)",
+        d = getattr(layer, "qk_head_dim", 0) or getattr(layer, "head_dim", 0)
+        if gpu and (d < 32 or d & (d - 1)):
+            return _sentence(f"head_dim {d} on CUDA (the HACK Triton kernels take powers of two >= 32)",
                              name, "serve it on the CPU path or with a BF16 KV cache")
     return None
 

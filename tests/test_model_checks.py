@@ -44,11 +44,15 @@ def _layer(**kw):
 
 
 def test_layers():
-    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 
     served = [_layer(), _layer(sliding_window_size=511), _layer(logit_cap=50.0)]
     assert layer_refusal(served) is None
-    assert "sliding-window or soft-capped layers on CUDA" in layer_refusal(served, gpu=True)
+    # windows and soft-caps are served on CUDA too (the Triton kernels have them)
+    assert layer_refusal(served + [_layer(sliding_window_size=511, logit_cap=30.0)], gpu=True) is None
+    odd = RadixAttention(num_heads=4, head_dim=96, scaling=96 ** -0.5, num_kv_heads=1, layer_id=5)
+    assert layer_refusal([odd]) is None  # the CPU path takes head_dim 96
+    assert "head_dim 96 on CUDA" in layer_refusal([odd], gpu=True)
     assert "cross-attention layers (model layer 3)" in layer_refusal(served + [_layer(is_cross_attention=True)])
     assert "encoder-only" in layer_refusal([_layer(attn_type=AttentionType.ENCODER_ONLY)])
     assert "non-causal" in layer_refusal([_layer(attn_type=AttentionType.DECODER_BIDIRECTIONAL)])
