@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,28 @@ def test_docs_show_these_numbers(compiled):
     table = text.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]
     for line in markdown(compiled).splitlines()[2:]:
         assert line in table, f"stale docs row, regenerate the table: {line}"
+
+
+@pytest.mark.slow
+def test_window_and_soft_cap_variants_compile_without_spills():
+    """The sliding-window + soft-cap kernels at Gemma's shape (1 KV head, head_dim 256) compile
+    for sm80 and sm90, fit shared memory and keep everything in registers."""
+    v = next(v for v in VARIANTS if v.window is not None and v.logit_cap > 0)
+    launches = example_launches(v)
+    assert launches["decode"].constexprs["WINDOW"] and launches["decode"].constexprs["CAP"]
+    assert launches["prefill"].constexprs["WINDOW"] and launches["prefill"].constexprs["CAP"]
+    env = {k: x for k, x in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "aot.json"
+        res = subprocess.run([sys.executable, "-m", "hack_ops.triton.aot", "--variants", v.name, "--targets", "80,90",
+                              "--fallback-targets", "", "--json", str(out)], env=env, capture_output=True, text=True,
+                             timeout=3600)
+        assert res.returncode == 0, res.stderr[-4000:]
+        rows = [Compiled(**r) for r in json.loads(out.read_text())]
+    assert {(r.kernel, r.arch) for r in rows} == {(k, a) for k in KERNELS for a in (80, 90)}
+    for r in rows:
+        assert r.shared <= SMEM_LIMIT[r.arch], r
+        assert r.stack == 0, f"{r.kernel} sm{r.arch} spills {r.stack} B per thread"
 
 
 def test_signature_follows_launcher_specialization():

@@ -55,12 +55,17 @@ class Variant:
     q_heads: int
     head_dim: int
     dtype: torch.dtype = torch.bfloat16
+    window: int | None = None  # the attention kernels' sliding-window variant (WINDOW)
+    logit_cap: float = 0.0  # their soft-capping variant (CAP)
 
 
 VARIANTS = (
     Variant("P64-D128-gqa4", HackConfig(), 8, 32, 128),
     Variant("P128-D128-gqa4", HackConfig(partition_size=128), 8, 32, 128),
     Variant("P32-D256-gqa1", HackConfig(partition_size=32), 4, 4, 256),
+    # Gemma-style layers: one KV head, head_dim 256, a 512-token window (SGLang's 511) and a
+    # soft-cap (Gemma 2's 50), both switches on at once.
+    Variant("P64-D256-mqa4-swa-cap", HackConfig(), 1, 4, 256, window=511, logit_cap=50.0),
 )
 
 
@@ -97,12 +102,13 @@ def example_launches(v: Variant, dot_f16: bool = False, device: torch.device | s
     out = {
         "store": store_launch(spec, ext, kn, kn, cache, "pages"),
         "store_tail": store_launch(spec, ext, kn, kn, cache, "tail"),
-        "prefill": prefill_launch(spec, ext, q, kn, kn, cache, q, scale, prefill_block_m(spec, dot_f16), dot_f16),
+        "prefill": prefill_launch(spec, ext, q, kn, kn, cache, q, scale, prefill_block_m(spec, dot_f16), dot_f16,
+                                  v.window, v.logit_cap),
     }
-    decode, combine = decode_launches(spec, dec, qd, cache, qd, scale, 2, 1, dot_f16)
+    decode, combine = decode_launches(spec, dec, qd, cache, qd, scale, 2, 1, dot_f16, v.window, v.logit_cap)
     out["decode"] = decode
     out["decode_combine"] = combine
-    out["decode_1split"] = decode_launches(spec, dec, qd, cache, qd, scale, 1, 2, dot_f16)[0]
+    out["decode_1split"] = decode_launches(spec, dec, qd, cache, qd, scale, 1, 2, dot_f16, v.window, v.logit_cap)[0]
     return out
 
 

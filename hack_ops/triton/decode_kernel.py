@@ -67,11 +67,12 @@ def hack_decode_kernel(
     jj = tl.arange(0, P)
 
     if S > 0:
-        if (split == 0) & (lo < S):
-            slot = tl.load(sink_slots + b).to(tl.int64)
-            m_i, l_i, acc = sink_block(q_base, q_off, row_ok, sm_scale, t, t * 0 + lo, sk_ptr + slot * s_ss + h * s_sh,
-                                       sv_ptr + slot * s_ss + h * s_sh, s_sj, m_i, l_i, acc, logit_cap,
-                                       GD, NG, S, BS, CAP)
+        if split == 0:
+            if lo < S:  # static without a window; with one, the sinks may all be out of it
+                slot = tl.load(sink_slots + b).to(tl.int64)
+                m_i, l_i, acc = sink_block(q_base, q_off, row_ok, sm_scale, t, t * 0 + lo,
+                                           sk_ptr + slot * s_ss + h * s_sh, sv_ptr + slot * s_ss + h * s_sh, s_sj,
+                                           m_i, l_i, acc, logit_cap, GD, NG, S, BS, CAP)
     for pg in range(first, tl.minimum(last, n_closed)):
         page = tl.load(kv_indices + page0 + pg).to(tl.int64)
         s = quant_scores(q_base, q_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, ksc_ptr, ksum_ptr,
