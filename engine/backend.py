@@ -25,6 +25,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
+from hack_ops.paged import extend_strawman
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 
 from . import fused_phases
@@ -141,13 +142,14 @@ class HackAttnBackend(AttentionBackend):
         if self.gpu is not None:
             o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling)
         else:
-            mode = self.extend_mode
-            if mode == "dequant" and not self.forward_metadata.has_prefix:
-                # The strawman computes a prompt without cached prefix in full precision, as
-                # dequantizing systems (KIVI, CacheGen) do; it quantizes for storage only.
-                mode = "exact"
-            o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=mode,
-                             scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
+            if self.extend_mode == "dequant":
+                # The strawman's prefill as dequantizing systems (KIVI, CacheGen) run it: the new
+                # tokens in full precision, a cached prefix dequantized; quantized for storage only.
+                o = extend_strawman(self.store, lid, self.forward_metadata, q3, k3, v3, scale=layer.scaling,
+                                    generator=self.generator, window=window, logit_cap=cap)
+            else:
+                o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.extend_mode,
+                                 scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
         return o.reshape(q3.shape[0], -1)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",

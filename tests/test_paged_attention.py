@@ -344,3 +344,27 @@ def test_range_search(backend):
     case.check(case.decode(backend=backend), "decode 1")
     case.check(case.decode(backend=backend), "decode 2")
     case.finish()
+
+
+def test_strawman_prefill_reads_the_prefix_dequantized_and_the_chunk_in_full_precision():
+    """The dequantizing baseline's prefill over a cached prefix (a chunked prompt) is dense
+    attention over the prefix as the cache holds it (closed pages dequantized, the open page
+    from the FP16 tail, sinks FP16) and the chunk's own tokens: the same math as the dense
+    reference built by _exact_reference, to float32 roundoff."""
+    from hack_ops.paged import extend_strawman
+
+    cfg = make_cfg(partition_size=32)
+    for prefix, total, seed in ((45, 120, 7), (64, 100, 8), (0, 70, 9)):
+        case = Case(cfg, lens=[total], seed=seed)
+        if prefix:
+            case.extend([prefix])
+        plan = case.store.plan(case.table, [case.rows[0]], [total], [total - prefix])
+        sl = slice(prefix, total)
+        out = extend_strawman(case.store, 0, plan, case.q[0][sl], case.k[0][sl], case.v[0][sl],
+                              dtype=torch.float32)
+        if prefix:
+            ref = _exact_reference(case, 0, prefix)
+        else:
+            t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+            ref = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
+        assert float((out - ref).abs().max()) <= ROUNDOFF_TOL, (prefix, float((out - ref).abs().max()))

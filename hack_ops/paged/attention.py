@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import clock
-from .dequant import dequant_decode
+from .dequant import dequant_decode, prefix_dense
 from .pages import request_pages
 from .plan import ForwardPlan
 from ..attention import check_logit_cap, check_window
@@ -128,9 +128,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     rep = _check_q(store, q, n_new, "new_tokens")
     p = store.page_size
     h, d = store.num_heads, store.head_dim
-    # The prefix's open page may be overwritten by this write: keep its FP16 tokens first.
-    snaps = {name: [tails[layer][int(plan.rows[b]), : pre - (pre // p) * p].float().clone()
-                    for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
+    snaps = _keep_open_tokens(store, layer, plan)
     with clock.phase("quantization"):
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -169,6 +167,51 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
                            window=window, logit_cap=logit_cap, page0=pg0)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)
+
+
+def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
+                    scale: float | None = None, generator: torch.Generator | None = None,
+                    dtype: torch.dtype = torch.bfloat16, window: int | None = None,
+                    logit_cap: float = 0.0) -> Tensor:
+    """The dequantizing strawman's prefill (KIVI/CacheGen-style systems), stores k/v: the new
+    tokens attend to each other in full precision and to the cached prefix dequantized to
+    `dtype` (a dense copy, then SDPA). A prompt without cached prefix is plain causal attention.
+    This is what such a system runs for a chunk over a cached prefix (a chunked prompt, or a
+    radix-cache hit), so the baseline pays no per-token path that it would not have."""
+    window, logit_cap = check_window(window), check_logit_cap(logit_cap)
+    store._check_layer(layer)
+    _check_q(store, q, plan.num_new_tokens, "new_tokens")
+    snaps = _keep_open_tokens(store, layer, plan)
+    with clock.phase("quantization"):
+        store.write(layer, plan, k, v, generator)
+    scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
+    if not plan.has_prefix:
+        return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        with clock.phase("dequantization"):  # the dense copy only, not the attention
+            dense = prefix_dense(store, layer, plan, b, snaps, dtype)
+        kb, vb = (torch.cat([dense[n], x[lo:hi].to(torch.float16).to(dtype).transpose(0, 1)], 1)[None]
+                  for n, x in (("k", k), ("v", v)))
+        qb = q[lo:hi].to(dtype).transpose(0, 1)[None]
+        t = torch.arange(pre, seq_len)
+        if window is None and not logit_cap:
+            mask = torch.arange(seq_len)[None, :] <= t[:, None]  # causal with the prefix before it
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                               enable_gqa=qb.shape[1] != kb.shape[1])
+        else:
+            o = _masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, t)
+        out[lo:hi] = o[0].transpose(0, 1).float()
+    return out.to(q.dtype)
+
+
+def _keep_open_tokens(store: HackKVStore, layer: int, plan: ForwardPlan) -> dict[str, list[Tensor]]:
+    """The FP16 tokens of each prefix's open page, per tensor with a tail, kept before the
+    write that may close (overwrite) that page."""
+    p = store.page_size
+    return {name: [tails[layer][int(plan.rows[b]), : pre - (pre // p) * p].float().clone()
+                   for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
 
 
 def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float,
