@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 
 from .bench_doc import DOCS, command_line, replace_block
 

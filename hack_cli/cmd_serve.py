@@ -16,7 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 
 
 def register(sub: argparse._SubParsersAction) -> None:

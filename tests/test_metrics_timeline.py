@@ -10,9 +10,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from engine import metrics as hm
 from engine import timeline, usage
-from engine.metrics import analysis
-from engine.metrics.run_view import build_view
-from engine.metrics.runload import RunLoader
+from hack_metrics import analysis
+from hack_metrics.run_view import build_view
+from hack_metrics.runload import RunLoader
 
 LAYERS, HEADS, HEAD_DIM = 3, 2, 64  # BF16: 2 * 3 * 2 * 64 * 2 = 1536 bytes per token
 

@@ -21,9 +21,9 @@ import requests
 
 from disagg import cluster, netns, procs
 from disagg.replay import generate
-from engine.metrics import rundir
-from engine.metrics.http_client import HttpRunLoader
-from engine.metrics.run_view import build_view
+from hack_metrics import rundir
+from hack_metrics.http_client import HttpRunLoader
+from hack_metrics.run_view import build_view
 import test_dashboard_browser as B
 from test_dashboard_browser import (ARTIFACTS, _chart, _free_port, _metric, _no_crash, _text,
                                     _titles, _wait)

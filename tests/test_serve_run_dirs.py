@@ -6,7 +6,7 @@ import argparse
 import os
 from types import SimpleNamespace
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 from hack_cli import bench_serve, cmd_dashboard, cmd_serve
 from hack_cli.main import build_parser
 
