@@ -8,7 +8,10 @@ its finish reason when it was aborted). The fused phases the CPU path times insi
 forward (quantization, approximation, dequantization: engine.fused_phases) are summed per
 request and recorded as attributed spans when its prefill ends and when it finishes. On the
 PD decode side the first decode batch closes the queue (SGLang handles the prebuilt batch
-outside process_batch_result). A sampler thread records the KV pool's memory once a second.
+outside process_batch_result), and a request that finishes in its prebuilt batch (its only
+token came from prefill) is closed there (`on_prebuilt`). On the PD prefill side each arrival
+notes its prompt for the wire meter's BF16-equivalent bytes (engine.usage.transfers). A sampler
+thread records the KV pool's memory once a second (engine.usage.memory_sample).
 Everything is a no-op unless metrics are configured (HACK_METRICS_RUN_DIR, see
 docs/dashboard.md): the cost is then one check per scheduler call.
 """
