@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cpu_runtime import shared_host_env
-from engine.metrics import rundir
+from hack_metrics import rundir
 
 from . import netns, procs
 from .server_cmd import METHODS, router_command, server_command
@@ -34,7 +34,7 @@ def state_dir() -> Path:
 
 
 def default_run_root() -> Path:
-    """The one runs root of every command (engine.metrics.rundir.runs_root)."""
+    """The one runs root of every command (hack_metrics.rundir.runs_root)."""
     return rundir.runs_root()
 
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from . import settings as settings_mod
 from .pool_geometry import UnitBytes, row_bytes, token_bytes, unit_bytes
+from .usage import bf16_bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def capacity_report(u: UnitBytes, num_layers: int, heads: int, head_dim: int, ma
                     budget: int | None) -> dict:
     """The HACK pool's capacity next to what a BF16 pool would hold (logged at startup)."""
     hack_cell = token_bytes(u, num_layers)
-    bf16_cell = num_layers * 2 * heads * head_dim * 2
+    bf16_cell = bf16_bytes_per_token(num_layers, heads, head_dim)
     info = {
         "hack_bytes_per_token": hack_cell,
         "bf16_bytes_per_token": bf16_cell,

@@ -182,6 +182,12 @@ def _after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, 
     _metrics_call(on_batch_result, self, batch)
 
 
+def _after_process_batch_result_prebuilt(result: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    from .timeline import on_prebuilt
+
+    _metrics_call(on_prebuilt, batch)
+
+
 def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
     from sglang.srt.entrypoints import http_server
 
@@ -244,6 +250,9 @@ HOOKS: tuple[Hook, ...] = (
          _after_handle_generate_request, "metrics: arrival, queue start, memory sampler"),
     Hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "AFTER",
          _after_process_batch_result, "metrics: queue/prefill ends, first token, decode steps, finish"),
+    Hook("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+         "process_batch_result_prebuilt", "AFTER", _after_process_batch_result_prebuilt,
+         "metrics, PD decode: finish of a request whose only token came from prefill"),
     Hook("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "BEFORE",
          _before_setup_and_run_http_server,
          "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app"),

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from disagg.server_cmd import METHODS
-from engine.metrics.rundir import RUNS_ROOT_HELP
+from hack_metrics.rundir import RUNS_ROOT_HELP
 
 
 def _model_path(name: str) -> str:

@@ -127,8 +127,8 @@ def test_pd_hack_gives_the_colocated_greedy_tokens(hack_pd, colocated):
 def test_pd_timeline_joins_both_roles_with_every_phase(hack_pd):
     """The metrics streams of prefill and decode join into one timeline per request, with the
     fused phases measured on each side (quantization on prefill, approximation on decode)."""
-    from engine.metrics.run_view import build_view
-    from engine.metrics.runload import RunLoader
+    from hack_metrics.run_view import build_view
+    from hack_metrics.runload import RunLoader
 
     t0 = time.time_ns()
     res = generate(hack_pd["router_url"], _prompts(300, 1, offset=3000)[0], 8, stream=True)

@@ -232,8 +232,8 @@ def test_servers_sharing_the_host_wait_passively_unless_told_otherwise(tmp_path,
 
 
 def test_bench_breakdown_is_the_exclusive_breakdown_of_the_run(tmp_path):
-    from engine.metrics.run_view import build_view
-    from engine.metrics.runload import RunLoader
+    from hack_metrics.run_view import build_view
+    from hack_metrics.runload import RunLoader
     from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
     from disagg.bench import _exclusive_means
     from hack_cli.bench_disagg import render
