@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..attention import soft_cap, visible
 from ..config import HackConfig, OpenMode
-from ..quant import quantize
+from ..homomorphic import pv_token_v_codes, pv_token_v_min, quantize_qp, scores_channel_k
 from .pages import RequestPages, TensorPages, quantize_open_page
 
 
@@ -50,27 +50,14 @@ class RequestView:
         raise ValueError(f"no FP16 {name} for positions {start}..{start + count - 1}")
 
 
-def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = False):
-    return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding, generator=gen,
-                    meta_dtype=torch.float32, zero_min=zero_min)
-
-
 def _scores_per_channel(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
     """q [n, H, rep, D] vs K pages quantized per channel -> [n, H, rep, pages * Π]."""
     n, h, rep, d = q.shape
     npg, p = kp.codes.shape[1], kp.codes.shape[2]
-    gd = cfg.head_group(d)
-    ng = d // gd
     if mode == "dequant":
         kd = kp.codes * kp.scale[:, :, None, :] + kp.minimum[:, :, None, :]
         return torch.einsum("nhrd,hpjd->nhrpj", q, kd).reshape(n, h, rep, npg * p)
-    qf = q[:, :, :, None, :] * kp.scale[None, :, None]  # K's per-channel scale folded into Q
-    qq = _q8(qf, -1, gd, cfg, gen)
-    qc = qq.codes.float().reshape(n, h, rep, npg, ng, gd)
-    dot = torch.einsum("nhrpgk,hpjgk->nhrpjg", qc, kp.codes.reshape(h, npg, p, ng, gd))
-    s = (qq.scale[..., None, :] * dot + qq.minimum[..., None, :] * kp.sums[None, :, None]).sum(-1)
-    s = s + torch.einsum("nhrd,hpd->nhrp", q, kp.minimum)[..., None]  # Q · min, exact
-    return s.reshape(n, h, rep, npg * p)
+    return scores_channel_k(q, kp.codes, kp.scale, kp.minimum, kp.sums, cfg, gen)
 
 
 def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
@@ -85,7 +72,7 @@ def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, ge
     if mode == "dequant":
         kd = (kc * sk[..., None] + mk[..., None]).reshape(h, npg * p, d)
         return torch.einsum("nhrd,hjd->nhrj", q, kd)
-    qq = _q8(q, -1, gd, cfg, gen)
+    qq = quantize_qp(q, -1, gd, cfg, gen)
     qc = qq.codes.float().reshape(n, h, rep, ng, gd)
     dot = torch.einsum("nhrgk,hjgk->nhrjg", qc, kc)
     sq, mq, qs = (t[:, :, :, None, :] for t in (qq.scale, qq.minimum, qq.sums.float()))
@@ -97,7 +84,7 @@ def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, ge
 def _pv_per_token(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
     """P·V over keys w [n, Kp] with V quantized per token (head_dim groups)."""
     n, h, rep, kp_ = pr.shape
-    npg, p, d = vp.codes.shape[1], vp.codes.shape[2], vp.codes.shape[3]
+    d = vp.codes.shape[3]
     gd = cfg.head_group(d)
     ng = d // gd
     pw = pr * w[:, None, None, :]
@@ -106,11 +93,7 @@ def _pv_per_token(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode:
     if mode == "dequant":
         vd = (vp.codes.reshape(h, kp_, ng, gd) * sv[..., None] + mv[..., None]).reshape(h, kp_, d)
         return torch.einsum("nhrj,hjd->nhrd", pw, vd)
-    pf = (pw[..., None] * sv[None, :, None]).reshape(n, h, rep, npg, p, ng)  # V scale folded into P
-    qp = _q8(pf, -2, p, cfg, gen, zero_min=True)  # INT8 per (query, page, group), range [0, max]
-    dot = torch.einsum("nhrpjg,hpjgk->nhrpgk", qp.codes.float(), vp.codes.reshape(h, npg, p, ng, gd))
-    out = (qp.scale[:, :, :, :, 0, :, None] * dot).sum(3).reshape(n, h, rep, d)
-    return out + torch.einsum("nhrj,hjg->nhrg", pw, mv).repeat_interleave(gd, -1)
+    return pv_token_v_codes(pw, vp.codes, sv, cfg, gen) + pv_token_v_min(pw, mv, gd)
 
 
 def _pv_per_channel(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
@@ -122,7 +105,7 @@ def _pv_per_channel(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mod
     if mode == "dequant":
         vd = vp.codes * vp.scale[:, :, None, :] + vp.minimum[:, :, None, :]
         return torch.einsum("nhrpj,hpjd->nhrd", pw, vd)
-    qp = _q8(pw, -1, p, cfg, gen, zero_min=True)
+    qp = quantize_qp(pw, -1, p, cfg, gen, zero_min=True)
     dot = torch.einsum("nhrpj,hpjd->nhrpd", qp.codes.float(), vp.codes)
     sp, ps = qp.scale, qp.sums.float()  # [n, H, rep, pages, 1]
     sv, mv = vp.scale[None, :, None], vp.minimum[None, :, None]  # [1, H, 1, pages, D]
