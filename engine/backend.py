@@ -139,7 +139,7 @@ class HackAttnBackend(AttentionBackend):
         q3, k3, v3 = self._shapes(q, k, v, layer)
         window, cap = layer_features(layer)
         if self.gpu is not None:
-            o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling)
+            o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, layer.scaling)
         else:
             mode = self.extend_mode
             if mode == "dequant" and not self.forward_metadata.has_prefix:
@@ -156,7 +156,7 @@ class HackAttnBackend(AttentionBackend):
         q3, k3, v3 = self._shapes(q, k, v, layer)
         window, cap = layer_features(layer)
         if self.gpu is not None:
-            o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, self.decode_mode, layer.scaling)
+            o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, layer.scaling)
         else:  # the store step (HackKVStore.write) runs inside decode
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.decode_mode,
                              scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
