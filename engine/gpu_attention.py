@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from hack_ops.modes import AttentionMode, PrefillMode
 from hack_ops.paged.plan import ForwardPlan
 
 
@@ -23,9 +23,9 @@ class GpuAttention:
     def __init__(self, store: Any, settings: Any) -> None:
         from hack_ops.triton.spec import kernel_spec
 
-        if settings.attention != "hack":
+        if settings.attention != AttentionMode.HACK:
             raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
-        if settings.prefill != "homomorphic":
+        if settings.prefill != PrefillMode.HOMOMORPHIC:
             raise NotImplementedError("--hack-prefill exact runs on the CPU path only")
         kernel_spec(store.layout)  # refuses formats the kernels do not implement, with the reason
         self.store = store

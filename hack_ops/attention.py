@@ -1,5 +1,6 @@
-"""Reference attention on dense tensors: 'exact', 'hack' (homomorphic, no dequantization) and
-'dequant' (the paper's strawman: the same 2-bit cache dequantized before exact attention).
+"""Reference attention on dense tensors, in every AttentionMode (hack_ops.modes): 'exact' (no
+quantization), 'hack' (homomorphic, no dequantization) and 'dequant' (the paper's strawman: the
+same 2-bit cache dequantized before float attention).
 
 The 'hack' and 'dequant' modes reproduce what a query sees in the serving cache, token by token
 ("decode-time visibility"). With partition size Π and the query at absolute position t (the
@@ -41,14 +42,14 @@ from torch import Tensor
 
 from .config import HackConfig
 from .homomorphic import homomorphic_matmul_q, pv_token_v_codes, pv_token_v_min, quantize_qp, scores_channel_k
+from .modes import AttentionMode, attention_mode
 from .quant import QTensor, dequantize, quantize
 
-MODES = ("exact", "hack", "dequant")
+MODES = tuple(AttentionMode)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def _check(q: Tensor, k: Tensor, v: Tensor, mode: AttentionMode | str) -> AttentionMode:
+    mode = attention_mode(mode)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, heads, seq, head_dim]")
@@ -62,6 +63,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mode: str) -> None:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if k.shape[2] == 0:
         raise ValueError("k/v must hold at least one token")
+    return mode
 
 
 def _positions(sq: int, sk: int, causal: bool) -> Tensor:
@@ -77,7 +79,7 @@ def attention(
     k: Tensor,
     v: Tensor,
     config: HackConfig | None = None,
-    mode: str = "exact",
+    mode: AttentionMode | str = AttentionMode.EXACT,
     causal: bool = True,
     scale: float | None = None,
     generator: torch.Generator | None = None,
@@ -88,18 +90,18 @@ def attention(
     heads. Queries are the last len(q) positions of the sequence (causal, bottom-right).
     window: sliding window (keys t-window..t visible; None or -1: none); logit_cap: soft-cap
     of the scaled scores (0: none). Returns float32 [batch, q_heads, len(q), head_dim]."""
-    _check(q, k, v, mode)
+    mode = _check(q, k, v, mode)
     window = check_window(window)
     logit_cap = check_logit_cap(logit_cap)
     cfg = config or HackConfig()
     d = q.shape[-1]
-    if mode != "exact" and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
+    if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
         raise ValueError(f"head_dim {d} must be a multiple of the head_dim group {cfg.head_group(d)}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rep = q.shape[1] // k.shape[1]
     pos = _positions(q.shape[2], k.shape[2], causal)
     qs = q.float() * scale
-    if mode == "exact":
+    if mode == AttentionMode.EXACT:
         kf = k.float().repeat_interleave(rep, 1)
         vf = v.float().repeat_interleave(rep, 1)
         s = soft_cap(qs @ kf.transpose(-1, -2), logit_cap)
@@ -181,7 +183,7 @@ def _row_groups(reach: Tensor):
             yield torch.nonzero(reach == n).squeeze(1), int(n)
 
 
-def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen,
+def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen,
                       reach: Tensor) -> Tensor:
     """Scores against K quantized per channel over each page (tokens where kmask is True);
     query t gets scores for the first reach[t] pages (the rest of its row is left 0)."""
@@ -189,7 +191,7 @@ def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mod
     ng = dd // cfg.head_group(dd)
     npg = k.shape[-2] // p
     qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=kmask[:, None].expand(k.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         kd = dequantize(qk) * kmask[:, None]
         return qs @ _heads(kd, rep).transpose(-1, -2)
     sk_ = _heads(qk.scale.float(), rep)  # [B, H, npg, D]
@@ -203,12 +205,12 @@ def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mod
     return out
 
 
-def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen) -> Tensor:
     """Scores against K quantized per token in head_dim groups (Eq. 4 directly)."""
     gd = cfg.head_group(k.shape[-1])
     kt = k.transpose(-1, -2)
     qk = _kv_quant(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return qs @ _heads(dequantize(qk), rep)
     qq = quantize_qp(qs, -1, gd, cfg, gen, check=False)
     qk_h = QTensor(_heads(qk.codes, rep), _heads(qk.scale, rep), _heads(qk.minimum, rep),
@@ -216,7 +218,7 @@ def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode:
     return homomorphic_matmul_q(qq, qk_h, cfg.summation_elimination)
 
 
-def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen,
+def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen,
                 reach: Tensor) -> Tensor:
     """P·V with V quantized per token in head_dim groups, over the keys where w [Sq, Skp]
     (all within the first reach[t] pages of query t)."""
@@ -224,7 +226,7 @@ def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig
     gd = cfg.head_group(dd)
     pw = pr * w
     qv = _kv_quant(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     b, h, sq, skp = pw.shape
     sv = _heads(qv.scale.float(), rep)  # [B, H, Skp, ng]
@@ -237,12 +239,12 @@ def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig
     return out
 
 
-def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen) -> Tensor:
     """P·V with V quantized per channel over each page (Eq. 4, groups along the sequence)."""
     p = cfg.partition_size
     pw = pr * w
     qv = _kv_quant(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     qp = quantize_qp(pw, -1, p, cfg, gen, zero_min=True, check=False)
     qv_h = QTensor(_heads(qv.codes, rep), _heads(qv.scale, rep), _heads(qv.minimum, rep),
@@ -251,7 +253,7 @@ def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConf
     return homomorphic_matmul_q(qp, qv_h, cfg.summation_elimination)
 
 
-def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep: int, gen,
+def _quantized_attention(qs, k, v, cfg: HackConfig, mode: AttentionMode, pos: Tensor, rep: int, gen,
                          window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     sk = k.shape[-2]
     c = _Cache(pos, sk, cfg, window)

@@ -17,6 +17,7 @@ from enum import Enum
 import torch
 
 from ..config import OpenMode
+from ..modes import AttentionMode, PrefillMode
 from . import cpu_kernel
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,12 @@ def build_variant() -> str:
     return "portable" if os.environ.get("HACK_EXTEND_KERNEL") == "portable" else "native"
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native") -> str | None:
+def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "native",
+            prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> str | None:
     """Why the tiled kernel cannot run this extend (None: it can)."""
     if os.environ.get("HACK_EXTEND_KERNEL", "tiled") == "per-query":
         return "HACK_EXTEND_KERNEL=per-query selects the per-query kernel"
-    reason = cpu_kernel.why_not(store, mode, generator, variant, phase="extend")
+    reason = cpu_kernel.why_not(store, mode, generator, variant, phase="extend", prefill=prefill)
     if reason is not None:
         return reason
     if _lib(variant) is None:
@@ -71,30 +73,32 @@ def why_not(store, mode: str, generator=None, variant: str = "native") -> str | 
     return None
 
 
-def choose(store, mode: str, generator=None, backend: str = "auto", window: int | None = None,
-           logit_cap: float = 0.0) -> tuple[ExtendPath, str]:
-    """The path an extend with this store/mode (and the layer's sliding window / soft-cap)
-    takes, and a sentence saying why."""
+def choose(store, mode: AttentionMode | str, generator=None, backend: str = "auto", window: int | None = None,
+           logit_cap: float = 0.0, prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> tuple[ExtendPath, str]:
+    """The path an extend with this store, AttentionMode and PrefillMode (and the layer's
+    sliding window / soft-cap) takes, and a sentence saying why."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     if backend == "torch":
         return ExtendPath.TORCH, "backend='torch' asked for"
-    tiled = why_not(store, mode, generator, build_variant())
+    tiled = why_not(store, mode, generator, build_variant(), prefill)
     if tiled is None and (window is not None or logit_cap):
         tiled = "a sliding window or logit soft-cap (the tiled kernel has neither yet)"
     if tiled is None:
         if simd(build_variant()):
             return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {AMX_NOTE}"
         return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {AMX_NOTE}"
-    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap)
+    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap,
+                                   prefill=prefill)
     if per_query is None:
         return ExtendPath.PER_QUERY, f"per-query decode kernel, because the tiled kernel does not apply: {tiled}"
     return ExtendPath.TORCH, f"PyTorch, because the compiled kernels do not apply: {per_query}"
 
 
-def describe(store, mode: str, generator=None) -> str:
+def describe(store, mode: AttentionMode | str, generator=None,
+             prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> str:
     """One line for the server log and the benchmark: path name and reason."""
-    path, why = choose(store, mode, generator)
+    path, why = choose(store, mode, generator, prefill=prefill)
     return f"{path.value} ({why})"
 
 
@@ -109,7 +113,8 @@ def _i64(x) -> torch.Tensor:
 
 def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.Tensor, v_win: torch.Tensor,
            win_off, exact: bool, variant: str | None = None, block_tokens: int = 0) -> torch.Tensor:
-    """Extend attention of the plan's new tokens q [N, Hq, D] (stored already): request b's
+    """Extend attention of the plan's new tokens q [N, Hq, D] (stored already; exact: the
+    PrefillMode is 'exact', the new tokens read in FP16 from the windows): request b's
     FP16 window starts at position (prefix // Π) * Π, element offset win_off[b] of k_win/v_win
     (fp16 [.., H, D]). Returns float32 [N, Hq, D]. block_tokens > 0 sets the query positions per
     work item (results do not depend on it, nor on the thread count)."""

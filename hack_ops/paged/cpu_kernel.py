@@ -10,7 +10,8 @@ not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('
 
 Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a multiple of 64 up
 to 256, up to 16 query heads per KV head, sliding windows and logit soft-capping; decode 'hack'
-with any tails / sinks / RQE setting; extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on):
+with any tails / sinks / RQE setting; extend 'hack' (RQE on), prefill 'homomorphic' or 'exact' (the
+latter with K and V tails, RQE on):
 the tiled kernel of hack_extend.c (bound in cpu_extend.py; no windows or soft-caps), or this
 file's per-query call (one kernel "request" per new token).
 Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
@@ -26,6 +27,7 @@ import torch
 
 from ..cbuild import build_library
 from ..config import OpenMode
+from ..modes import AttentionMode, PrefillMode
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c", CSRC / "hack_store.c"]
@@ -78,9 +80,11 @@ def load(variant: str = "native") -> ctypes.CDLL | None:
     return lib
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode",
-            window: int | None = None, logit_cap: float = 0.0) -> str | None:
-    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'.
+def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "native", phase: str = "decode",
+            window: int | None = None, logit_cap: float = 0.0,
+            prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> str | None:
+    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend' (with
+    the extend's PrefillMode).
     window / logit_cap: the layer's features; this kernel has both (a kernel without them
     returns its reason here, and the dispatcher falls back to a path that has them)."""
     cfg = store.config
@@ -89,8 +93,8 @@ def why_not(store, mode: str, generator=None, variant: str = "native", phase: st
         return "disabled by HACK_CPU_KERNEL=0"
     if store.device.type != "cpu":
         return f"the store is on {store.device}, not the CPU"
-    if mode not in (("hack",) if phase == "decode" else ("hack", "exact")):
-        return f"mode {mode!r} (the kernel does 'hack' decode, 'hack'/'exact' extend)"
+    if mode != AttentionMode.HACK:
+        return f"mode {str(mode)!r} (the kernel does 'hack' decode and extend)"
     if cfg.orientation != "channel_k":
         return "orientation 'token_k' (the kernel does 'channel_k')"
     if cfg.rounding != "nearest" or generator is not None:
@@ -99,8 +103,8 @@ def why_not(store, mode: str, generator=None, variant: str = "native", phase: st
         return f"head_dim {d} (the kernel needs a multiple of 64 up to 256)"
     if phase == "extend" and cfg.open_mode("k") == OpenMode.REQUANT:
         return "extend with requant_elimination=False (each query needs its own re-quantized page)"
-    if mode == "exact" and cfg.open_mode("v") != OpenMode.FP16:
-        return "'exact' extend without a V tail"
+    if phase == "extend" and prefill == PrefillMode.EXACT and cfg.open_mode("v") != OpenMode.FP16:
+        return "prefill 'exact' without a V tail"
     if load(variant) is None:
         return why_not_loaded(variant)
     return None
@@ -111,7 +115,7 @@ def why_not_loaded(variant: str = "native") -> str:
     return _errors.get(variant, "the kernel could not be loaded")
 
 
-def usable(store, mode: str, backend: str, generator=None, phase: str = "decode",
+def usable(store, mode: AttentionMode | str, backend: str, generator=None, phase: str = "decode",
            window: int | None = None, logit_cap: float = 0.0) -> bool:
     return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase, window=window,
                                                   logit_cap=logit_cap) is None
