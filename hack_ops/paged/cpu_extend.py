@@ -16,7 +16,6 @@ from enum import Enum
 
 import torch
 
-from ..config import OpenMode
 from ..modes import AttentionMode, PrefillMode
 from . import cpu_kernel
 
@@ -36,10 +35,8 @@ class ExtendPath(str, Enum):
 
 class _XArgs(ctypes.Structure):
     _fields_ = [(n, _I64) for n in (
-        "batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens",
-        "v_open_quantized", "exact", "meta_fp32", "max_pages",
-        "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
-        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads", "block_tokens")] + [
+        *cpu_kernel.GEOMETRY_FIELDS, "v_open_quantized", "exact", "meta_fp32", "max_pages",
+        *cpu_kernel.PAGE_FIELDS, "block_tokens")] + [
         (n, _P) for n in ("prefix_lens", "seq_lens", "q_start", "page_table", "sink_slots", "win_off",
                           "k_pages", "v_pages", "k_win", "v_win", "sink_k", "sink_v", "q", "out")]
 
@@ -122,15 +119,10 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     lib = _lib(variant)
     if lib is None:
         raise RuntimeError(cpu_kernel._errors.get(variant, "the CPU kernel is not available"))
-    cfg, lay = store.config, store.layout
     n, hq, d = q.shape
-    h = store.num_heads
-    rep = hq // h
-    if rep > 16:
-        raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
-    bufs = (store.k_pages[layer], store.v_pages[layer], k_win, v_win, store.sink_k[layer], store.sink_v[layer])
-    if any(t is not None and not t.is_contiguous() for t in bufs):
-        raise RuntimeError("the buffers the kernel reads must be contiguous")
+    shared = cpu_kernel.shared_args(store, q, plan.page_table.shape[1])
+    cpu_kernel.check_contiguous(store.k_pages[layer], store.v_pages[layer], k_win, v_win, store.sink_k[layer],
+                                store.sink_v[layer])
     if k_win.dtype != torch.float16 or v_win.dtype != torch.float16:
         raise RuntimeError("the FP16 windows must be float16")
     qs = (q.float() * scale).contiguous()
@@ -138,16 +130,8 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     keep = [_i64(x) for x in (plan.prefix_lens, plan.seq_lens, plan.qo_indptr, plan.page_table,
                               plan.sink_slot.clamp(min=0), win_off)]
     pre, seq, qo, table, sinks, woff = keep
-    sums = lay.k.sums
     a = _XArgs(
-        batch=plan.batch_size, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
-        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens, v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
-        exact=int(exact), meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
-        k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
-        k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,
-        k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
-        v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
-        v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(), block_tokens=block_tokens,
+        batch=plan.batch_size, **shared, exact=int(exact), block_tokens=block_tokens,
         prefix_lens=pre.data_ptr(), seq_lens=seq.data_ptr(), q_start=qo.data_ptr(), page_table=table.data_ptr(),
         sink_slots=sinks.data_ptr(), win_off=woff.data_ptr(),
         k_pages=store.k_pages[layer].data_ptr(), v_pages=store.v_pages[layer].data_ptr(),
