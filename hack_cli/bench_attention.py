@@ -26,6 +26,7 @@ import time
 import torch
 
 from hack_ops.config import HackConfig
+from hack_ops.modes import AttentionMode
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (query heads, kv heads, head_dim)
 
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 say(_row("decode", shape, batch, ctx, cell))
         for prefill in prefills:
             case = prefill_case(hq, h, d, prefill)
-            extend_path = cpu_extend.describe(case.store, "hack")
+            extend_path = cpu_extend.describe(case.store, AttentionMode.HACK)
             say(f"extend path: {extend_path}")
             cell = _median_ms(case.methods(), max(1, repeats // 2), clock)
             store_bytes = case.store.layout.page_bytes * -(-prefill // case.store.page_size)
