@@ -159,10 +159,9 @@ def before_from_cli_args(cls: Any, ns: Any, *a: Any, **kw: Any) -> None:
     try:
         codec = transfer_codec.check_options(ns)
     except ValueError as exc:
-        from engine.hooks import _CLI_PARSER
+        from engine.hooks import option_error
 
-        if _CLI_PARSER:
-            _CLI_PARSER[0].error(str(exc))  # usage + message, exit status 2
+        option_error(str(exc))
         raise
     transfer_codec.publish(codec)
     return None

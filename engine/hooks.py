@@ -15,6 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .server_state import state
+
 logger = logging.getLogger(__name__)
 
 # Upstream symbols used without a hook.
@@ -45,8 +47,6 @@ DIRECT_FIELDS = (
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases -> requests
 )
 
-_CLI_PARSER: list = []  # the parser SGLang built, kept to report option errors the argparse way
-
 
 @dataclass(frozen=True)
 class Hook:
@@ -62,7 +62,7 @@ def _after_add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> 
     from .args import add_arguments
 
     add_arguments(parser)
-    _CLI_PARSER[:] = [parser]
+    state().cli_parser = parser  # option errors found later are reported the argparse way
 
 
 def _around_from_cli_args(original: Callable, cls: Any, ns: Any) -> Any:
@@ -72,10 +72,17 @@ def _around_from_cli_args(original: Callable, cls: Any, ns: Any) -> Any:
     try:
         apply_cli_namespace(ns)
     except HackArgumentError as exc:
-        if _CLI_PARSER:
-            _CLI_PARSER[0].error(str(exc))  # prints usage + message, exits with status 2
+        option_error(str(exc))
         raise
     return original(cls, ns)
+
+
+def option_error(message: str) -> None:
+    """Report a refused server option like argparse does (usage + message, exit status 2) when
+    SGLang's parser is known; otherwise return, and the caller raises its exception."""
+    parser = state().cli_parser
+    if parser is not None:
+        parser.error(message)
 
 
 def _before_resolve_once(server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -157,16 +164,14 @@ def _after_add_memory_usage(result: Any, self: Any, state: dict, *args: Any, **k
     state["hack_kv"] = kv_usage(self.scheduler)
 
 
-_metric_failures: list[int] = [0]
-
-
 def _metrics_call(fn: Callable, *args: Any) -> None:
     """Metrics never break serving: failures are logged (the first three) and counted."""
     try:
         fn(*args)
     except Exception:
-        _metric_failures[0] += 1
-        if _metric_failures[0] <= 3:
+        st = state()
+        st.metric_failures += 1
+        if st.metric_failures <= 3:
             logger.exception("sglang-hack: timeline metrics failed (serving continues)")
 
 
