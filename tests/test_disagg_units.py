@@ -77,7 +77,7 @@ def test_fingerprint_names_version_partition_and_model():
 
 
 def test_incompatible_reason_is_readable():
-    from disagg.sglang_hooks import incompatible_reason
+    from disagg.connector import incompatible_reason
 
     msg = ("KV cache dtype mismatch: prefill server has kv_cache_dtype=hack:v2:P32:aa:m:L30, but "
            "decode server has kv_cache_dtype=hack:v2:P64:bb:m:L30. Both servers must ...")
