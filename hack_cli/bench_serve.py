@@ -101,7 +101,7 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say) -> dict:
     """All servers up at once (--sleep-on-idle: an idle one takes no CPU); measurements
     alternate between them so that load drifts on a shared machine hit every method alike."""
     from engine.launcher import SGLangServer
-    from engine.workload import essay_ids
+    from hack_eval.workloads import essay_ids
 
     servers = {m: SGLangServer(model_path, [*METHODS[m], "--hack-kv-budget-mb", str(cfg["budget_mb"]),
                                             "--sleep-on-idle"]) for m in methods}

@@ -159,13 +159,13 @@ def test_summarize_percentiles():
 
 
 def test_workloads_build_from_every_source():
-    from disagg.workload import build, load_tokenizer
+    from hack_eval.workloads import build, tokenizer
     from hack_eval.models import model_dir
 
     path = model_dir()
     if not path.exists():
         pytest.skip("model not prepared (hack model prepare smollm2)")
-    tok = load_tokenizer(str(path))
+    tok = tokenizer(str(path))
     long = build("longdoc-2k", tok, 2, rps=1.0, seed=3)
     assert [len(w.input_ids) for w in long] == [2048, 2048] and long[0].input_ids != long[1].input_ids
     assert long[0].arrival_s == 0.0 and long[1].arrival_s > 0
