@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from disagg import cluster, netns, procs
+from disagg.replay import replay, summarize
 from hack_eval.workloads import build, tokenizer
-
-from . import cluster, netns, procs
-from .replay import replay, summarize
 
 DEMO_LINK_MBPS = 100.0
 
