@@ -24,10 +24,11 @@ from typing import Any, Callable
 
 import requests
 
+from hack_eval.workloads import build, tokenizer
+
 from . import cluster, netns
 from .replay import replay, summarize
 from .wire_meter import read_log
-from .workload import build, load_tokenizer
 
 
 def set_rate(link: dict, mbps: float) -> None:
@@ -100,7 +101,7 @@ def run(model_path: str, methods: list[str], rates: list[float], workload: str, 
     ok, why = netns.can_shape()
     if not ok:
         raise RuntimeError(f"hack bench disagg shapes the link: {why}")
-    tok = load_tokenizer(model_path)
+    tok = tokenizer(model_path)
     items = build(workload, tok, n, rps, seed=seed, prompt_tokens=prompt_tokens)
     out: dict[str, Any] = {"workload": workload, "requests": n, "rps": rps, "seed": seed,
                            "rates_mbps": rates, "methods": methods, "points": []}

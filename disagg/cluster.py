@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cpu_runtime import shared_host_env
+from engine.launcher import free_port
 from hack_metrics import rundir
 
 from . import netns, procs
@@ -152,8 +153,8 @@ def up(spec: ClusterSpec, log=print) -> dict:
         pids, urls, logs, prefill_eps, decode_urls = [], [], [], [], []
         for role, count, ip in (("prefill", spec.prefill, prefill_ip), ("decode", spec.decode, decode_ip)):
             for i in range(count):
-                port = procs.free_port("127.0.0.1")
-                bport = procs.free_port("127.0.0.1") if role == "prefill" else None
+                port = free_port("127.0.0.1")
+                bport = free_port("127.0.0.1") if role == "prefill" else None
                 extra_args = list(spec.extra_server_args)
                 if spec.enable_metrics and "--enable-metrics" not in extra_args:
                     extra_args.append("--enable-metrics")
@@ -173,7 +174,7 @@ def up(spec: ClusterSpec, log=print) -> dict:
                 logs.append(log_path)
                 (prefill_eps.append((url, bport)) if role == "prefill" else decode_urls.append(url))
         wait_healthy(urls, pids, spec.health_timeout_s, logs)
-        rport = procs.free_port()
+        rport = free_port()
         rlog = run_dir / "router.log"
         rpid = procs.spawn(router_command(rport, prefill_eps, decode_urls), dict(os.environ), rlog)
         state["pids"].append(rpid)

@@ -103,7 +103,7 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
     """All servers up at once (--sleep-on-idle: an idle one takes no CPU); measurements
     alternate between them so that load drifts on a shared machine hit every method alike."""
     from engine.launcher import SGLangServer
-    from engine.workload import essay_ids
+    from hack_eval.workloads import essay_ids
 
     # One run directory per method (the dashboard compares two runs side by side).
     runs = {m: rundir.create_run(f"bench-serve-{m}", m, extra={"model_path": model_path, "bench": "serve",

@@ -176,7 +176,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from disagg import demo
+    from . import demo
 
     return demo.run(_model_path(args.model), requests=args.requests, dashboard=not args.no_dashboard,
                     duration_s=args.duration, port=args.port)

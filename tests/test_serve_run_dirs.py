@@ -68,12 +68,12 @@ class _FakeServer:
 
 def test_hack_bench_serve_records_one_run_per_method(tmp_path, monkeypatch):
     import engine.launcher
-    import engine.workload
+    import hack_eval.workloads
 
     monkeypatch.setenv(rundir.RUNS_ROOT_VAR, str(tmp_path))
     monkeypatch.setattr(engine.launcher, "SGLangServer", _FakeServer)
     monkeypatch.setattr(_FakeServer, "started", [])
-    monkeypatch.setattr(engine.workload, "essay_ids", lambda path, n, index=0: [1] * n)
+    monkeypatch.setattr(hack_eval.workloads, "essay_ids", lambda path, n, index=0: [1] * n)
     monkeypatch.setattr(bench_serve, "_throughput", lambda *a: {"output_tok_s": 5.0})
     cfg = {"contexts": [16], "decode_tokens": 2, "concurrency": 1, "requests": 1, "tp_prompt": 8,
            "tp_tokens": 2, "budget_mb": 64.0}
