@@ -3,7 +3,7 @@ by the operator notebook, so both show the same thing.
 
 Every phase has one color everywhere (PHASE_COLORS). Figures never draw more than a
 bounded number of marks: the timeline and the per-request breakdown show a window of the
-newest requests, memory series are downsampled (engine.metrics.analysis.memory_series).
+newest requests, memory series are downsampled (hack_metrics.analysis.memory_series).
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pandas as pd
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.metrics import analysis
-from engine.metrics.run_view import RunView
+from hack_metrics import analysis
+from hack_metrics.run_view import RunView
 
 PHASE_COLORS = {
     "queue": "#9e9e9e", "prefill": "#1f77b4", "quantization": "#ff7f0e",

@@ -12,10 +12,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.metrics import rundir
-from engine.metrics.http_client import HttpRunLoader
-from engine.metrics.run_view import RunView, build_view
-from engine.metrics.runload import RunLoader
+from hack_metrics import rundir
+from hack_metrics.http_client import HttpRunLoader
+from hack_metrics.run_view import RunView, build_view
+from hack_metrics.runload import RunLoader
 
 HOW_TO_START = (
     "No run directory yet. A run directory is written by a HACK cluster started with "

@@ -7,8 +7,8 @@ import streamlit as st
 
 from dashboard import figures as F
 from dashboard.sources import Source
-from engine.metrics import analysis
-from engine.metrics.run_view import RunView
+from hack_metrics import analysis
+from hack_metrics.run_view import RunView
 
 
 @st.cache_resource(max_entries=16, show_spinner=False)

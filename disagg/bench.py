@@ -6,7 +6,7 @@ servers, their warm-up and their memory are the same across rates. The same work
 token ids, same Poisson arrival times) is replayed at every point.
 
 Breakdown per request (means reported), all measured, none modelled: the exclusive breakdown
-of the servers' metrics streams (engine.metrics.analysis; the dashboard's Fig. 10 view), in
+of the servers' metrics streams (hack_metrics.analysis; the dashboard's Fig. 10 view), in
 which each instant of a request's JCT belongs to one phase: quantization, approximation /
 dequantization (host-timed inside the CPU path, engine.fused_phases), prefill, decode, the
 exposed part of the KV transfer, and waiting (queues, bootstrap). Next to it, the time and
@@ -24,10 +24,11 @@ from typing import Any, Callable
 
 import requests
 
+from hack_eval.workloads import build, tokenizer
+
 from . import cluster, netns
 from .replay import replay, summarize
 from .wire_meter import read_log
-from .workload import build, load_tokenizer
 
 
 def set_rate(link: dict, mbps: float) -> None:
@@ -56,8 +57,8 @@ def _exclusive_means(run_dir: Path, since_ns: int) -> dict[str, float]:
     """Mean seconds per request of each phase in the metrics' exclusive breakdown (the
     dashboard's: every instant of a request's JCT in one phase), over the PD requests that
     arrived since `since_ns`. Empty when the run has no metrics."""
-    from engine.metrics.run_view import build_view
-    from engine.metrics.runload import RunLoader
+    from hack_metrics.run_view import build_view
+    from hack_metrics.runload import RunLoader
 
     bd = build_view(RunLoader(run_dir).load()).breakdown
     if bd is None or not len(bd):
@@ -100,7 +101,7 @@ def run(model_path: str, methods: list[str], rates: list[float], workload: str, 
     ok, why = netns.can_shape()
     if not ok:
         raise RuntimeError(f"hack bench disagg shapes the link: {why}")
-    tok = load_tokenizer(model_path)
+    tok = tokenizer(model_path)
     items = build(workload, tok, n, rps, seed=seed, prompt_tokens=prompt_tokens)
     out: dict[str, Any] = {"workload": workload, "requests": n, "rps": rps, "seed": seed,
                            "rates_mbps": rates, "methods": methods, "points": []}

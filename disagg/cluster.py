@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.cpu_runtime import shared_host_env
-from engine.metrics import rundir
+from engine.launcher import free_port
+from hack_metrics import rundir
 
 from . import netns, procs
 from .server_cmd import METHODS, router_command, server_command
@@ -34,7 +35,7 @@ def state_dir() -> Path:
 
 
 def default_run_root() -> Path:
-    """The one runs root of every command (engine.metrics.rundir.runs_root)."""
+    """The one runs root of every command (hack_metrics.rundir.runs_root)."""
     return rundir.runs_root()
 
 
@@ -152,8 +153,8 @@ def up(spec: ClusterSpec, log=print) -> dict:
         pids, urls, logs, prefill_eps, decode_urls = [], [], [], [], []
         for role, count, ip in (("prefill", spec.prefill, prefill_ip), ("decode", spec.decode, decode_ip)):
             for i in range(count):
-                port = procs.free_port("127.0.0.1")
-                bport = procs.free_port("127.0.0.1") if role == "prefill" else None
+                port = free_port("127.0.0.1")
+                bport = free_port("127.0.0.1") if role == "prefill" else None
                 extra_args = list(spec.extra_server_args)
                 if spec.enable_metrics and "--enable-metrics" not in extra_args:
                     extra_args.append("--enable-metrics")
@@ -173,7 +174,7 @@ def up(spec: ClusterSpec, log=print) -> dict:
                 logs.append(log_path)
                 (prefill_eps.append((url, bport)) if role == "prefill" else decode_urls.append(url))
         wait_healthy(urls, pids, spec.health_timeout_s, logs)
-        rport = procs.free_port()
+        rport = free_port()
         rlog = run_dir / "router.log"
         rpid = procs.spawn(router_command(rport, prefill_eps, decode_urls), dict(os.environ), rlog)
         state["pids"].append(rpid)

@@ -1,7 +1,9 @@
 """Test-only fault injection on the receiving side of a transfer.
 
-Off unless the decode server was started with HACK_DISAGG_FAULT_FILE=<path>. When that file
-exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
+Off unless the decode server was started with HACK_DISAGG_FAULT_FILE=<path> (`hack up` sets
+it on its decode servers; the e2e tests use that). The switch is read once, when the plugin
+registers its hooks: without it the injection is no hook at all and costs nothing per request.
+When it is on and that file exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
 wire would have damaged it, and the file is removed (one fault per trigger):
   corrupt   one byte (byte 200) of the first received page of layer 0's K is flipped;
   truncate  the first received page of every layer is zeroed, as if its bytes never arrived
@@ -21,6 +23,11 @@ logger = logging.getLogger(__name__)
 
 FAULT_FILE_ENV = "HACK_DISAGG_FAULT_FILE"
 KINDS = ("corrupt", "truncate")
+
+
+def enabled() -> bool:
+    """The startup switch: a trigger file path was given."""
+    return bool(os.environ.get(FAULT_FILE_ENV))
 
 
 def take_trigger() -> str | None:
@@ -67,3 +74,11 @@ def inject_receive_fault(scheduler: Any, req: Any) -> str | None:
             buf[pages[0] * rows:(pages[0] + 1) * rows].zero_()
     logger.warning("fault injection: %s the received KV of request %s", kind, req.rid)
     return kind
+
+
+def before_verify(scheduler: Any, batch: Any, *a: Any, **kw: Any) -> None:
+    """BEFORE the decode side's digest check (registered only when `enabled()` at startup)."""
+    for req in batch.reqs:
+        if req.kv.req_pool_idx is not None:
+            inject_receive_fault(scheduler, req)
+    return None

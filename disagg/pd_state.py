@@ -18,7 +18,7 @@ slot once the transfer has landed and before its first decode step.
 The format check rides the bootstrap exchange: the kv-cache dtype string both sides register
 (`kv_args.kv_cache_dtype_str`) becomes a fingerprint of the page layout, its version and the
 model, and SGLang's own bootstrap comparison refuses a pairing whose strings differ
-(disagg.bootstrap_check turns that into one clear error per request).
+(disagg.connector.PdConnector.check_pairing turns that into one clear error per request).
 """
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import requests
 
-from .workload import WorkItem
+from engine.generate_stream import stream_chunks
+from hack_eval.workloads import WorkItem
 
 
 @dataclass
@@ -60,13 +61,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout_s: flo
                 res.output_ids = list(data.get("output_ids") or [])
                 res.rid = (data.get("meta_info") or {}).get("id")
             else:
-                for line in r.iter_lines():
-                    if not line or not line.startswith(b"data:"):
-                        continue
-                    payload = line[5:].strip()
-                    if payload == b"[DONE]":
-                        break
-                    data = json.loads(payload)
+                for data in stream_chunks(r):
                     if "error" in data or data.get("object") == "error":
                         res.error = json.dumps(data)[:500]
                         break

@@ -14,7 +14,7 @@ page and decoded back into it. A stream that cannot be decoded fills its page wi
 bytes, so the digest check fails the request ("KV checksum mismatch") and SGLang frees its
 pages on both sides; for that reason the codec requires --disaggregation-enable-kv-checksum.
 Both sides put `+splitzip:<codebook id>` into the KV dtype string compared at bootstrap, so a
-pairing whose codec or codebook differs is refused with a sentence (disagg.sglang_hooks).
+pairing whose codec or codebook differs is refused with a sentence (disagg.connector).
 """
 from __future__ import annotations
 

@@ -3,8 +3,14 @@
 Every successful call of SGLang's MooncakeTransferEngine.batch_transfer_sync/transfer_sync adds
 its lengths to a per-thread tally. A request's transfer ends with its metadata row
 (MooncakeKVManager.send_aux, which knows the bootstrap room); at that point the tally of the
-sending thread is attributed to that room: one JSON line in `$HACK_DISAGG_WIRE_LOG` (if set)
-and a `transfer` span in the metrics stream (engine.metrics, keyed by the room). SGLang sends
+sending thread is attributed to that room. That one record (`finish_room`) is the single
+source of the request's wire numbers: it is written as one JSON line in `$HACK_DISAGG_WIRE_LOG`
+(if set; read by `hack bench disagg`) and as a `transfer` span in the metrics stream
+(engine.metrics, keyed by the room; read by the dashboard), with the same fields. Next to the
+bytes sent it carries `tokens` (the prompt tokens sent: the prompt less the prefix the decode
+server already held) and `bytes_bf16`, what those tokens' K and V take in a BF16 cache of this
+model (engine.usage: layers x KV heads x head_dim of the server's pool, noted when the request
+arrived); both are None when the prompt was not noted (metrics of another process). SGLang sends
 all chunks of one room from the same transfer worker thread, so with one request in flight per
 thread the attribution is exact; with several interleaved requests the total stays exact and
 the split between them is approximate.
@@ -64,14 +70,19 @@ def around_transfer(original: Callable, engine: Any, target: str, buffer: int, p
     return ret
 
 
-def finish_room(room: int) -> dict:
+def finish_room(room: int, decode_prefix_len: int | None = None) -> dict:
     """Attribute this thread's tally to `room` and reset it.
 
     `busy_s` is the time spent inside the (synchronous) transfer calls, i.e. on the wire;
     `t_start`..`t_last` spans the first to the last call, which with chunked prefill also
-    covers the prefill compute of later chunks that the transfers overlap."""
+    covers the prefill compute of later chunks that the transfers overlap.
+    `decode_prefix_len`: prompt tokens the decode server already held (not sent)."""
+    from engine import usage
+
     t = _tally()
+    sent = usage.transfers.take(room, decode_prefix_len or 0)
     rec = {"room": int(room), "bytes": t["bytes"], "calls": t["calls"], "busy_s": t["busy"],
+           "tokens": sent[0] if sent else None, "bytes_bf16": sent[1] if sent else None,
            "t_start": t["t0"], "t_last": t["t_last"], "t_end": time.time(), "pid": os.getpid()}
     _local.tally = None
     _totals["bytes"] += rec["bytes"]
@@ -89,7 +100,7 @@ def finish_room(room: int) -> dict:
         # The span ends with the last transfer call and lasts the time spent on the wire.
         end = rec["t_last"] or rec["t_end"]
         hm.span("transfer", None, rec["busy_s"], room=int(room), bytes=rec["bytes"],
-                t_ns=int(end * 1e9))
+                bytes_bf16=rec["bytes_bf16"], tokens=rec["tokens"], t_ns=int(end * 1e9))
     except Exception:  # noqa: BLE001 - metrics must never break a transfer
         logger.debug("metrics span for room %s not recorded", room, exc_info=True)
     return rec
@@ -97,7 +108,7 @@ def finish_room(room: int) -> dict:
 
 def around_send_aux(original: Callable, manager: Any, req: Any, *a: Any, **kw: Any) -> Any:
     ret = original(manager, req, *a, **kw)
-    finish_room(getattr(req, "room", -1))
+    finish_room(getattr(req, "room", -1), getattr(req, "decode_prefix_len", None))
     return ret
 
 

@@ -11,8 +11,9 @@ from typing import Any
 
 from hack_ops import HackConfig
 from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS
+from hack_ops.modes import SERVING_MODES, PrefillMode
 
-from .settings import ATTENTION_MODES, BACKEND_NAME, KV_CACHE_DTYPE, PREFILL_MODES, EngineSettings
+from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
 
 
 class HackArgumentError(ValueError):
@@ -67,7 +68,7 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Quantize pages over their plain min/max range instead of the least-squared-error "
              "clipped range (faster page quantization, less accurate).")),
     "hack_prefill": ("--hack-prefill", dict(
-        choices=list(PREFILL_MODES),
+        choices=[m.value for m in PrefillMode],
         help="Extend attention over the chunk's own tokens: homomorphic (default) or exact.")),
     "hack_orientation": ("--hack-orientation", dict(
         choices=list(ORIENTATIONS),
@@ -82,7 +83,7 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_attention": ("--hack-attention", dict(
-        choices=list(ATTENTION_MODES),
+        choices=[m.value for m in SERVING_MODES],
         help="hack: homomorphic attention on codes (default); dequant: the strawman baseline "
              "that dequantizes the same pages before attention.")),
     "hack_kv_budget_mb": ("--hack-kv-budget-mb", dict(

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
+from hack_ops.modes import AttentionMode, PrefillMode
 from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
+from hack_ops.paged import extend_strawman
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 
 from . import fused_phases
@@ -63,11 +65,10 @@ class HackAttnBackend(AttentionBackend):
         self.device = torch.device(model_runner.device)
         settings = pool.hack_settings
         self.settings = settings
-        if settings.attention == "dequant":
-            self.extend_mode, self.decode_mode = "dequant", "dequant"
-        else:
-            self.extend_mode = "exact" if settings.prefill == "exact" else "hack"
-            self.decode_mode = "hack"
+        self.mode: AttentionMode = settings.attention
+        # The strawman reads the chunk through its dequantized cache whatever --hack-prefill says.
+        self.prefill: PrefillMode = (settings.prefill if settings.attention == AttentionMode.HACK
+                                     else PrefillMode.HOMOMORPHIC)
         self.generator: Optional[torch.Generator] = None
         if settings.config.rounding == "stochastic":
             # Seeded once per server so a run is reproducible for a fixed request order.
@@ -84,7 +85,7 @@ class HackAttnBackend(AttentionBackend):
         # already ran in the launcher); a failure here stops the server before it serves.
         check_model_layers(getattr(model_runner, "model", None), gpu=self.device.type == "cuda")
         logger.info("HACK prefill attention path: %s", "GPU (Triton)" if self.gpu is not None
-                    else describe_extend_path(self.store, self.extend_mode, self.generator))
+                    else describe_extend_path(self.store, self.mode, self.generator, self.prefill))
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -139,16 +140,18 @@ class HackAttnBackend(AttentionBackend):
         q3, k3, v3 = self._shapes(q, k, v, layer)
         window, cap = layer_features(layer)
         if self.gpu is not None:
-            o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, self.extend_mode, layer.scaling,
+            o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, layer.scaling,
                                 window=window, logit_cap=cap)
         else:
-            mode = self.extend_mode
-            if mode == "dequant" and not self.forward_metadata.has_prefix:
-                # The strawman computes a prompt without cached prefix in full precision, as
-                # dequantizing systems (KIVI, CacheGen) do; it quantizes for storage only.
-                mode = "exact"
-            o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=mode,
-                             scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
+            if self.mode == AttentionMode.DEQUANT:
+                # The strawman's prefill as dequantizing systems (KIVI, CacheGen) run it: the new
+                # tokens in full precision, a cached prefix dequantized; quantized for storage only.
+                o = extend_strawman(self.store, lid, self.forward_metadata, q3, k3, v3, scale=layer.scaling,
+                                    generator=self.generator, window=window, logit_cap=cap)
+            else:
+                o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
+                                 prefill=self.prefill, scale=layer.scaling, generator=self.generator,
+                                 window=window, logit_cap=cap)
         return o.reshape(q3.shape[0], -1)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
@@ -157,10 +160,10 @@ class HackAttnBackend(AttentionBackend):
         q3, k3, v3 = self._shapes(q, k, v, layer)
         window, cap = layer_features(layer)
         if self.gpu is not None:
-            o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, self.decode_mode, layer.scaling,
+            o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, layer.scaling,
                                 window=window, logit_cap=cap)
         else:  # the store step (HackKVStore.write) runs inside decode
-            o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.decode_mode,
+            o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
                              scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
         return o.reshape(q3.shape[0], -1)
 

@@ -13,16 +13,14 @@ from typing import Any, Callable
 
 from . import settings as settings_mod
 from .pool_geometry import UnitBytes, row_bytes, token_bytes, unit_bytes
+from .usage import bf16_bytes_per_token
+from .server_state import Reservation, state
 
 logger = logging.getLogger(__name__)
 
 # Without --max-running-requests, at most this share of the budget goes to request rows.
 DEFAULT_ROW_SHARE = 0.125
 MAX_DEFAULT_ROWS = 4096
-
-# id(KVCacheConfigurator) -> (rows, budget). The configurator has __slots__, so the decision
-# made while profiling is kept here for resolve_max_num_reqs and the capacity log.
-_RESERVED: dict[int, tuple[int, int]] = {}
 
 
 def units_for(model_config: Any, attn_tp: int = 1, dcp: int = 1) -> UnitBytes | None:
@@ -76,7 +74,9 @@ def kv_budget_bytes(kvc: Any, profile: Callable[[], int]) -> int:
             f"the KV budget ({budget / (1 << 20):.1f} MB) cannot hold the FP16 tails of {rows} "
             f"requests ({per_row / (1 << 20):.2f} MB each); lower --max-running-requests or "
             "raise the budget")
-    _RESERVED[id(kvc)] = (rows, budget)
+    # The configurator has __slots__: the decision waits in the server state for
+    # resolve_max_num_reqs and the pool build.
+    state().reserve(kvc, Reservation(rows=rows, budget=budget))
     logger.info("sglang-hack: %d request rows reserve %.1f MB for FP16 tails/sinks; %.1f MB left "
                 "for pages", rows, reserve / (1 << 20), (budget - reserve) / (1 << 20))
     return budget - reserve
@@ -93,7 +93,8 @@ def _requested_rows(kvc: Any) -> int | None:
 
 def cap_max_num_reqs(kvc: Any, n: int) -> int:
     """Request rows may not exceed the rows whose tails were reserved."""
-    rows = _RESERVED.get(id(kvc), (None, None))[0]
+    res = state().reservation(kvc)
+    rows = None if res is None else res.rows
     if rows is None or n <= rows:
         return n
     logger.info("sglang-hack: max running requests %d -> %d (rows with reserved tails)", n, rows)
@@ -101,14 +102,15 @@ def cap_max_num_reqs(kvc: Any, n: int) -> int:
 
 
 def reserved_budget(kvc: Any) -> int | None:
-    return _RESERVED.get(id(kvc), (None, None))[1]
+    res = state().reservation(kvc)
+    return None if res is None else res.budget
 
 
 def capacity_report(u: UnitBytes, num_layers: int, heads: int, head_dim: int, max_tokens: int,
                     budget: int | None) -> dict:
     """The HACK pool's capacity next to what a BF16 pool would hold (logged at startup)."""
     hack_cell = token_bytes(u, num_layers)
-    bf16_cell = num_layers * 2 * heads * head_dim * 2
+    bf16_cell = bf16_bytes_per_token(num_layers, heads, head_dim)
     info = {
         "hack_bytes_per_token": hack_cell,
         "bf16_bytes_per_token": bf16_cell,

@@ -13,12 +13,12 @@ On GPU nothing is recorded (the kernels are asynchronous; host clocks would meas
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 from hack_ops.paged import clock
 
 from . import metrics as hm
+from .server_state import state
 
 
 @dataclass
@@ -40,16 +40,13 @@ class ForwardRecord:
         return out
 
 
-_records: deque[ForwardRecord] = deque(maxlen=8)
-
-
 def begin_forward(rids: list[str] | None, new_tokens: list[int], context: list[int]) -> None:
     """Start timing a forward pass (call before its first layer). A no-op without metrics."""
     if not rids or not hm.enabled():
         clock.measure(None)
         return
     rec = ForwardRecord(tuple(rids), tuple(int(x) for x in new_tokens), tuple(int(x) for x in context))
-    _records.append(rec)
+    state().forward_records.append(rec)
     clock.measure(rec.seconds)
 
 
@@ -57,9 +54,10 @@ def take(rids: list[str]) -> ForwardRecord | None:
     """The record of the forward pass that ran exactly these requests (oldest first); it and
     every older record leave the queue."""
     key = tuple(rids)
-    for i, rec in enumerate(_records):
+    records = state().forward_records
+    for i, rec in enumerate(records):
         if rec.rids == key:
             for _ in range(i + 1):
-                _records.popleft()
+                records.popleft()
             return rec
     return None

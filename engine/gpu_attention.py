@@ -1,7 +1,7 @@
 """GPU path of the `hack` backend: hack_ops.triton kernels on the pool's own buffers.
 
 The plan is the same HackKVStore.plan the CPU path uses (page table, request rows, sink slots,
-all checks), turned into the CSR page table the Triton wrappers take. Per layer: decode stores
+all checks), turned into the CSR page table the Triton wrappers take (ForwardPlan.csr_pages). Per layer: decode stores
 the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
 which stores the chunk's pages, attends, then appends the tails. Each call takes the layer's
 scaling, sliding window and logit soft-cap (engine.backend.layer_features); the kernels skip
@@ -15,29 +15,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import Tensor
 
+from hack_ops.modes import AttentionMode, PrefillMode
 from hack_ops.paged.plan import ForwardPlan
-
-
-def csr_pages(plan: ForwardPlan, device: torch.device) -> tuple[Tensor, Tensor]:
-    """(kv_indptr, kv_indices) int32 from a ForwardPlan's padded page table."""
-    npg = plan.num_pages.to(torch.long)
-    indptr = torch.zeros(npg.shape[0] + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(npg, 0).to(torch.int32)
-    cols = torch.arange(plan.page_table.shape[1])[None, :] < npg[:, None]
-    indices = plan.page_table.cpu()[cols].to(torch.int32)
-    return indptr.to(device), indices.to(device)
 
 
 class GpuAttention:
     def __init__(self, store: Any, settings: Any) -> None:
         from hack_ops.triton.spec import kernel_spec
 
-        if settings.attention != "hack":
+        if settings.attention != AttentionMode.HACK:
             raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
-        if settings.prefill != "homomorphic":
+        if settings.prefill != PrefillMode.HOMOMORPHIC:
             raise NotImplementedError("--hack-prefill exact runs on the CPU path only")
         kernel_spec(store.layout)  # refuses formats the kernels do not implement, with the reason
         self.store = store
@@ -49,7 +39,7 @@ class GpuAttention:
 
     def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
         plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
-        indptr, indices = csr_pages(plan, self.device)
+        indptr, indices = plan.csr_pages(self.device)
         self._csr = (indptr, indices, plan.seq_lens.to(self.device), plan.qo_indptr.to(self.device),
                      plan.rows.to(self.device))
         self._decode.clear()
@@ -62,7 +52,7 @@ class GpuAttention:
                 s.sink_k[layer] if s.config.sink_tokens else None,
                 s.sink_v[layer] if s.config.sink_tokens else None)
 
-    def decode(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, mode: str,
+    def decode(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
                scale: float, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
         from hack_ops.triton.decode import HackDecodeAttention
         from hack_ops.triton.store import store as store_tokens
@@ -79,7 +69,7 @@ class GpuAttention:
         store_tokens(self.layout, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
         return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
 
-    def extend(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, mode: str,
+    def extend(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
                scale: float, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
         from hack_ops.triton.prefill import HackPrefillAttention
 

@@ -1,11 +1,17 @@
-"""Every SGLang symbol the plugin touches, in one place (review this file on a version bump).
+"""Every SGLang symbol the project touches, in one table (review it on a version bump).
 
-Pinned upstream: sglang==0.5.23. Each entry of HOOKS names the upstream target, how it is
-hooked (sglang.srt.plugins.hook_registry.HookType) and why. Upstream symbols used directly
-(registries, base classes, accessors) are listed in DIRECT_USES. tests/test_engine_hooks.py
-resolves every one of them against the installed SGLang. The platform class
-(engine.platform) reaches SGLang only through the `sglang.srt.platforms` entry point and
-SRTPlatform.get_kv_pool_cls.
+Pinned upstream: sglang==0.5.23. The table has three kinds of rows, each with its reason:
+  Hook   an upstream function or method wrapped through SGLang's HookRegistry (BEFORE, AFTER,
+         AROUND, REPLACE: sglang.srt.plugins.hook_registry.HookType);
+  Use    an upstream symbol imported or read without a hook (registries, base classes and the
+         methods our subclasses override, accessors, constants);
+  Patch  an attribute the project sets that upstream reads: on an upstream class, or on one of
+         our objects that an upstream function inspects (`owner` names that function).
+The engine's rows are below (ENGINE). A package above the engine adds its own rows with
+`register_extension` (disagg.connector does, for prefill/decode disaggregation): the engine
+never imports it; the plugin entry point (disagg.plugin) imports both and registers the whole
+table with SGLang. tests/test_engine_hooks.py resolves every row against the installed SGLang
+and fails on an upstream import in the source that no row names.
 
 Hook bodies stay thin: they delegate to the module that owns the concern.
 """
@@ -15,25 +21,80 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .server_state import state
+
 logger = logging.getLogger(__name__)
 
-# Upstream symbols used without a hook.
-DIRECT_USES = (
-    "sglang.srt.layers.attention.attention_registry.register_attention_backend",  # 'hack'
-    "sglang.srt.arg_groups.choices.add_attention_backend_choices",  # 'hack' among the choices
-    "sglang.srt.platforms.cpu.CpuSRTPlatform",  # base class of engine.platform.HackCpuPlatform
-    "sglang.srt.platforms.cuda.CudaSRTPlatform",  # base of engine.platform.HackCudaPlatform
-    "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",  # base class of engine.pool.HackKVPool
-    "sglang.srt.layers.attention.base_attn_backend.AttentionBackend",  # base of the backend
-    "sglang.srt.plugins.hook_registry.HookRegistry",  # where HOOKS are registered
-    "sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE",  # memory-saver region of the pool
-    "sglang.srt.runtime_context.get_parallel",  # attention TP/DCP size when sizing the pool
-    "sglang.srt.runtime_context.get_schedule",  # --max-running-requests when sizing the pool
-    "sglang.srt.model_executor.forward_batch_info.ForwardBatch",  # its fields in DIRECT_FIELDS
-    "sglang.srt.configs.model_config.is_hybrid_swa_model",  # startup refusal (engine.model_checks)
-    "sglang.srt.layers.radix_attention.RadixAttention",  # layers checked at startup; LAYER_ATTRS read
-    "sglang.srt.layers.radix_attention.AttentionType",  # decoder / encoder-only / bidirectional layers
-    "sglang.srt.entrypoints.http_server.app",  # SGLang's FastAPI app: the /hack/* routes go there
+
+@dataclass(frozen=True)
+class Hook:
+    target: str  # dotted upstream symbol
+    kind: str  # HookType member name: BEFORE, AFTER, AROUND, REPLACE
+    fn: Callable
+    why: str
+
+
+@dataclass(frozen=True)
+class Use:
+    symbol: str  # dotted upstream symbol, used without a hook
+    why: str
+
+
+@dataclass(frozen=True)
+class Patch:
+    owner: str  # dotted upstream class that holds `attr`, or upstream function that reads it
+    attr: str
+    why: str
+
+
+@dataclass(frozen=True)
+class HookSet:
+    """One package's rows of the table."""
+
+    name: str
+    hooks: tuple[Hook, ...]
+    uses: tuple[Use, ...] = ()
+    patches: tuple[Patch, ...] = ()
+
+
+_POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
+
+USES: tuple[Use, ...] = (
+    Use("sglang.srt.layers.attention.attention_registry.register_attention_backend",
+        "register the 'hack' attention backend"),
+    Use("sglang.srt.arg_groups.choices.add_attention_backend_choices",
+        "'hack' among the --attention-backend choices"),
+    Use("sglang.srt.platforms.cpu.CpuSRTPlatform", "base class of engine.platform.HackCpuPlatform"),
+    Use("sglang.srt.platforms.cuda.CudaSRTPlatform", "base class of engine.platform.HackCudaPlatform"),
+    Use("sglang.srt.platforms.cpu.CpuSRTPlatform.get_kv_pool_cls",
+        "overridden: HackKVPool for MHA models under --kv-cache-dtype hack"),
+    Use(_POOL, "base class of engine.pool.HackKVPool"),
+    Use(f"{_POOL}._create_buffers", "overridden: HACK pages, FP16 tails and sinks (HackKVStore)"),
+    Use(f"{_POOL}._kv_tokens_per_row", "overridden: a buffer row is a whole page"),
+    Use(f"{_POOL}.get_kv_size_bytes", "overridden: pages plus tails and sinks"),
+    Use(f"{_POOL}._get_key_buffer", "overridden: raw page bytes (never viewed as K)"),
+    Use(f"{_POOL}._get_value_buffer", "overridden: raw page bytes (never viewed as V)"),
+    Use(f"{_POOL}.set_kv_buffer", "overridden: refused (writes go through the backend)"),
+    Use(f"{_POOL}.move_kv_cache", "overridden: refused"),
+    Use(f"{_POOL}.get_cpu_copy", "overridden: refused (no CPU offload of HACK pages)"),
+    Use(f"{_POOL}.load_cpu_copy", "overridden: refused"),
+    Use(f"{_POOL}._build_kv_buffer_descs", "called by HackKVPool._create_buffers"),
+    Use(f"{_POOL}._init_data_ptrs_and_strides", "called by HackKVPool._create_buffers"),
+    Use("sglang.srt.layers.attention.base_attn_backend.AttentionBackend",
+        "base class of engine.backend's attention backend"),
+    Use("sglang.srt.plugins.hook_registry.HookRegistry", "where the table's hooks are registered"),
+    Use("sglang.srt.plugins.hook_registry.HookType", "the kinds of hooks (Hook.kind)"),
+    Use("sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE", "memory-saver region of the pool"),
+    Use("sglang.srt.runtime_context.get_parallel", "attention TP/DCP size when sizing the pool"),
+    Use("sglang.srt.runtime_context.get_schedule", "--max-running-requests when sizing the pool"),
+    Use("sglang.srt.model_executor.forward_batch_info.ForwardBatch",
+        "what the backend is handed each forward; its fields in DIRECT_FIELDS"),
+    Use("sglang.srt.configs.model_config.is_hybrid_swa_model", "startup refusal (engine.model_checks)"),
+    Use("sglang.srt.layers.radix_attention.RadixAttention",
+        "layers checked at startup; LAYER_ATTRS read by the backend"),
+    Use("sglang.srt.layers.radix_attention.AttentionType",
+        "decoder / encoder-only / bidirectional layers"),
+    Use("sglang.srt.entrypoints.http_server.app", "SGLang's FastAPI app: the /hack/* routes go there"),
 )
 
 # Attributes of every RadixAttention that the backend reads (window, scaling, soft-cap, kind).
@@ -45,16 +106,6 @@ DIRECT_FIELDS = (
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases -> requests
 )
 
-_CLI_PARSER: list = []  # the parser SGLang built, kept to report option errors the argparse way
-
-
-@dataclass(frozen=True)
-class Hook:
-    target: str  # dotted upstream symbol
-    kind: str  # HookType member name: BEFORE, AFTER, AROUND, REPLACE
-    fn: Callable
-    why: str
-
 
 # ---------------------------------------------------------------- server arguments
 
@@ -62,7 +113,7 @@ def _after_add_cli_args(result: Any, parser: Any, *args: Any, **kwargs: Any) -> 
     from .args import add_arguments
 
     add_arguments(parser)
-    _CLI_PARSER[:] = [parser]
+    state().cli_parser = parser  # option errors found later are reported the argparse way
 
 
 def _around_from_cli_args(original: Callable, cls: Any, ns: Any) -> Any:
@@ -72,10 +123,17 @@ def _around_from_cli_args(original: Callable, cls: Any, ns: Any) -> Any:
     try:
         apply_cli_namespace(ns)
     except HackArgumentError as exc:
-        if _CLI_PARSER:
-            _CLI_PARSER[0].error(str(exc))  # prints usage + message, exits with status 2
+        option_error(str(exc))
         raise
     return original(cls, ns)
+
+
+def option_error(message: str) -> None:
+    """Report a refused server option like argparse does (usage + message, exit status 2) when
+    SGLang's parser is known; otherwise return, and the caller raises its exception."""
+    parser = state().cli_parser
+    if parser is not None:
+        parser.error(message)
 
 
 def _before_resolve_once(server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -157,16 +215,14 @@ def _after_add_memory_usage(result: Any, self: Any, state: dict, *args: Any, **k
     state["hack_kv"] = kv_usage(self.scheduler)
 
 
-_metric_failures: list[int] = [0]
-
-
 def _metrics_call(fn: Callable, *args: Any) -> None:
     """Metrics never break serving: failures are logged (the first three) and counted."""
     try:
         fn(*args)
     except Exception:
-        _metric_failures[0] += 1
-        if _metric_failures[0] <= 3:
+        st = state()
+        st.metric_failures += 1
+        if st.metric_failures <= 3:
             logger.exception("sglang-hack: timeline metrics failed (serving continues)")
 
 
@@ -182,6 +238,12 @@ def _after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, 
     _metrics_call(on_batch_result, self, batch)
 
 
+def _after_process_batch_result_prebuilt(result: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    from .timeline import on_prebuilt
+
+    _metrics_call(on_prebuilt, batch)
+
+
 def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
     from sglang.srt.entrypoints import http_server
 
@@ -195,22 +257,9 @@ def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
                          "(serving continues without them)")
 
 
-# ---------------------------------------------------------------- disaggregation (bodies: disagg/)
+# ---------------------------------------------------------------- the table
 
-def _disagg(name: str) -> Callable:
-    """A thin wrapper that imports disagg.sglang_hooks (or disagg.wire_meter) on first call."""
-    module, _, attr = name.rpartition(".")
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        import importlib
-
-        return getattr(importlib.import_module(f"disagg.{module}"), attr)(*args, **kwargs)
-
-    call.__name__ = attr
-    return call
-
-
-HOOKS: tuple[Hook, ...] = (
+HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
     Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", _after_add_cli_args,
          "add --hack-* options, 'hack' to --kv-cache-dtype/--attention-backend, --disagg-mode"),
     Hook("sglang.srt.server_args.ServerArgs.from_cli_args", "AROUND", _around_from_cli_args,
@@ -244,56 +293,45 @@ HOOKS: tuple[Hook, ...] = (
          _after_handle_generate_request, "metrics: arrival, queue start, memory sampler"),
     Hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "AFTER",
          _after_process_batch_result, "metrics: queue/prefill ends, first token, decode steps, finish"),
+    Hook("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
+         "process_batch_result_prebuilt", "AFTER", _after_process_batch_result_prebuilt,
+         "metrics, PD decode: finish of a request whose only token came from prefill"),
     Hook("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "BEFORE",
          _before_setup_and_run_http_server,
          "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app"),
-    Hook("sglang.srt.disaggregation.utils.setup_state_kv_args", "AFTER",
-         _disagg("sglang_hooks.after_setup_state_kv_args"),
-         "PD: FP16 tails (live slots) and sinks travel as state components; layout fingerprint"),
-    Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER",
-         _disagg("sglang_hooks.after_add_cli_args"), "add --hack-kv-codec (lossless KV transfer codec)"),
-    Hook("sglang.srt.server_args.ServerArgs.from_cli_args", "BEFORE",
-         _disagg("sglang_hooks.before_from_cli_args"),
-         "refuse a --hack-kv-codec combination that cannot work; publish the codec to children"),
-    Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache", "AROUND",
-         _disagg("sglang_hooks.around_send_kvcache"),
-         "PD prefill with --hack-kv-codec: send the pages coded (SplitZip) + their header table"),
-    Hook("sglang.srt.disaggregation.checksum.state_indices_for_request", "AROUND",
-         _disagg("sglang_hooks.around_state_indices_for_request"),
-         "PD checksum: a HACK request's state is its request row"),
-    Hook("sglang.srt.disaggregation.checksum.KvChecksumComputer.compute", "AROUND",
-         _disagg("sglang_hooks.around_checksum_compute"), "PD checksum computed on the CPU"),
-    Hook("sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk",
-         "BEFORE", _disagg("sglang_hooks.before_prefill_send_kv_chunk"),
-         "PD prefill: stage the request's FP16 sinks into its row before the last chunk"),
-    Hook("sglang.srt.disaggregation.decode.SchedulerDisaggregationDecodeMixin._verify_kv_checksums",
-         "BEFORE", _disagg("sglang_hooks.before_decode_verify_kv_checksums"),
-         "PD decode: install received sinks, decode coded pages before the digest and the first "
-         "step (and test-only fault injection)"),
-    Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info", "AROUND",
-         _disagg("sglang_hooks.around_ensure_prefill_info"),
-         "PD decode: a format mismatch fails the pairing's requests with a clear reason"),
-    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
-         _disagg("sglang_hooks.before_validate_one_request"),
-         "PD: 400 for a request without bootstrap fields (it would crash the decode scheduler)"),
-    Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
-         "MooncakeTransferEngine.batch_transfer_sync", "AROUND",
-         _disagg("wire_meter.around_batch_transfer"), "PD: count bytes on the wire"),
-    Hook("sglang.srt.distributed.device_communicators.mooncake_transfer_engine."
-         "MooncakeTransferEngine.transfer_sync", "AROUND",
-         _disagg("wire_meter.around_transfer"), "PD: count bytes on the wire"),
-    Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_aux", "AROUND",
-         _disagg("wire_meter.around_send_aux"), "PD: attribute the counted bytes to the request"),
 )
 
 
+ENGINE = HookSet("engine", HOOKS, USES)
+
+_EXTENSIONS: dict[str, HookSet] = {}
+
+
+def register_extension(rows: HookSet) -> None:
+    """Add a package's rows to the table (its hooks are registered after the engine's, in the
+    order the packages registered). Registering the same name again replaces its rows."""
+    if rows.name == ENGINE.name:
+        raise ValueError(f"{rows.name!r} is the engine's own row set")
+    _EXTENSIONS[rows.name] = rows
+
+
+def hook_sets() -> tuple[HookSet, ...]:
+    """The whole table: the engine's rows, then each registered extension's."""
+    return (ENGINE, *_EXTENSIONS.values())
+
+
+def all_hooks() -> tuple[Hook, ...]:
+    return tuple(h for rows in hook_sets() for h in rows.hooks)
+
+
 def register_all() -> None:
-    """Register every hook with SGLang's HookRegistry, the backend and its CLI choice.
-    Called by the plugin entry point in every SGLang process; SGLang applies the hooks."""
+    """Register every hook of the table with SGLang's HookRegistry, the backend and its CLI
+    choice. Called by the plugin entry point in every SGLang process; SGLang applies the hooks.
+    For one upstream target, a later row wraps an earlier one (its BEFORE body runs first)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from .backend_registry import register_backend
 
-    for h in HOOKS:
+    for h in all_hooks():
         HookRegistry.register(h.target, h.fn, HookType[h.kind])
     register_backend()

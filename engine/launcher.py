@@ -5,7 +5,6 @@ that stopping it (by the pid we started) also ends its scheduler and detokenizer
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -19,14 +18,16 @@ from typing import Any
 import requests
 
 from .cpu_runtime import shared_host_env
+from .generate_stream import stream_chunks
 
 STARTUP_TIMEOUT_S = 240.0
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 class ServerStartError(RuntimeError):
@@ -142,10 +143,8 @@ class SGLangServer:
         stamps: list[tuple[float, int]] = []
         with requests.post(self.url + "/generate", json=body, stream=True, timeout=timeout) as r:
             r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
-                    continue
-                meta = json.loads(line[5:])["meta_info"]
+            for chunk in stream_chunks(r):
+                meta = chunk["meta_info"]
                 stamps.append((time.perf_counter(), int(meta["completion_tokens"])))
         if len(stamps) < 2 or stamps[-1][1] <= stamps[0][1]:
             raise RuntimeError(f"the server streamed {len(stamps)} chunks for {n} tokens")

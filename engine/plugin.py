@@ -1,4 +1,8 @@
-"""The `sglang.srt.plugins` entry point, run by SGLang early in every process it starts."""
+"""The engine's part of plugin loading: the CPU runtime, then every row of the hook table.
+
+SGLang reaches it through the `sglang.srt.plugins` entry point (disagg.plugin:load), which
+first lets the packages above the engine add their rows (engine.hooks.register_extension).
+"""
 from __future__ import annotations
 
 

@@ -29,20 +29,21 @@ from hack_ops.paged.store import HackKVStore
 from . import settings as settings_mod
 from .capacity import capacity_report
 from .pool_geometry import num_sink_slots, unit_bytes
+from .server_state import PoolBuild, state
 
 logger = logging.getLogger(__name__)
-
-_BUILD: dict[str, Any] = {}  # rows/budget of the pool being built (set by the configurator hook)
 
 
 @contextlib.contextmanager
 def pool_build_context(rows: int, budget: int | None) -> Iterator[None]:
-    """Request rows (one FP16 tail each) and the KV budget for a HackKVPool built inside."""
-    _BUILD.update(rows=int(rows), budget=budget)
+    """Request rows (one FP16 tail each) and the KV budget for a HackKVPool built inside
+    (SGLang calls the constructor; this is how the configurator hook reaches it)."""
+    st = state()
+    st.pool_build = PoolBuild(rows=int(rows), budget=budget)
     try:
         yield
     finally:
-        _BUILD.clear()
+        st.pool_build = None
 
 
 class HackKVPool(MHATokenToKVPool):
@@ -65,11 +66,12 @@ class HackKVPool(MHATokenToKVPool):
                 raise ValueError(f"HackKVPool does not support {unsupported}")
         if kwargs.get("post_capture_active"):
             raise ValueError("HackKVPool does not support post-capture KV backing")
-        if "rows" not in _BUILD:
+        build = state().pool_build
+        if build is None:
             raise RuntimeError("HackKVPool must be built inside pool_build_context(rows=...)")
         self.layout = page_layout(cfg, head_num, head_dim)
-        self._num_rows = _BUILD["rows"]
-        self._budget = _BUILD.get("budget")
+        self._num_rows = build.rows
+        self._budget = build.budget
         kwargs["enable_kv_cache_copy"] = False  # the tiled slot-row copy assumes token rows
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device,
                          enable_memory_saver, **kwargs)

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from . import settings as settings_mod
-from .args import HackArgumentError, check_combination, given_hack_options, settings_from_options
+from .args import HackArgumentError, check_combination, settings_from_options
 from .settings import KV_CACHE_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -33,8 +33,6 @@ def apply_cli_namespace(ns: Any) -> None:
             logger.info("sglang-hack: HACK KV cache %s (prefill %s, attention %s), page size %d",
                         settings.config.label(), settings.prefill, settings.attention,
                         settings.page_size)
-    elif given_hack_options(ns):  # unreachable: check_combination refuses these
-        raise HackArgumentError(f"{given_hack_options(ns)} need --kv-cache-dtype hack")
 
 
 def apply_server_args(server_args: Any) -> None:

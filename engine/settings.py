@@ -12,22 +12,21 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 from hack_ops import HackConfig
+from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
 
 ENV_VAR = "SGLANG_HACK_ENGINE"
 KV_CACHE_DTYPE = "hack"
 BACKEND_NAME = "hack"
 
-PREFILL_MODES = ("homomorphic", "exact")
-ATTENTION_MODES = ("hack", "dequant")
-
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """config: the KV format. prefill: how extend attention treats the chunk's own tokens
-    ('homomorphic' reads them through the same quantized path as decode would; 'exact' uses
-    their full-precision K/V, cached prefix pages still go through the homomorphic path).
-    attention: 'hack' (homomorphic, no dequantization) or 'dequant' (the paper's strawman:
-    the same pages dequantized before exact attention; for comparisons only).
+    """config: the KV format. prefill (PrefillMode, `--hack-prefill`): how extend attention
+    treats the chunk's own tokens ('homomorphic' reads them through the same quantized path as
+    decode would; 'exact' uses their full-precision K/V, cached prefix pages still go through
+    the homomorphic path). attention (AttentionMode, `--hack-attention`): 'hack' (homomorphic,
+    no dequantization) or 'dequant' (the paper's strawman: the same pages dequantized before
+    float attention; for comparisons only). Strings are accepted and stored as the enums.
     kv_budget_mb: fixed KV pool byte budget instead of profiling free memory (any KV dtype;
     used to compare capacities under the same budget).
     enabled: the server's KV cache is HACK (`--kv-cache-dtype hack`); False when only the
@@ -35,19 +34,17 @@ class EngineSettings:
 
     enabled: bool = True
     config: HackConfig = field(default_factory=HackConfig)
-    prefill: str = "homomorphic"
-    attention: str = "hack"
+    prefill: PrefillMode = PrefillMode.HOMOMORPHIC
+    attention: AttentionMode = AttentionMode.HACK
     kv_budget_mb: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, HackConfig):
             raise ValueError(f"config must be a HackConfig, got {type(self.config).__name__}")
-        if self.prefill not in PREFILL_MODES:
-            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {self.prefill!r}")
+        object.__setattr__(self, "prefill", prefill_mode(self.prefill))  # frozen: set once, here
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
-        if self.attention not in ATTENTION_MODES:
-            raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {self.attention!r}")
+        object.__setattr__(self, "attention", attention_mode(self.attention, SERVING_MODES, "attention"))
         b = self.kv_budget_mb
         if b is not None and (isinstance(b, bool) or not isinstance(b, (int, float)) or not b > 0):
             raise ValueError(f"kv_budget_mb must be a positive number, got {b!r}")

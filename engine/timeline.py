@@ -8,7 +8,10 @@ its finish reason when it was aborted). The fused phases the CPU path times insi
 forward (quantization, approximation, dequantization: engine.fused_phases) are summed per
 request and recorded as attributed spans when its prefill ends and when it finishes. On the
 PD decode side the first decode batch closes the queue (SGLang handles the prebuilt batch
-outside process_batch_result). A sampler thread records the KV pool's memory once a second.
+outside process_batch_result), and a request that finishes in its prebuilt batch (its only
+token came from prefill) is closed there (`on_prebuilt`). On the PD prefill side each arrival
+notes its prompt for the wire meter's BF16-equivalent bytes (engine.usage.transfers). A sampler
+thread records the KV pool's memory once a second (engine.usage.memory_sample).
 Everything is a no-op unless metrics are configured (HACK_METRICS_RUN_DIR, see
 docs/dashboard.md): the cost is then one check per scheduler call.
 """
@@ -20,7 +23,7 @@ from typing import Any
 
 from engine import metrics as hm
 
-from . import fused_phases
+from . import fused_phases, usage
 
 _MAX_TRACKED = 20000  # requests aborted while queued never reach a batch: bound the table
 _state: "OrderedDict[str, dict]" = OrderedDict()
@@ -39,19 +42,26 @@ def _wall_ns_of_monotonic(ts: float | None) -> int:
     return now - int((time.monotonic() - ts) * 1e9)
 
 
+def _is_pd_prefill(scheduler: Any) -> bool:
+    return getattr(getattr(scheduler, "disaggregation_mode", None), "value", None) == "prefill"
+
+
 def on_arrival(scheduler: Any, recv_req: Any) -> None:
+    room = _room(recv_req)
+    ids = getattr(recv_req, "input_ids", None)
+    if room is not None and ids is not None and _is_pd_prefill(scheduler):
+        # The wire meter takes it when the transfer ends (BF16-equivalent bytes on the wire).
+        usage.transfers.note(room, len(ids), scheduler.token_to_kv_pool_allocator.get_kvcache())
     if not hm.enabled():
         return
     rid = recv_req.rid
-    room = _room(recv_req)
-    ids = getattr(recv_req, "input_ids", None)
     hm.event("arrival", rid, room=room, tokens=len(ids) if ids is not None else None)
     hm.start("queue", rid, room=room)
     _state[rid] = {"room": room, "phase": "queue", "last_ns": None}
     while len(_state) > _MAX_TRACKED:
         _state.popitem(last=False)
     if not _sampler:
-        _sampler.append(hm.start_sampler(lambda: memory_sample(scheduler), interval_s=1.0))
+        _sampler.append(hm.start_sampler(lambda: usage.memory_sample(scheduler), interval_s=1.0))
 
 
 def on_batch_result(scheduler: Any, batch: Any) -> None:
@@ -96,12 +106,35 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
             hm.step(req.rid, (now - st["last_ns"]) / 1e9, room=room, t_ns=now)
             st["last_ns"] = now
         if req.finished():
-            _emit_fused(req.rid, st, now)
-            reason = getattr(req.finished_reason, "to_json", lambda: {})()
-            kind = reason.get("type") if isinstance(reason, dict) else None
-            note = None if kind in (None, "stop", "length") else str(reason)[:200]
-            hm.event("finish", req.rid, room=room, tokens=len(req.output_ids), note=note, t_ns=now)
-            _state.pop(req.rid, None)
+            _finish(req, st, now)
+
+
+def on_prebuilt(batch: Any) -> None:
+    """PD decode: SGLang turns the transferred requests into a prebuilt batch outside
+    process_batch_result. A request whose only token is the one prefill made (EOS first, or
+    max_new_tokens=1) finishes there and never reaches a decode batch: close it here.
+    The others are left to their first decode batch (on_batch_result)."""
+    if not hm.enabled():
+        return
+    now = time.time_ns()
+    for req in batch.reqs:
+        st = _state.get(req.rid)
+        if st is None or not req.finished():
+            continue
+        if st["phase"] == "queue":
+            hm.end("queue", req.rid, room=st["room"], t_ns=now)
+        if st["phase"] == "queue" or st.get("first"):  # its first token was not recorded yet
+            hm.event("first_token", req.rid, room=st["room"], t_ns=now)
+        _finish(req, st, now)
+
+
+def _finish(req: Any, st: dict, now: int) -> None:
+    _emit_fused(req.rid, st, now)
+    reason = getattr(req.finished_reason, "to_json", lambda: {})()
+    kind = reason.get("type") if isinstance(reason, dict) else None
+    note = None if kind in (None, "stop", "length") else str(reason)[:200]
+    hm.event("finish", req.rid, room=st["room"], tokens=len(req.output_ids), note=note, t_ns=now)
+    _state.pop(req.rid, None)
 
 
 _FUSED_NOTES = {
@@ -125,29 +158,3 @@ def _emit_fused(rid: str, st: dict, now: int) -> None:
             hm.span(phase, rid, sec, room=st["room"], method="attributed", note=_FUSED_NOTES.get(phase),
                     t_ns=end)
             end -= int(sec * 1e9)
-
-
-def memory_sample(scheduler: Any) -> dict:
-    """KV memory in use: pages, and for a HACK pool its codes / side tables / FP16 tails, with
-    the BF16 bytes the same tokens would take."""
-    from .pool import HackKVPool
-
-    alloc = scheduler.token_to_kv_pool_allocator
-    pool = alloc.get_kvcache()
-    page = max(1, int(getattr(pool, "page_size", 1)))
-    total = int(scheduler.max_total_num_tokens)
-    used = total - int(alloc.available_size())
-    layers = int(getattr(pool, "layer_num", 0))
-    bf16_tok = 2 * layers * pool.head_num * pool.head_dim * 2 if hasattr(pool, "head_num") else 0
-    out = {"pages_used": used // page, "pages_total": total // page, "bytes_bf16": used * bf16_tok,
-           "running": len(scheduler.running_batch.reqs), "queued": len(scheduler.waiting_queue)}
-    if isinstance(pool, HackKVPool):
-        lay = pool.layout
-        codes = lay.k.codes.nbytes + lay.v.codes.nbytes
-        pages = used // page
-        req_pool = scheduler.req_to_token_pool
-        rows = int(req_pool.size - req_pool.available_size())
-        tail_per_row = pool.store.nbytes()["tails"] // max(1, pool.store.num_rows)
-        out.update(bytes_codes=pages * layers * codes, bytes_side=pages * layers * (lay.page_bytes - codes),
-                   bytes_tail=rows * tail_per_row)
-    return out

@@ -26,6 +26,7 @@ import time
 import torch
 
 from hack_ops.config import HackConfig
+from hack_ops.modes import AttentionMode
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (query heads, kv heads, head_dim)
 
@@ -51,6 +52,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
                    help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to "
                         "other processes on a shared machine)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
+    p.add_argument("--doc", action="store_true",
+                   help="also write the tables and target lines into docs/kernels.md (CPU only)")
     p.set_defaults(func=run)
 
 
@@ -139,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 say(_row("decode", shape, batch, ctx, cell))
         for prefill in prefills:
             case = prefill_case(hq, h, d, prefill)
-            extend_path = cpu_extend.describe(case.store, "hack")
+            extend_path = cpu_extend.describe(case.store, AttentionMode.HACK)
             say(f"extend path: {extend_path}")
             cell = _median_ms(case.methods(), max(1, repeats // 2), clock)
             store_bytes = case.store.layout.page_bytes * -(-prefill // case.store.page_size)
@@ -164,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
         if r["phase"] == "decode":
             r["hack_copy_bw_frac"] = round(r.pop("_bytes") / (r.pop("_hack_ms") * 1e6) / roof["copy_gb_s"], 3)
     store = _store_rows(args, repeats, clock, say)
-    doc = {"machine": _machine(), "threads": torch.get_num_threads(), "clock": args.clock, "repeats": repeats,
+    from .bench_doc import command_line
+
+    doc = {"command": command_line("attention", getattr(args, "argv", None)), "date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+           "threads": torch.get_num_threads(), "clock": args.clock, "repeats": repeats,
            "kernel_simd": cpu_kernel.simd(), "extend_path": extend_path, "roofline": roof, "results": results,
            "ratios": ratios, "store": store}
     if args.json:
@@ -172,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
+    if getattr(args, "doc", False):
+        from .bench_attention_doc import write
+
+        write(doc, doc["command"], doc["date"])
     return 0
 
 

@@ -9,9 +9,11 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
-def command_line(bench: str) -> str:
-    """`hack bench <bench> ...` as this process was invoked (argv after the subcommand)."""
-    return " ".join(["hack", "bench", bench, *(shlex.quote(a) for a in sys.argv[3:])])
+def command_line(bench: str, argv: list[str] | None = None) -> str:
+    """`hack bench <bench> ...` as invoked: `argv` as given to `hack_cli.main.main` (from
+    "bench" on), else this process's command line."""
+    rest = argv[2:] if argv is not None else sys.argv[3:]
+    return " ".join(["hack", "bench", bench, *(shlex.quote(a) for a in rest)])
 
 
 def markers(name: str) -> tuple[str, str]:

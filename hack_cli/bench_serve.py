@@ -24,6 +24,8 @@ from pathlib import Path
 
 import requests
 
+from hack_metrics import rundir
+
 from .bench_doc import DOCS, command_line, replace_block
 
 METHODS = {
@@ -97,19 +99,23 @@ def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) ->
             "latency_p90_s": lat[min(len(lat) - 1, int(len(lat) * 0.9))] if lat else None}
 
 
-def _measure_all(methods: list[str], model_path: str, cfg: dict, say) -> dict:
+def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: dict | None = None) -> dict:
     """All servers up at once (--sleep-on-idle: an idle one takes no CPU); measurements
     alternate between them so that load drifts on a shared machine hit every method alike."""
     from engine.launcher import SGLangServer
-    from engine.workload import essay_ids
+    from hack_eval.workloads import essay_ids
 
+    # One run directory per method (the dashboard compares two runs side by side).
+    runs = {m: rundir.create_run(f"bench-serve-{m}", m, extra={"model_path": model_path, "bench": "serve",
+                                                                **(run_meta or {})}) for m in methods}
     servers = {m: SGLangServer(model_path, [*METHODS[m], "--hack-kv-budget-mb", str(cfg["budget_mb"]),
-                                            "--sleep-on-idle"]) for m in methods}
+                                            "--sleep-on-idle"], env=metrics_env(runs[m])) for m in methods}
     res: dict[str, dict] = {m: {"contexts": {}} for m in methods}
     try:
         for m, s in servers.items():
             s.start()
-            say(f"[{m}] starting server (log {s.log_path})")
+            rundir.register_server(runs[m], "colocated-0", "colocated", s.url, pid=s.proc.pid)
+            say(f"[{m}] starting server (log {s.log_path}, run directory {runs[m]})")
         for m, s in servers.items():
             s.wait_ready()
             res[m]["max_total_num_tokens"] = s.kv_usage()["max_total_num_tokens"]
@@ -136,6 +142,15 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say) -> dict:
     finally:
         for s in servers.values():
             s.stop()
+        for run_dir in runs.values():
+            rundir.mark_finished(run_dir)
+
+
+def metrics_env(run_dir: Path) -> dict[str, str]:
+    """The environment that makes a colocated server write its metrics streams in `run_dir`
+    (the same recording for every method: its cost is in every row alike)."""
+    return {"HACK_METRICS_RUN_DIR": str(run_dir), "HACK_METRICS_ROLE": "colocated",
+            "HACK_METRICS_INSTANCE": "0", "HACK_METRICS_PROMETHEUS": "0"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -159,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     model_path = str(prepare(args.model, log=say))
     result = {"bench": "serve", "model": args.model, "machine": platform.processor() or platform.machine(),
               "config": cfg, "methods": {}}
-    result["methods"] = _measure_all(methods, model_path, cfg, say)
+    result["methods"] = _measure_all(methods, model_path, cfg, say,
+                                     {"model": args.model, "command": command_line("serve")})
     base = result["methods"]["bf16"]
     ratios = {}
     for m, r in result["methods"].items():

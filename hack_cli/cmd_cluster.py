@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from disagg.server_cmd import METHODS
-from engine.metrics.rundir import RUNS_ROOT_HELP
+from hack_metrics.rundir import RUNS_ROOT_HELP
 
 
 def _model_path(name: str) -> str:
@@ -176,7 +176,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from disagg import demo
+    from . import demo
 
     return demo.run(_model_path(args.model), requests=args.requests, dashboard=not args.no_dashboard,
                     duration_s=args.duration, port=args.port)

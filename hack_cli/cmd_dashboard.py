@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.metrics.rundir import RUNS_ROOT_HELP
+from hack_metrics.rundir import RUNS_ROOT_HELP
 
 STOP_GRACE_S = 6.0   # Streamlit's own graceful stop can take 15 s; the whole command gets 15
 
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def dashboard_env(args: argparse.Namespace) -> tuple[dict, str]:
     """The environment for the app and a line saying what it will show."""
-    from engine.metrics import rundir
+    from hack_metrics import rundir
     from dashboard.sources import HOW_TO_START
 
     root = Path(args.runs_root) if args.runs_root else rundir.runs_root()

@@ -38,6 +38,7 @@ def _sigterm_as_interrupt(signum: int, _frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed, for the docs' command lines
     old = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         rc = args.func(args)

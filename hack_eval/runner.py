@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from hack_ops import HackConfig, attention
+from hack_ops import AttentionMode, HackConfig, attention
+from hack_ops.modes import attention_mode
 
 ATTN_NAME = "hack_reference"
 
@@ -20,14 +21,17 @@ ATTN_NAME = "hack_reference"
 @dataclass(frozen=True)
 class Variant:
     name: str
-    mode: str  # 'exact' | 'hack' | 'dequant'
+    mode: AttentionMode  # strings are accepted and stored as the enum
     config: HackConfig | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", attention_mode(self.mode))  # frozen: coerced once, here
 
     def describe(self) -> str:
         return "exact float32 attention" if self.config is None else f"{self.mode} {self.config.label()}"
 
 
-EXACT = Variant("exact", "exact", None)
+EXACT = Variant("exact", AttentionMode.EXACT, None)
 _current: list[Variant] = [EXACT]
 
 

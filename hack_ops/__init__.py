@@ -6,6 +6,7 @@ HackConfig, QTensor, quantize, dequantize, pack, unpack, homomorphic_matmul, att
 from .attention import MODES, attention
 from .config import HackConfig
 from .homomorphic import homomorphic_matmul, homomorphic_matmul_q
+from .modes import AttentionMode, PrefillMode
 from .packing import pack, unpack
 from .quant import QTensor, dequantize, quantize, sums_dtype
 
@@ -21,4 +22,6 @@ __all__ = [
     "attention",
     "sums_dtype",
     "MODES",
+    "AttentionMode",
+    "PrefillMode",
 ]

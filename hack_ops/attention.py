@@ -1,5 +1,6 @@
-"""Reference attention on dense tensors: 'exact', 'hack' (homomorphic, no dequantization) and
-'dequant' (the paper's strawman: the same 2-bit cache dequantized before exact attention).
+"""Reference attention on dense tensors, in every AttentionMode (hack_ops.modes): 'exact' (no
+quantization), 'hack' (homomorphic, no dequantization) and 'dequant' (the paper's strawman: the
+same 2-bit cache dequantized before float attention).
 
 The 'hack' and 'dequant' modes reproduce what a query sees in the serving cache, token by token
 ("decode-time visibility"). With partition size Π and the query at absolute position t (the
@@ -40,15 +41,15 @@ import torch
 from torch import Tensor
 
 from .config import HackConfig
-from .homomorphic import homomorphic_matmul_q
-from .quant import QTensor, dequantize, expand_groups, quantize
+from .homomorphic import homomorphic_matmul_q, pv_token_v_codes, pv_token_v_min, quantize_qp, scores_channel_k
+from .modes import AttentionMode, attention_mode
+from .quant import QTensor, dequantize, quantize
 
-MODES = ("exact", "hack", "dequant")
+MODES = tuple(AttentionMode)
 
 
-def _check(q: Tensor, k: Tensor, v: Tensor, mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def _check(q: Tensor, k: Tensor, v: Tensor, mode: AttentionMode | str) -> AttentionMode:
+    mode = attention_mode(mode)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [batch, heads, seq, head_dim]")
@@ -62,6 +63,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, mode: str) -> None:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
     if k.shape[2] == 0:
         raise ValueError("k/v must hold at least one token")
+    return mode
 
 
 def _positions(sq: int, sk: int, causal: bool) -> Tensor:
@@ -77,7 +79,7 @@ def attention(
     k: Tensor,
     v: Tensor,
     config: HackConfig | None = None,
-    mode: str = "exact",
+    mode: AttentionMode | str = AttentionMode.EXACT,
     causal: bool = True,
     scale: float | None = None,
     generator: torch.Generator | None = None,
@@ -88,18 +90,18 @@ def attention(
     heads. Queries are the last len(q) positions of the sequence (causal, bottom-right).
     window: sliding window (keys t-window..t visible; None or -1: none); logit_cap: soft-cap
     of the scaled scores (0: none). Returns float32 [batch, q_heads, len(q), head_dim]."""
-    _check(q, k, v, mode)
+    mode = _check(q, k, v, mode)
     window = check_window(window)
     logit_cap = check_logit_cap(logit_cap)
     cfg = config or HackConfig()
     d = q.shape[-1]
-    if mode != "exact" and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
+    if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
         raise ValueError(f"head_dim {d} must be a multiple of the head_dim group {cfg.head_group(d)}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rep = q.shape[1] // k.shape[1]
     pos = _positions(q.shape[2], k.shape[2], causal)
     qs = q.float() * scale
-    if mode == "exact":
+    if mode == AttentionMode.EXACT:
         kf = k.float().repeat_interleave(rep, 1)
         vf = v.float().repeat_interleave(rep, 1)
         s = soft_cap(qs @ kf.transpose(-1, -2), logit_cap)
@@ -163,11 +165,6 @@ def _pad(x: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if n > x.shape[-2] else x
 
 
-def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = False) -> QTensor:
-    return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding,
-                    generator=gen, meta_dtype=torch.float32, zero_min=zero_min, check=False)
-
-
 def _kv_quant(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
     return quantize(x, cfg.kv_bits, dim=dim, group_size=group, rounding=cfg.rounding,
@@ -186,88 +183,77 @@ def _row_groups(reach: Tensor):
             yield torch.nonzero(reach == n).squeeze(1), int(n)
 
 
-def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen,
+def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen,
                       reach: Tensor) -> Tensor:
     """Scores against K quantized per channel over each page (tokens where kmask is True);
     query t gets scores for the first reach[t] pages (the rest of its row is left 0)."""
     p, dd = cfg.partition_size, k.shape[-1]
-    gd, ng = cfg.head_group(dd), dd // cfg.head_group(dd)
+    ng = dd // cfg.head_group(dd)
     npg = k.shape[-2] // p
     qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=kmask[:, None].expand(k.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         kd = dequantize(qk) * kmask[:, None]
         return qs @ _heads(kd, rep).transpose(-1, -2)
     sk_ = _heads(qk.scale.float(), rep)  # [B, H, npg, D]
     mk_ = _heads(qk.minimum.float(), rep)
-    codes = _heads(qk.codes, rep).float().reshape(*qs.shape[:2], npg, p, ng, gd)
-    ksum = codes.sum(-1)  # [B, H, npg, P, ng]: code sums per token and head_dim group
+    codes = _heads(qk.codes, rep).float().reshape(*qs.shape[:2], npg, p, dd)
+    ksum = codes.reshape(*codes.shape[:-1], ng, -1).sum(-1)  # [B, H, npg, P, ng]: code sums per token and group
     out = qs.new_zeros(*qs.shape[:3], npg * p)
     for rows, n in _row_groups(reach):
-        q = qs[:, :, rows]
-        qf = q.unsqueeze(-2) * sk_[:, :, None, :n]  # [B, H, r, n, D]: K scale folded into Q
-        qq = _q8(qf, dim=-1, group=gd, cfg=cfg, gen=gen)
-        qc = qq.codes.float().reshape(*qf.shape[:-1], ng, gd)
-        dot = torch.einsum("bhtpgk,bhpjgk->bhtpjg", qc, codes[:, :, :n])  # integers, exact in fp32
-        sc = (qq.scale.unsqueeze(-2) * dot + qq.minimum.unsqueeze(-2) * ksum[:, :, None, :n]).sum(-1)
-        sc = sc + torch.einsum("bhtd,bhpd->bhtp", q, mk_[:, :, :n]).unsqueeze(-1)  # Q · min, exact
-        out[:, :, rows, : n * p] = sc.reshape(*q.shape[:3], n * p)
+        out[:, :, rows, : n * p] = scores_channel_k(qs[:, :, rows], codes[:, :, :n], sk_[:, :, :n], mk_[:, :, :n],
+                                                    ksum[:, :, :n], cfg, gen, check=False)
     return out
 
 
-def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen) -> Tensor:
     """Scores against K quantized per token in head_dim groups (Eq. 4 directly)."""
     gd = cfg.head_group(k.shape[-1])
     kt = k.transpose(-1, -2)
     qk = _kv_quant(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return qs @ _heads(dequantize(qk), rep)
-    qq = _q8(qs, dim=-1, group=gd, cfg=cfg, gen=gen)
+    qq = quantize_qp(qs, -1, gd, cfg, gen, check=False)
     qk_h = QTensor(_heads(qk.codes, rep), _heads(qk.scale, rep), _heads(qk.minimum, rep),
                    _heads(qk.sums, rep), qk.bits, qk.dim, qk.group_size)
     return homomorphic_matmul_q(qq, qk_h, cfg.summation_elimination)
 
 
-def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen,
+def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen,
                 reach: Tensor) -> Tensor:
     """P·V with V quantized per token in head_dim groups, over the keys where w [Sq, Skp]
     (all within the first reach[t] pages of query t)."""
     p, dd = cfg.partition_size, v.shape[-1]
     gd = cfg.head_group(dd)
-    ng = dd // gd
     pw = pr * w
     qv = _kv_quant(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     b, h, sq, skp = pw.shape
-    npg = skp // p
     sv = _heads(qv.scale.float(), rep)  # [B, H, Skp, ng]
     mv = _heads(qv.minimum.float(), rep)
-    vc = _heads(qv.codes, rep).float().reshape(b, h, npg, p, ng, gd)
-    out = expand_groups(torch.einsum("bhtj,bhjg->bhtg", pw, mv), -1, gd)  # Σ_j P_j m_V(j), exact
+    vc = _heads(qv.codes, rep).float().reshape(b, h, skp // p, p, dd)
+    out = pv_token_v_min(pw, mv, gd)  # over every row at once
     for rows, n in _row_groups(reach):
-        pr_ = pw[:, :, rows, : n * p]
-        pf = (pr_.unsqueeze(-1) * sv[:, :, None, : n * p]).reshape(b, h, len(rows), n, p, ng)  # fold s_V
-        qp = _q8(pf, dim=-2, group=p, cfg=cfg, gen=gen, zero_min=True)  # INT8 per (query, page, group)
-        dot = torch.einsum("bhtpjg,bhpjgk->bhtpgk", qp.codes.float(), vc[:, :, :n])
-        out[:, :, rows] += (qp.scale.squeeze(-2).unsqueeze(-1) * dot).sum(3).reshape(b, h, len(rows), dd)
+        out[:, :, rows] += pv_token_v_codes(pw[:, :, rows, : n * p], vc[:, :, :n], sv[:, :, : n * p], cfg, gen,
+                                            check=False)
     return out
 
 
-def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: str, rep: int, gen) -> Tensor:
+def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen) -> Tensor:
     """P·V with V quantized per channel over each page (Eq. 4, groups along the sequence)."""
     p = cfg.partition_size
     pw = pr * w
     qv = _kv_quant(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
-    qp = _q8(pw, dim=-1, group=p, cfg=cfg, gen=gen, zero_min=True)
+    qp = quantize_qp(pw, -1, p, cfg, gen, zero_min=True, check=False)
     qv_h = QTensor(_heads(qv.codes, rep), _heads(qv.scale, rep), _heads(qv.minimum, rep),
                    _heads(qv.sums, rep), qv.bits, qv.dim, qv.group_size)
     # P's minimum is 0, so only sp*sv*ΣPqVq + sp*mv*ΣPq remain; ΣPq comes from P's own codes.
     return homomorphic_matmul_q(qp, qv_h, cfg.summation_elimination)
 
 
-def _quantized_attention(qs, k, v, cfg: HackConfig, mode: str, pos: Tensor, rep: int, gen,
+def _quantized_attention(qs, k, v, cfg: HackConfig, mode: AttentionMode, pos: Tensor, rep: int, gen,
                          window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     sk = k.shape[-2]
     c = _Cache(pos, sk, cfg, window)

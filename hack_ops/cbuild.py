@@ -1,5 +1,6 @@
-"""Build a plain-C shared library once per machine and cache it: the one build step behind
-the compiled CPU kernels (hack_ops.paged.cpu_kernel) and the CPU codec (hack_ops.codec.cpu).
+"""Build a plain-C shared library once per machine and cache it, and load it once per process:
+the one build and load step behind the compiled CPU kernels (hack_ops.paged.cpu_kernel) and the
+CPU codec (hack_ops.codec.cpu).
 
 The cache key covers the sources, the flags, the compiler's version and what `-march=native`
 expands to on this machine, so a changed source or another CPU never loads a stale library.
@@ -7,13 +8,14 @@ Environment: CC picks the compiler; HACK_KERNEL_CACHE sets the cache directory.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 
 def cache_dir() -> Path:
@@ -55,3 +57,34 @@ def build_library(stem: str, sources: Sequence[Path], headers: Sequence[Path], f
             raise RuntimeError(f"building {what} failed:\n{res.stderr[-2000:]}")
         os.replace(tmp_so, out)  # atomic: concurrent builders never see a half-written file
     return out
+
+
+class LibraryCache:
+    """The loaded library of each build variant, built and loaded on first use. When that is
+    impossible, load() gives None and errors[variant] keeps the reason (asked again, it does
+    not retry: one failed build per process). build(variant) returns the library's path;
+    declare(lib) types its entry points; disabled() names an environment switch that turns it
+    off (None: on)."""
+
+    def __init__(self, build: Callable[[str], Path], declare: Callable[[ctypes.CDLL], None],
+                 disabled: Callable[[], str | None] = lambda: None) -> None:
+        self._build, self._declare, self._disabled = build, declare, disabled
+        self.libs: dict[str, ctypes.CDLL | None] = {}
+        self.errors: dict[str, str] = {}
+
+    def load(self, variant: str) -> ctypes.CDLL | None:
+        if variant in self.libs:
+            return self.libs[variant]
+        lib = None
+        off = self._disabled()
+        if off is not None:
+            self.errors[variant] = off
+        else:
+            try:
+                lib = ctypes.CDLL(str(self._build(variant)))
+                self._declare(lib)
+            except (RuntimeError, OSError) as exc:
+                self.errors[variant] = str(exc)
+                lib = None
+        self.libs[variant] = lib
+        return lib

@@ -1,4 +1,6 @@
-"""Homomorphic quantized matrix multiplication (the paper's Eq. 1/4).
+"""Homomorphic quantized matrix multiplication (the paper's Eq. 1/4), in PyTorch: the one
+implementation the dense reference (hack_ops.attention) and the paged torch path
+(hack_ops.paged.torch_attention) share, and that the C and Triton kernels are tested against.
 
 With A grouped along its last (inner) dim and B along its first (inner) dim, group g of size G:
     A[i,k] ≈ sa[i,g] * qa[i,k] + ma[i,g],   B[k,j] ≈ sb[g,j] * qb[k,j] + mb[g,j]
@@ -6,13 +8,76 @@ With A grouped along its last (inner) dim and B along its first (inner) dim, gro
 The first term is an integer matmul (INT8 x INT2/INT4 -> INT32); the other three are the
 "approximation" and use the code sums (stored, with summation elimination). Nothing is
 dequantized. The result equals dequantize(qa) @ dequantize(qb) up to float round-off.
+
+The attention layouts (the project's default, K per channel over a page and V per token):
+  scores_channel_k   S = Σ_g sq*(Qq·Kq) + mq*ΣKq + Q·m_K, with Q' = Q ⊙ s_K(page) quantized to
+                     INT8 per (query, page, head_dim group): K's per-channel scale folded into Q,
+                     ΣKq = K's per-token code sums (stored: summation elimination).
+  pv_token_v_codes   Σ_p sp*(Pq·Vq), with P' = P ⊙ s_V(token) quantized to INT8 per (query, page,
+                     head_dim group) over [0, max] (P >= 0, so P's minimum and V's code sums vanish).
+  pv_token_v_min     Σ_j P_j m_V(j), the min correction (exact, float).
+Integer products are computed in float32: |code products| summed over at most 256 elements stay
+below 2^24, so they are exact whatever the summation order.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from .quant import QTensor, quantize
+from .config import HackConfig
+from .quant import QTensor, expand_groups, quantize
+
+
+def quantize_qp(x: Tensor, dim: int, group: int, cfg: HackConfig, generator: torch.Generator | None,
+                zero_min: bool = False, check: bool = True) -> QTensor:
+    """The INT8 operand (Q' or P') of Eq. 4: cfg.qp_bits codes, float32 min/scale, the config's
+    rounding. zero_min: the range is [0, max] (P >= 0). check=False skips the finiteness scan
+    for operands the caller knows to be finite."""
+    return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding, generator=generator,
+                    meta_dtype=torch.float32, zero_min=zero_min, check=check)
+
+
+def scores_channel_k(q: Tensor, k_codes: Tensor, k_scale: Tensor, k_min: Tensor, k_sums: Tensor,
+                     cfg: HackConfig, generator: torch.Generator | None, check: bool = True) -> Tensor:
+    """Scores of q [..., T, D] (already scaled) against n pages of K quantized per channel over
+    each page's Π tokens: k_codes float [..., n, Π, D], k_scale / k_min [..., n, D], k_sums (code
+    sums per token and head_dim group) [..., n, Π, ng]. K's leading dims broadcast against q's
+    (GQA: a K head may serve several query rows). Returns float32 [..., T, n * Π]."""
+    d = q.shape[-1]
+    gd = cfg.head_group(d)
+    ng = d // gd
+    qf = q.unsqueeze(-2) * k_scale.unsqueeze(-3)  # [..., T, n, D]: K's per-channel scale folded into Q
+    qq = quantize_qp(qf, -1, gd, cfg, generator, check=check)
+    qc = qq.codes.float().reshape(*qf.shape[:-1], ng, gd)
+    kc = k_codes.reshape(*k_codes.shape[:-1], ng, gd)
+    dot = torch.einsum("...tpgk,...pjgk->...tpjg", qc, kc)  # integers, exact in float32
+    s = (qq.scale.unsqueeze(-2) * dot + qq.minimum.unsqueeze(-2) * k_sums.unsqueeze(-4)).sum(-1)
+    s = s + torch.einsum("...td,...pd->...tp", q, k_min).unsqueeze(-1)  # Q · min, exact
+    return s.reshape(*s.shape[:-2], -1)
+
+
+def pv_token_v_codes(pw: Tensor, v_codes: Tensor, v_scale: Tensor, cfg: HackConfig,
+                     generator: torch.Generator | None, check: bool = True) -> Tensor:
+    """The code term of P·V with V quantized per token in head_dim groups: pw [..., T, n * Π]
+    (P >= 0, zero where a key is not read), v_codes float [..., n, Π, D], v_scale [..., n * Π, ng].
+    Returns float32 [..., T, D]; add pv_token_v_min for the whole product."""
+    p = cfg.partition_size
+    d = v_codes.shape[-1]
+    gd = cfg.head_group(d)
+    ng = d // gd
+    n = pw.shape[-1] // p
+    pf = (pw.unsqueeze(-1) * v_scale.unsqueeze(-3)).reshape(*pw.shape[:-1], n, p, ng)  # V's scale folded into P
+    qp = quantize_qp(pf, -2, p, cfg, generator, zero_min=True, check=check)  # per (query, page, group), [0, max]
+    vc = v_codes.reshape(*v_codes.shape[:-1], ng, gd)
+    dot = torch.einsum("...tpjg,...pjgk->...tpgk", qp.codes.float(), vc)  # integers, exact in float32
+    out = (qp.scale.squeeze(-2).unsqueeze(-1) * dot).sum(-3)
+    return out.reshape(*out.shape[:-2], d)
+
+
+def pv_token_v_min(pw: Tensor, v_min: Tensor, group: int) -> Tensor:
+    """The min term of P·V with V quantized per token: Σ_j P_j m_V(j), pw [..., T, J] and
+    v_min [..., J, ng] -> float32 [..., T, ng * group] (exact float, no quantization)."""
+    return expand_groups(torch.einsum("...tj,...jg->...tg", pw, v_min), -1, group)
 
 
 def int_matmul_grouped(qa: Tensor, qb: Tensor, group_size: int) -> Tensor:

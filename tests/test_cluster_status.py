@@ -12,7 +12,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 import pytest
 
 from disagg import cluster
-from engine.metrics import rundir
+from hack_metrics import rundir
 from hack_cli import cmd_dashboard
 from hack_cli.main import build_parser, main
 

@@ -122,8 +122,8 @@ def test_blocks_threads_and_builds_agree():
     assert float((base - ref).abs().amax(-1).max()) <= FLIP_TOL
 
 
-@pytest.mark.parametrize("mode", ["hack", "exact"])
-def test_paths_agree(mode, monkeypatch):
+@pytest.mark.parametrize("prefill", ["homomorphic", "exact"])
+def test_paths_agree(prefill, monkeypatch):
     """Tiled, per-query and torch extend over a cached unaligned prefix read the same cache."""
     cfg = make_cfg(partition_size=32, sink_tokens=1)
     outs = {}
@@ -134,8 +134,8 @@ def test_paths_agree(mode, monkeypatch):
             monkeypatch.delenv("HACK_EXTEND_KERNEL", raising=False)
         case = Case(cfg, lens=[140, 50], seed=24)
         case.extend([45, 20], backend="torch")
-        outs[path] = case.extend([140, 50], mode=mode, backend="torch" if path == "torch" else "cpu")
-        if mode == "hack":
+        outs[path] = case.extend([140, 50], prefill=prefill, backend="torch" if path == "torch" else "cpu")
+        if prefill == "homomorphic":
             case.check(outs[path], path)
     for i in (0, 1):
         for path in ("per-query", "torch"):

@@ -7,8 +7,8 @@ import pyarrow as pa
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from engine.metrics import rundir
-from engine.metrics.schema import VERSION_KEY, arrow_schema
+from hack_metrics import rundir
+from hack_metrics.schema import VERSION_KEY, arrow_schema
 from engine.metrics.sink import MetricsSink
 from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
 

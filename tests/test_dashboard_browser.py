@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 from engine.metrics.sink import MetricsSink
 from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
 

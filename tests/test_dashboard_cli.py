@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 from hack_cli import cmd_dashboard
 from hack_cli.main import build_parser, main
 

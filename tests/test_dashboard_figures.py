@@ -6,7 +6,7 @@ import pytest
 
 from dashboard import figures as F
 from dashboard.sources import Source, load_view
-from engine.metrics import analysis, rundir
+from hack_metrics import analysis, rundir
 from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
 
 

@@ -21,6 +21,7 @@ from disagg.replay import generate
 from disagg.server_cmd import server_command
 from disagg.wire_meter import read_log
 from engine.cpu_runtime import shared_host_env
+from engine.launcher import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -40,10 +41,10 @@ def _model() -> str:
 
 
 def _prompt(n_tokens: int, offset: int) -> list[int]:
-    from disagg.workload import load_tokenizer
+    from hack_eval.workloads import tokenizer
     from hack_eval.texts import essay_files
 
-    tok = load_tokenizer(_model())
+    tok = tokenizer(_model())
     ids: list[int] = []
     for p in essay_files():
         ids += tok(p.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
@@ -55,7 +56,7 @@ def _prompt(n_tokens: int, offset: int) -> list[int]:
 def _spawn(request, role: str, method: str, bootstrap_port: int | None = None) -> str:
     run_dir = Path(cluster.default_run_root()) / f"codec-{role}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = procs.free_port()
+    port = free_port()
     cmd = server_command(role, method, _model(), "127.0.0.1", port, bootstrap_port, 16384, NO_RADIX)
     env = shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_HOST_IP="127.0.0.1"))
     log = run_dir / f"{role}.log"
@@ -116,7 +117,7 @@ def test_corrupted_coded_bytes_fail_the_request_and_free_its_pages(lossless_pd):
 
 
 def test_prefill_without_the_codec_is_refused_with_a_sentence(lossless_pd, request):
-    bport = procs.free_port()
+    bport = free_port()
     _spawn(request, "prefill", "bf16", bootstrap_port=bport)
     body = {"input_ids": _prompt(40, 500), "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": random.getrandbits(62)}

@@ -19,6 +19,7 @@ from disagg import cluster, netns, procs
 from disagg.replay import generate
 from disagg.wire_meter import read_log
 from engine.cpu_runtime import shared_host_env
+from engine.launcher import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -38,10 +39,10 @@ def _model() -> str:
 
 
 def _prompts(n_tokens: int, count: int, offset: int = 0) -> list[list[int]]:
-    from disagg.workload import load_tokenizer
+    from hack_eval.workloads import tokenizer
     from hack_eval.texts import essay_files
 
-    tok = load_tokenizer(_model())
+    tok = tokenizer(_model())
     ids: list[int] = []
     for p in essay_files():
         ids += tok(p.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
@@ -82,7 +83,7 @@ def _start_colocated(request) -> str:
 
     run_dir = Path(cluster.default_run_root()) / f"colocated-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = procs.free_port()
+    port = free_port()
     cmd = server_command("colocated", "hack", _model(), "127.0.0.1", port, None, 16384, NO_RADIX)
     pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), run_dir / "colocated.log")
     request.addfinalizer(lambda: procs.stop(pid))
@@ -127,8 +128,8 @@ def test_pd_hack_gives_the_colocated_greedy_tokens(hack_pd, colocated):
 def test_pd_timeline_joins_both_roles_with_every_phase(hack_pd):
     """The metrics streams of prefill and decode join into one timeline per request, with the
     fused phases measured on each side (quantization on prefill, approximation on decode)."""
-    from engine.metrics.run_view import build_view
-    from engine.metrics.runload import RunLoader
+    from hack_metrics.run_view import build_view
+    from hack_metrics.runload import RunLoader
 
     t0 = time.time_ns()
     res = generate(hack_pd["router_url"], _prompts(300, 1, offset=3000)[0], 8, stream=True)

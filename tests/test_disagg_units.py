@@ -77,7 +77,7 @@ def test_fingerprint_names_version_partition_and_model():
 
 
 def test_incompatible_reason_is_readable():
-    from disagg.sglang_hooks import incompatible_reason
+    from disagg.connector import incompatible_reason
 
     msg = ("KV cache dtype mismatch: prefill server has kv_cache_dtype=hack:v2:P32:aa:m:L30, but "
            "decode server has kv_cache_dtype=hack:v2:P64:bb:m:L30. Both servers must ...")
@@ -159,13 +159,13 @@ def test_summarize_percentiles():
 
 
 def test_workloads_build_from_every_source():
-    from disagg.workload import build, load_tokenizer
+    from hack_eval.workloads import build, tokenizer
     from hack_eval.models import model_dir
 
     path = model_dir()
     if not path.exists():
         pytest.skip("model not prepared (hack model prepare smollm2)")
-    tok = load_tokenizer(str(path))
+    tok = tokenizer(str(path))
     long = build("longdoc-2k", tok, 2, rps=1.0, seed=3)
     assert [len(w.input_ids) for w in long] == [2048, 2048] and long[0].input_ids != long[1].input_ids
     assert long[0].arrival_s == 0.0 and long[1].arrival_s > 0
@@ -232,8 +232,8 @@ def test_servers_sharing_the_host_wait_passively_unless_told_otherwise(tmp_path,
 
 
 def test_bench_breakdown_is_the_exclusive_breakdown_of_the_run(tmp_path):
-    from engine.metrics.run_view import build_view
-    from engine.metrics.runload import RunLoader
+    from hack_metrics.run_view import build_view
+    from hack_metrics.runload import RunLoader
     from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
     from disagg.bench import _exclusive_means
     from hack_cli.bench_disagg import render

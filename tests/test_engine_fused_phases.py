@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import fused_phases
+from engine import fused_phases, server_state
 from hack_ops import HackConfig
 from hack_ops.paged import HackKVStore, clock
 from hack_ops.paged import decode as paged_decode
@@ -21,25 +21,25 @@ def test_shares_split_quantization_by_new_tokens_and_attention_by_context():
 
 def test_take_matches_by_request_ids_and_drops_older_records(monkeypatch):
     monkeypatch.setattr(fused_phases.hm, "enabled", lambda: True)
-    fused_phases._records.clear()
+    records = server_state.reset().forward_records
     try:
         fused_phases.begin_forward(["x"], [5], [5])
         fused_phases.begin_forward(["x", "y"], [1, 1], [6, 9])
         fused_phases.begin_forward(["y"], [1], [10])
         rec = fused_phases.take(["x", "y"])
         assert rec is not None and rec.context == (6, 9)
-        assert [r.rids for r in fused_phases._records] == [("y",)]  # the older one went too
+        assert [r.rids for r in records] == [("y",)]  # the older one went too
         assert fused_phases.take(["z"]) is None
     finally:
         clock.measure(None)
-        fused_phases._records.clear()
+        server_state.reset()
 
 
 def test_without_metrics_nothing_is_timed(monkeypatch):
     monkeypatch.setattr(fused_phases.hm, "enabled", lambda: False)
-    fused_phases._records.clear()
+    records = server_state.reset().forward_records
     fused_phases.begin_forward(["x"], [1], [1])
-    assert not fused_phases._records and clock._acc is None
+    assert not records and clock._acc is None
 
 
 @pytest.mark.parametrize("mode,phase", [("hack", "approximation"), ("dequant", "dequantization")])

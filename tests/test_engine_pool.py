@@ -136,7 +136,7 @@ def test_decode_reads_the_pool_it_wrote(hack_env):
 def test_gpu_plan_conversion_and_refusals(hack_env):
     """The CUDA path cannot run here (no GPU); its plan conversion is plain torch and its
     refusals happen at construction, both checked on the CPU."""
-    from engine.gpu_attention import GpuAttention, csr_pages
+    from engine.gpu_attention import GpuAttention
 
     pool = _pool()
     store = pool.store
@@ -144,7 +144,7 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
     r2t[0, :128] = torch.arange(128) + 7 * 64  # pages 7, 8
     r2t[3, :64] = torch.arange(64) + 2 * 64  # page 2
     plan = store.plan(r2t, [0, 3], [100, 10], [100, 10])
-    indptr, indices = csr_pages(plan, torch.device("cpu"))
+    indptr, indices = plan.csr_pages(torch.device("cpu"))
     assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [7, 8, 2]
     assert indptr.dtype == indices.dtype == torch.int32
     for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact")):

@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from engine.launcher import SGLangServer
-from engine.workload import SHORT_PROMPTS, common_prefix, essay_ids
+from hack_eval.workloads import SHORT_PROMPTS, common_prefix, essay_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -232,7 +232,7 @@ def test_malformed_requests_get_4xx(servers, payload):
 
 def test_timeline_and_memory_are_recorded(servers):
     """The scheduler hooks record each request's phases and the pool's memory (engine.timeline)."""
-    from engine.metrics.runload import RunLoader
+    from hack_metrics.runload import RunLoader
 
     hack = servers["hack"]
     out = hack.generate(SHORT_PROMPTS[0], 6)

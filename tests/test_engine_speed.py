@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from engine.launcher import SGLangServer
-from engine.workload import essay_ids
+from hack_eval.workloads import essay_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

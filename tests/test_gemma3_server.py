@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from engine.launcher import SGLangServer
-from engine.workload import common_prefix, essay_ids
+from hack_eval.workloads import common_prefix, essay_ids
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

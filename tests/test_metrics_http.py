@@ -12,10 +12,10 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 from engine.metrics.http_api import create_app, install_routes
-from engine.metrics.http_client import HttpRunLoader
-from engine.metrics.runload import RunLoader
+from hack_metrics.http_client import HttpRunLoader
+from hack_metrics.runload import RunLoader
 from engine.metrics.sink import MetricsSink
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine.metrics import analysis
-from engine.metrics.run_view import build_view
-from engine.metrics.runload import RunLoader
+from hack_metrics import analysis
+from hack_metrics.run_view import build_view
+from hack_metrics.runload import RunLoader
 from engine.metrics.sink import MetricsSink
 from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
 

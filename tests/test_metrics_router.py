@@ -20,9 +20,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.metrics.http_api import make_router
-from engine.metrics.http_client import HttpRunLoader
-from engine.metrics.run_view import build_view
-from engine.metrics.runload import RunLoader
+from hack_metrics.http_client import HttpRunLoader
+from hack_metrics.run_view import build_view
+from hack_metrics.runload import RunLoader
 from engine.metrics.synthetic import SyntheticSpec, write_synthetic_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -6,8 +6,8 @@ import time
 import pyarrow as pa
 import pytest
 
-from engine.metrics import schema as S
-from engine.metrics.reader import StreamTail, read_stream
+from hack_metrics import schema as S
+from hack_metrics.reader import StreamTail, read_stream
 from engine.metrics.sink import MetricsSink
 
 

@@ -21,9 +21,9 @@ import requests
 
 from disagg import cluster, netns, procs
 from disagg.replay import generate
-from engine.metrics import rundir
-from engine.metrics.http_client import HttpRunLoader
-from engine.metrics.run_view import build_view
+from hack_metrics import rundir
+from hack_metrics.http_client import HttpRunLoader
+from hack_metrics.run_view import build_view
 import test_dashboard_browser as B
 from test_dashboard_browser import (ARTIFACTS, _chart, _free_port, _metric, _no_crash, _text,
                                     _titles, _wait)
@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root")]
 
 N_REQUESTS = 4
+ONE_TOKEN_PROMPT = 50  # the max_new_tokens=1 request's prompt length (no other has it)
 STOP_LIMIT_S = 15.0
 
 
@@ -57,6 +58,9 @@ def live(tmp_path_factory):
         # Short prompts, a few output tokens: the page has this run's requests to show.
         results = [generate(state["router_url"], list(range(100 + 7 * i, 164 + 7 * i)), 6,
                             stream=False) for i in range(N_REQUESTS)]
+        # One request whose only token is prefill's: it finishes in decode's prebuilt batch.
+        results.append(generate(state["router_url"], list(range(300, 300 + ONE_TOKEN_PROMPT)), 1,
+                                stream=False))
         assert all(r.ok for r in results), [r.error for r in results]
         yield {"env": env, "state": state, "base": base}
     finally:
@@ -132,8 +136,27 @@ def test_live_routes_on_both_servers_join_prefill_and_decode(live):
         assert ev.status_code == 200 and len(ev.json()["events"]) == 5
     view = build_view(HttpRunLoader(st["router_url"], servers=servers).load())
     joined = view.finished[view.finished["roles"] == "decode,prefill"]
-    assert len(joined) >= N_REQUESTS     # (+ SGLang's own warm-up request)
+    assert len(joined) >= N_REQUESTS + 1     # (+ SGLang's own warm-up request)
     assert view.data.meta["kv_mode"] == "hack" and not view.data.warnings
+    one = view.requests[(view.requests["prompt_tokens"] == ONE_TOKEN_PROMPT)
+                        & (view.requests["roles"] == "decode,prefill")]
+    assert list(one["status"]) == ["finished"] and list(one["output_tokens"]) == [1]
+    # Every transfer carries its prompt's BF16 size, from the model's geometry (SmolLM2:
+    # 30 layers x 3 KV heads x head_dim 64), so the wire compression line is drawn.
+    from transformers import AutoConfig
+
+    from dashboard.figures import compression_figure
+    from hack_eval.models import model_dir
+    from hack_metrics import analysis
+
+    cfg = AutoConfig.from_pretrained(model_dir())
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+    sent = joined[joined["bytes"] > 0]
+    assert len(sent) >= N_REQUESTS + 1
+    assert (sent["bytes_bf16"] == sent["prompt_tokens"] * per_token).all(), \
+        sent[["prompt_tokens", "bytes", "bytes_bf16"]]
+    assert analysis.wire_ratio(view.requests) > 1.0
+    assert any("on the wire" in (a.text or "") for a in compression_figure(view).layout.annotations)
 
 
 def test_servers_metrics_carry_hack_beside_sglang_and_cover_grafana(live):

@@ -74,14 +74,15 @@ class Case:
         t = lambda x: x.transpose(0, 1)[None]  # noqa: E731  [L, H, D] -> [1, H, L, D]
         return attention(t(self.q[i]), t(self.k[i]), t(self.v[i]), self.cfg, mode=mode, **self.feat)[0].transpose(0, 1)
 
-    def extend(self, upto, mode=None, layer=0, backend="torch"):
-        """Extend every request i to length upto[i]; returns per-request outputs."""
+    def extend(self, upto, mode=None, layer=0, backend="torch", prefill="homomorphic"):
+        """Extend every request i to length upto[i] (mode: the AttentionMode, default the case's;
+        prefill: the PrefillMode); returns per-request outputs."""
         act = [i for i in range(len(self.lens)) if upto[i] > self.done[i]]
         ext = [upto[i] - self.done[i] for i in act]
         plan = self.store.plan(self.table, [self.rows[i] for i in act], [upto[i] for i in act], ext)
         cat = lambda xs: torch.cat([xs[i][self.done[i]:upto[i]] for i in act])  # noqa: E731
         o = extend(self.store, layer, plan, cat(self.q), cat(self.k), cat(self.v), mode=mode or self.mode,
-                   backend=backend, **self.feat)
+                   backend=backend, prefill=prefill, **self.feat)
         outs, off = {}, 0
         for i, e in zip(act, ext):
             outs[i] = o[off:off + e]
@@ -234,24 +235,24 @@ def test_exact_prefill(backend):
     cfg = make_cfg(partition_size=32)
     # no prefix: plain float attention over the FP16 tokens
     case = Case(cfg, lens=[70], seed=5, mode="hack")
-    out = case.extend([70], mode="exact", backend=backend)[0]
+    out = case.extend([70], prefill="exact", backend=backend)[0]
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     exact = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
     assert float((out - exact).abs().max()) <= ROUNDOFF_TOL
     # a batch of cold requests (the SDPA fast path), each its own causal attention
     case = Case(cfg, lens=[70, 33], seed=9, mode="hack")
-    outs = case.extend([70, 33], mode="exact", backend=backend)
+    outs = case.extend([70, 33], prefill="exact", backend=backend)
     for i in range(2):
         ref = attention(t(case.q[i]), t(case.k[i]), t(case.v[i]), cfg, mode="exact")[0].transpose(0, 1)
         assert float((outs[i] - ref).abs().max()) <= ROUNDOFF_TOL
     # one new token that does not close its page: exact prefill sees what decode sees
     case = Case(cfg, lens=[70], seed=6)
     case.extend([69])
-    case.check(case.extend([70], mode="exact", backend=backend), "exact one token")
+    case.check(case.extend([70], prefill="exact", backend=backend), "exact one token")
     # a prefix with closed pages and an open page, then many new tokens
     case = Case(cfg, lens=[120], seed=7)
     case.extend([45])
-    out = case.extend([120], mode="exact", backend=backend)[0]
+    out = case.extend([120], prefill="exact", backend=backend)[0]
     ref = _exact_reference(case, 0, 45)
     full = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)[45:]
     err, gap = (out - ref).abs().amax(-1), (full - ref).abs().amax(-1)
@@ -344,3 +345,27 @@ def test_range_search(backend):
     case.check(case.decode(backend=backend), "decode 1")
     case.check(case.decode(backend=backend), "decode 2")
     case.finish()
+
+
+def test_strawman_prefill_reads_the_prefix_dequantized_and_the_chunk_in_full_precision():
+    """The dequantizing baseline's prefill over a cached prefix (a chunked prompt) is dense
+    attention over the prefix as the cache holds it (closed pages dequantized, the open page
+    from the FP16 tail, sinks FP16) and the chunk's own tokens: the same math as the dense
+    reference built by _exact_reference, to float32 roundoff."""
+    from hack_ops.paged import extend_strawman
+
+    cfg = make_cfg(partition_size=32)
+    for prefix, total, seed in ((45, 120, 7), (64, 100, 8), (0, 70, 9)):
+        case = Case(cfg, lens=[total], seed=seed)
+        if prefix:
+            case.extend([prefix])
+        plan = case.store.plan(case.table, [case.rows[0]], [total], [total - prefix])
+        sl = slice(prefix, total)
+        out = extend_strawman(case.store, 0, plan, case.q[0][sl], case.k[0][sl], case.v[0][sl],
+                              dtype=torch.float32)
+        if prefix:
+            ref = _exact_reference(case, 0, prefix)
+        else:
+            t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+            ref = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
+        assert float((out - ref).abs().max()) <= ROUNDOFF_TOL, (prefix, float((out - ref).abs().max()))

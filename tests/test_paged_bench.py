@@ -33,6 +33,15 @@ def test_bench_attention_json(capsys, tmp_path):
         assert ratio["hack_vs_bf16"] == pytest.approx(ms[key + ("bf16",)] / ms[key + ("hack",)], rel=0.05, abs=0.01)
         assert ratio["hack_vs_dequant"] == pytest.approx(ms[key + ("dequant",)] / ms[key + ("hack",)], rel=0.05, abs=0.01)
     assert len(doc["ratios"]) == 3  # two decode cells and the prefill
+    assert doc["command"].startswith("hack bench attention --json") and doc["date"]
+    # The docs table: one row per ratio, the store rows, and a target line for the prefill.
+    from hack_cli.bench_attention_doc import render
+
+    text = render(doc, doc["command"], doc["date"])
+    assert sum(line.startswith("| decode |") for line in text.splitlines()) == 2
+    assert sum(line.startswith("| prefill |") for line in text.splitlines()) == 1
+    assert sum(line.startswith("| store ") for line in text.splitlines()) == len(doc["store"])
+    assert "- prefill smollm2 96: HACK (store + attention) x" in text and "(target >= 1x;" in text
 
 
 @pytest.mark.parametrize("argv, message", [

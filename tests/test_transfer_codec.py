@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disagg import checksum, sglang_hooks, transfer_codec
+from disagg import checksum, connector, transfer_codec
 from disagg.transfer_codec import KvCodec, PageCodec
 from hack_ops.codec import codebook as cb
 from hack_ops.codec.format import FloatFormat
@@ -135,12 +135,12 @@ def test_server_options_are_checked_with_a_sentence() -> None:
 def test_codec_mismatch_sentence() -> None:
     msg = ("prefill server has kv_cache_dtype=bfloat16+splitzip:e313571b, but decode server has "
            "kv_cache_dtype=bfloat16. Please ...")
-    reason = sglang_hooks.incompatible_reason(msg, "10.0.0.2:8998")
+    reason = connector.incompatible_reason(msg, "10.0.0.2:8998")
     assert "prefill uses KV transfer codec splitzip (codebook e313571b)" in reason
     assert "decode uses no KV transfer codec" in reason and "--hack-kv-codec" in reason
     msg = ("prefill server has kv_cache_dtype=bfloat16+splitzip:e313571b, but decode server has "
            "kv_cache_dtype=bfloat16+splitzip:0badf00d. x")
-    assert "codebook 0badf00d" in sglang_hooks.incompatible_reason(msg, "a")
+    assert "codebook 0badf00d" in connector.incompatible_reason(msg, "a")
 
 
 def test_server_commands_of_the_new_methods() -> None:

@@ -138,7 +138,7 @@ def test_exact_prefill_window(backend):
 
     cfg = make_cfg(partition_size=P)
     case = Case(cfg, lens=[150, 60], seed=27, window=45, logit_cap=4.0, scale=0.2)
-    outs = case.extend([150, 60], mode="exact", backend=backend)
+    outs = case.extend([150, 60], prefill="exact", backend=backend)
     t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
     for i in range(2):
         ref = attention(t(case.q[i]), t(case.k[i]), t(case.v[i]), cfg, mode="exact", window=45, logit_cap=4.0,
@@ -150,7 +150,7 @@ def test_exact_prefill_window(backend):
     # a chunk after a cached prefix: quantized prefix pages inside the window, FP16 new tokens
     case = Case(cfg, lens=[150], seed=28, window=45)
     case.extend([100])
-    out = case.extend([150], mode="exact", backend=backend)[0]
+    out = case.extend([150], prefill="exact", backend=backend)[0]
     ref = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact", window=45)[0].transpose(0, 1)[100:]
     # new tokens at t >= 145 see only FP16 new keys (their windows start after the prefix), so
     # they equal exact attention; earlier ones also read 2-bit prefix pages (test_windows)

@@ -35,9 +35,11 @@ the run directory (`<role>-<instance>.<n>.arrows` if that name is taken, e.g. af
 restart or from a second process of the same server). Calls never raise: errors are
 logged and counted (`get_sink().errors`, `.dropped`).
 
-Reading: `runload.RunLoader(run_dir).load()` -> `run_view.build_view(data)` gives joined
-requests, spans, the exclusive breakdown; `http_api` serves the streams over HTTP
-(`GET /hack/events?since=<seq>`); `prometheus` exports `hack:` metrics.
+This package is the writer side, inside the servers: the sink (the stream writer), `http_api`
+(the live routes SGLang serves: `GET /hack/events?since=<seq>`), `prometheus` (`hack:` metrics)
+and `synthetic` (clearly labelled made-up runs, written through the sink). Reading is the
+`hack_metrics` package (no SGLang): `hack_metrics.runload.RunLoader(run_dir).load()` ->
+`hack_metrics.run_view.build_view(data)` gives joined requests, spans, the exclusive breakdown.
 """
 from __future__ import annotations
 

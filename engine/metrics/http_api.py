@@ -32,9 +32,9 @@ import pyarrow as pa
 from fastapi import APIRouter, FastAPI, HTTPException, Query
 from fastapi.responses import Response
 
-from engine.metrics import rundir
-from engine.metrics.reader import StreamTail
-from engine.metrics.schema import SCHEMA_VERSION, arrow_schema
+from hack_metrics import rundir
+from hack_metrics.reader import StreamTail
+from hack_metrics.schema import SCHEMA_VERSION, arrow_schema
 
 MAX_LIMIT = 100_000
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from engine.metrics import schema as S
+from hack_metrics import schema as S
 
 log = logging.getLogger("hack.metrics")
 

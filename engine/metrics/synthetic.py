@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.metrics import rundir
+from hack_metrics import rundir
 from engine.metrics.sink import MetricsSink
 
 BF16_BYTES_PER_TOKEN = 23_040   # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K,V) x 2 B

@@ -1,8 +1,8 @@
 """The compiled CPU SplitZip codec (csrc/splitzip.c): build, load, call.
 
 Plain C built with the machine's gcc into a cache directory keyed by source, flags and
-compiler, loaded with ctypes (the same scheme as the paged attention kernel, kept separate so
-each owner edits one build module). Variants: 'native' (-O3 -march=native: the AVX-512 VBMI
+compiler, loaded with ctypes (hack_ops.cbuild: the same build and load cache as the paged
+attention kernel). Variants: 'native' (-O3 -march=native: the AVX-512 VBMI
 path for BF16 where the CPU has it) and 'portable' (plain C loops). OpenMP splits the chunks
 over `threads` (default 1: the codec shares cores with the server it runs in).
 Environment: HACK_CODEC_CPU=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import build_library
+from ..cbuild import LibraryCache, build_library
 from .codebook import Codebook
 from .format import DEFAULT_CHUNK, CodecError, FloatFormat, check_chunk, max_stream_bytes
 
@@ -28,10 +28,6 @@ ERRORS = {-1: "output buffer too small", -2: "bad arguments", -3: "bad stream he
           -4: "stream was coded with another codebook", -5: "stream truncated",
           -6: "escape stream out of range", -7: "bytes after the last chunk", -8: "out of memory"}
 
-_libs: dict[str, ctypes.CDLL | None] = {}
-_errors: dict[str, str] = {}
-
-
 def build(variant: str = "native") -> Path:
     """Compile (if not cached) and return the library's path; RuntimeError on failure."""
     if variant not in VARIANTS:
@@ -39,27 +35,26 @@ def build(variant: str = "native") -> Path:
     return build_library(f"splitzip_{variant}", [SOURCE], [], VARIANTS[variant], "the SplitZip CPU codec")
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, p, u32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint32
+    lib.sz_encode.argtypes = [p, i64, ctypes.c_int, p, u32, i64, p, i64, ctypes.c_int]
+    lib.sz_encode.restype = i64
+    lib.sz_decode.argtypes = [p, i64, ctypes.c_int, p, u32, p, i64, ctypes.c_int]
+    lib.sz_decode.restype = i64
+    lib.sz_simd.restype = ctypes.c_int
+
+
+def _disabled() -> str | None:
+    return "disabled by HACK_CODEC_CPU=0" if os.environ.get("HACK_CODEC_CPU", "1") == "0" else None
+
+
+_cache = LibraryCache(build, _declare, _disabled)
+_errors = _cache.errors
+
+
 def load(variant: str = "native") -> ctypes.CDLL | None:
     """The loaded library (built on first use), or None with the reason in why_not()."""
-    if variant in _libs:
-        return _libs[variant]
-    lib = None
-    if os.environ.get("HACK_CODEC_CPU", "1") == "0":
-        _errors[variant] = "disabled by HACK_CODEC_CPU=0"
-    else:
-        try:
-            lib = ctypes.CDLL(str(build(variant)))
-            i64, p, u32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint32
-            lib.sz_encode.argtypes = [p, i64, ctypes.c_int, p, u32, i64, p, i64, ctypes.c_int]
-            lib.sz_encode.restype = i64
-            lib.sz_decode.argtypes = [p, i64, ctypes.c_int, p, u32, p, i64, ctypes.c_int]
-            lib.sz_decode.restype = i64
-            lib.sz_simd.restype = ctypes.c_int
-        except (RuntimeError, OSError) as exc:
-            _errors[variant] = str(exc)
-            lib = None
-    _libs[variant] = lib
-    return lib
+    return _cache.load(variant)
 
 
 def why_not(variant: str = "native") -> str | None:

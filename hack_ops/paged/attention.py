@@ -5,9 +5,11 @@ extend(store, layer, plan, q, k, v)   the new tokens of each request (q [N, Hq, 
                                       the cached prefix and themselves; stores k/v itself, after
                                       keeping the FP16 tokens of the prefix's open page that the
                                       write may overwrite.
-Modes: 'hack' (homomorphic, decode-time visibility), 'dequant' (the same cache dequantized then
-attended in float: the strawman baseline), and for extend 'exact' (the new tokens attend to each
-other in FP16; the cached prefix is read as decode reads it).
+Modes (hack_ops.modes): `mode` is the AttentionMode, 'hack' (homomorphic, decode-time visibility)
+or 'dequant' (the same cache dequantized then attended in float: the strawman baseline); extend's
+`prefill` is the PrefillMode, 'homomorphic' (the new tokens read through the cache, as decode
+will read them) or 'exact' (the new tokens attend to each other in FP16; the cached prefix is
+read by `mode`, as decode reads it).
 Backends ('hack' decode): 'torch' (portable), 'cpu' (the compiled kernel, see cpu_kernel.py),
 'auto' = the compiled kernel when it is available and applies, else torch. 'dequant' decode
 dequantizes to dequant_dtype and calls SDPA (dequant.py); extend runs on the torch path.
@@ -25,16 +27,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import clock
-from .dequant import dequant_decode
+from .dequant import dequant_decode, prefix_dense
 from .pages import request_pages
 from .plan import ForwardPlan
 from ..attention import check_logit_cap, check_window
+from ..modes import SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
 from .store import HackKVStore
 from .torch_attention import RequestView, attend_request, first_page
-
-DECODE_MODES = ("hack", "dequant")
-EXTEND_MODES = ("hack", "exact", "dequant")
-
 
 def _check_q(store: HackKVStore, q: Tensor, rows: int, what: str) -> int:
     h, d = store.num_heads, store.head_dim
@@ -54,15 +53,15 @@ def _sinks(store: HackKVStore, layer: int, plan: ForwardPlan, b: int, seq_len: i
 
 
 def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor | None = None,
-           v: Tensor | None = None, mode: str = "hack", scale: float | None = None, backend: str = "auto",
+           v: Tensor | None = None, mode: AttentionMode | str = AttentionMode.HACK, scale: float | None = None,
+           backend: str = "auto",
            generator: torch.Generator | None = None, dequant_dtype: torch.dtype = torch.bfloat16,
            window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """Decode attention: returns [B, Hq, D] in q's dtype. mode='dequant' dequantizes the
     visible pages to `dequant_dtype` and calls SDPA (the strawman baseline). window /
     logit_cap: the layer's sliding window and soft-cap (module docstring)."""
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
-    if mode not in DECODE_MODES:
-        raise ValueError(f"decode mode must be one of {DECODE_MODES}, got {mode!r}")
+    mode = attention_mode(mode, SERVING_MODES, "decode mode")
     if not plan.is_decode:
         raise ValueError("decode needs a plan with one new token per request (use extend)")
     store._check_layer(layer)
@@ -73,13 +72,13 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         with clock.phase("quantization"):
             store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         return dequant_decode(store, layer, plan, q, scale, dequant_dtype, window, logit_cap).to(q.dtype)
     with clock.phase("approximation"):
         return _decode_on_codes(store, layer, plan, q, rep, mode, scale, backend, generator, window, logit_cap)
 
 
-def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, rep: int, mode: str,
+def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, rep: int, mode: AttentionMode,
                      scale: float, backend: str, generator: torch.Generator | None,
                      window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     from . import cpu_kernel  # late import: the compiled kernel is optional
@@ -114,13 +113,16 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
 
 
 def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
-           mode: str = "hack", scale: float | None = None, generator: torch.Generator | None = None,
-           backend: str = "auto", window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+           mode: AttentionMode | str = AttentionMode.HACK, scale: float | None = None,
+           generator: torch.Generator | None = None, backend: str = "auto", window: int | None = None,
+           logit_cap: float = 0.0, prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> Tensor:
     """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's
-    dtype. window / logit_cap: the layer's sliding window and soft-cap (module docstring)."""
+    dtype. mode / prefill: the AttentionMode and PrefillMode; window / logit_cap: the layer's
+    sliding window and soft-cap (module docstring)."""
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
-    if mode not in EXTEND_MODES:
-        raise ValueError(f"extend mode must be one of {EXTEND_MODES}, got {mode!r}")
+    mode = attention_mode(mode, SERVING_MODES, "extend mode")
+    prefill = prefill_mode(prefill)
+    exact = prefill == PrefillMode.EXACT
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     store._check_layer(layer)
@@ -128,23 +130,21 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     rep = _check_q(store, q, n_new, "new_tokens")
     p = store.page_size
     h, d = store.num_heads, store.head_dim
-    # The prefix's open page may be overwritten by this write: keep its FP16 tokens first.
-    snaps = {name: [tails[layer][int(plan.rows[b]), : pre - (pre // p) * p].float().clone()
-                    for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
+    snaps = _keep_open_tokens(store, layer, plan)
     with clock.phase("quantization"):
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    if mode == "exact" and not plan.has_prefix:
+    if exact and not plan.has_prefix:
         return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
     from . import cpu_extend  # late import: the compiled kernels are optional
 
     # Kernels that lack the window or soft-cap decline (cpu_extend.choose says why).
-    path, why = cpu_extend.choose(store, mode, generator, backend, window, logit_cap)
+    path, why = cpu_extend.choose(store, mode, generator, backend, window, logit_cap, prefill)
     if path in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE):
         kw, vw, woff = _fp16_windows(store, plan, k, v, snaps)
-        return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, mode == "exact").to(q.dtype)
+        return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, exact).to(q.dtype)
     if path == cpu_extend.ExtendPath.PER_QUERY:
-        return _extend_kernel(store, layer, plan, q, k, v, snaps, mode, scale, window, logit_cap).to(q.dtype)
+        return _extend_kernel(store, layer, plan, q, k, v, snaps, exact, scale, window, logit_cap).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {why}")
     new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}
@@ -156,7 +156,6 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer],
                            plan.page_table[b, pg0:npg].to(store.device))
         sk, sv = _sinks(store, layer, plan, b, seq_len)
-        exact = mode == "exact"
         ranges = {name: [(pre, x[lo:hi])] for name, x in new.items()}  # the new tokens in FP16
         for name, snap in snaps.items():  # tensors with a tail: the prefix's open page too
             ranges[name] = [((pre // p) * p, torch.cat([snap[b], new[name][lo:hi]], 0))]
@@ -165,15 +164,60 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         t = torch.arange(pre, seq_len)
         nc = torch.full_like(t, pre // p) if exact else (t + 1) // p
         qb = (q[lo:hi].float() * scale).reshape(hi - lo, h, rep, d)
-        o = attend_request(qb, t, nc, rp, view, store.config, "hack" if exact else mode, generator,
+        o = attend_request(qb, t, nc, rp, view, store.config, mode, generator,
                            window=window, logit_cap=logit_cap, page0=pg0)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)
 
 
+def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
+                    scale: float | None = None, generator: torch.Generator | None = None,
+                    dtype: torch.dtype = torch.bfloat16, window: int | None = None,
+                    logit_cap: float = 0.0) -> Tensor:
+    """The dequantizing strawman's prefill (KIVI/CacheGen-style systems), stores k/v: the new
+    tokens attend to each other in full precision and to the cached prefix dequantized to
+    `dtype` (a dense copy, then SDPA). A prompt without cached prefix is plain causal attention.
+    This is what such a system runs for a chunk over a cached prefix (a chunked prompt, or a
+    radix-cache hit), so the baseline pays no per-token path that it would not have."""
+    window, logit_cap = check_window(window), check_logit_cap(logit_cap)
+    store._check_layer(layer)
+    _check_q(store, q, plan.num_new_tokens, "new_tokens")
+    snaps = _keep_open_tokens(store, layer, plan)
+    with clock.phase("quantization"):
+        store.write(layer, plan, k, v, generator)
+    scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
+    if not plan.has_prefix:
+        return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        with clock.phase("dequantization"):  # the dense copy only, not the attention
+            dense = prefix_dense(store, layer, plan, b, snaps, dtype)
+        kb, vb = (torch.cat([dense[n], x[lo:hi].to(torch.float16).to(dtype).transpose(0, 1)], 1)[None]
+                  for n, x in (("k", k), ("v", v)))
+        qb = q[lo:hi].to(dtype).transpose(0, 1)[None]
+        t = torch.arange(pre, seq_len)
+        if window is None and not logit_cap:
+            mask = torch.arange(seq_len)[None, :] <= t[:, None]  # causal with the prefix before it
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
+                                               enable_gqa=qb.shape[1] != kb.shape[1])
+        else:
+            o = _masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, t)
+        out[lo:hi] = o[0].transpose(0, 1).float()
+    return out.to(q.dtype)
+
+
+def _keep_open_tokens(store: HackKVStore, layer: int, plan: ForwardPlan) -> dict[str, list[Tensor]]:
+    """The FP16 tokens of each prefix's open page, per tensor with a tail, kept before the
+    write that may close (overwrite) that page."""
+    p = store.page_size
+    return {name: [tails[layer][int(plan.rows[b]), : pre - (pre // p) * p].float().clone()
+                   for b, pre in enumerate(plan.prefix_list)] for name, tails in store.tails.items()}
+
+
 def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float,
                 window: int | None = None, logit_cap: float = 0.0) -> Tensor:
-    """'exact' extend of requests without a cached prefix: every key is one of the chunk's own
+    """PrefillMode.EXACT extend of requests without a cached prefix: every key is one of the chunk's own
     tokens, in FP16 as stored, so this is causal attention over them (torch SDPA, blocked and
     fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D]."""
     out = torch.empty(q.shape, dtype=torch.float32)
@@ -231,7 +275,7 @@ def _masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | N
 
 
 def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
-                   snaps: dict, mode: str, scale: float, window: int | None = None,
+                   snaps: dict, exact: bool, scale: float, window: int | None = None,
                    logit_cap: float = 0.0) -> Tensor:
     """Extend on the compiled kernel: one kernel query per new token (position t sees a
     sequence of length t+1). Its open region is read from a window of FP16 tokens per request:
@@ -244,7 +288,7 @@ def _extend_kernel(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor,
     hd = store.num_heads * store.head_dim
     pos = plan.tok_pos
     seq = pos + 1
-    if mode == "exact":
+    if exact:  # the new tokens are read in FP16: only the prefix's closed pages from codes
         n_closed = plan.prefix_lens[plan.tok_req] // p
     else:
         n_closed = seq // p

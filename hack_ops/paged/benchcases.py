@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import HackConfig
+from ..modes import AttentionMode, PrefillMode
 from .attention import decode, extend
 from .fill import scattered_table
 from .store import HackKVStore
@@ -54,7 +55,7 @@ class DecodeCase:
         return {
             "hack": lambda: decode(self.store, 0, self.plan, self.q),
             "bf16": lambda: F.scaled_dot_product_attention(q4, self.k16, self.v16, enable_gqa=self.hq != self.h),
-            "dequant": lambda: decode(self.store, 0, self.plan, self.q, mode="dequant"),
+            "dequant": lambda: decode(self.store, 0, self.plan, self.q, mode=AttentionMode.DEQUANT),
         }
 
     def release(self) -> None:
@@ -102,8 +103,9 @@ class PrefillCase:
 
     def methods(self) -> dict[str, Callable[[], torch.Tensor]]:
         return {
-            "hack": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode="hack"),
-            "hack-exact": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode="exact"),
+            "hack": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode=AttentionMode.HACK),
+            "hack-exact": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode=AttentionMode.HACK,
+                                         prefill=PrefillMode.EXACT),
             "hack-store": lambda: self.store.write(0, self.plan, self.k, self.v),  # quantization alone
             "hack-attn": self._attention_only,  # the homomorphic attention alone
             "bf16": self._sdpa,

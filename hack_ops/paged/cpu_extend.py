@@ -16,7 +16,7 @@ from enum import Enum
 
 import torch
 
-from ..config import OpenMode
+from ..modes import AttentionMode, PrefillMode
 from . import cpu_kernel
 
 logger = logging.getLogger(__name__)
@@ -35,10 +35,8 @@ class ExtendPath(str, Enum):
 
 class _XArgs(ctypes.Structure):
     _fields_ = [(n, _I64) for n in (
-        "batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens",
-        "v_open_quantized", "exact", "meta_fp32", "max_pages",
-        "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
-        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads", "block_tokens")] + [
+        *cpu_kernel.GEOMETRY_FIELDS, "v_open_quantized", "exact", "meta_fp32", "max_pages",
+        *cpu_kernel.PAGE_FIELDS, "block_tokens")] + [
         (n, _P) for n in ("prefix_lens", "seq_lens", "q_start", "page_table", "sink_slots", "win_off",
                           "k_pages", "v_pages", "k_win", "v_win", "sink_k", "sink_v", "q", "out")]
 
@@ -59,11 +57,12 @@ def build_variant() -> str:
     return "portable" if os.environ.get("HACK_EXTEND_KERNEL") == "portable" else "native"
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native") -> str | None:
+def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "native",
+            prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> str | None:
     """Why the tiled kernel cannot run this extend (None: it can)."""
     if os.environ.get("HACK_EXTEND_KERNEL", "tiled") == "per-query":
         return "HACK_EXTEND_KERNEL=per-query selects the per-query kernel"
-    reason = cpu_kernel.why_not(store, mode, generator, variant, phase="extend")
+    reason = cpu_kernel.why_not(store, mode, generator, variant, phase="extend", prefill=prefill)
     if reason is not None:
         return reason
     if _lib(variant) is None:
@@ -71,30 +70,32 @@ def why_not(store, mode: str, generator=None, variant: str = "native") -> str | 
     return None
 
 
-def choose(store, mode: str, generator=None, backend: str = "auto", window: int | None = None,
-           logit_cap: float = 0.0) -> tuple[ExtendPath, str]:
-    """The path an extend with this store/mode (and the layer's sliding window / soft-cap)
-    takes, and a sentence saying why."""
+def choose(store, mode: AttentionMode | str, generator=None, backend: str = "auto", window: int | None = None,
+           logit_cap: float = 0.0, prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> tuple[ExtendPath, str]:
+    """The path an extend with this store, AttentionMode and PrefillMode (and the layer's
+    sliding window / soft-cap) takes, and a sentence saying why."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     if backend == "torch":
         return ExtendPath.TORCH, "backend='torch' asked for"
-    tiled = why_not(store, mode, generator, build_variant())
+    tiled = why_not(store, mode, generator, build_variant(), prefill)
     if tiled is None and (window is not None or logit_cap):
         tiled = "a sliding window or logit soft-cap (the tiled kernel has neither yet)"
     if tiled is None:
         if simd(build_variant()):
             return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {AMX_NOTE}"
         return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {AMX_NOTE}"
-    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap)
+    per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap,
+                                   prefill=prefill)
     if per_query is None:
         return ExtendPath.PER_QUERY, f"per-query decode kernel, because the tiled kernel does not apply: {tiled}"
     return ExtendPath.TORCH, f"PyTorch, because the compiled kernels do not apply: {per_query}"
 
 
-def describe(store, mode: str, generator=None) -> str:
+def describe(store, mode: AttentionMode | str, generator=None,
+             prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> str:
     """One line for the server log and the benchmark: path name and reason."""
-    path, why = choose(store, mode, generator)
+    path, why = choose(store, mode, generator, prefill=prefill)
     return f"{path.value} ({why})"
 
 
@@ -109,7 +110,8 @@ def _i64(x) -> torch.Tensor:
 
 def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.Tensor, v_win: torch.Tensor,
            win_off, exact: bool, variant: str | None = None, block_tokens: int = 0) -> torch.Tensor:
-    """Extend attention of the plan's new tokens q [N, Hq, D] (stored already): request b's
+    """Extend attention of the plan's new tokens q [N, Hq, D] (stored already; exact: the
+    PrefillMode is 'exact', the new tokens read in FP16 from the windows): request b's
     FP16 window starts at position (prefix // Π) * Π, element offset win_off[b] of k_win/v_win
     (fp16 [.., H, D]). Returns float32 [N, Hq, D]. block_tokens > 0 sets the query positions per
     work item (results do not depend on it, nor on the thread count)."""
@@ -117,15 +119,10 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     lib = _lib(variant)
     if lib is None:
         raise RuntimeError(cpu_kernel._errors.get(variant, "the CPU kernel is not available"))
-    cfg, lay = store.config, store.layout
     n, hq, d = q.shape
-    h = store.num_heads
-    rep = hq // h
-    if rep > 16:
-        raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
-    bufs = (store.k_pages[layer], store.v_pages[layer], k_win, v_win, store.sink_k[layer], store.sink_v[layer])
-    if any(t is not None and not t.is_contiguous() for t in bufs):
-        raise RuntimeError("the buffers the kernel reads must be contiguous")
+    shared = cpu_kernel.shared_args(store, q, plan.page_table.shape[1])
+    cpu_kernel.check_contiguous(store.k_pages[layer], store.v_pages[layer], k_win, v_win, store.sink_k[layer],
+                                store.sink_v[layer])
     if k_win.dtype != torch.float16 or v_win.dtype != torch.float16:
         raise RuntimeError("the FP16 windows must be float16")
     qs = (q.float() * scale).contiguous()
@@ -133,16 +130,8 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     keep = [_i64(x) for x in (plan.prefix_lens, plan.seq_lens, plan.qo_indptr, plan.page_table,
                               plan.sink_slot.clamp(min=0), win_off)]
     pre, seq, qo, table, sinks, woff = keep
-    sums = lay.k.sums
     a = _XArgs(
-        batch=plan.batch_size, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
-        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens, v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
-        exact=int(exact), meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
-        k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
-        k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,
-        k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
-        v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
-        v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(), block_tokens=block_tokens,
+        batch=plan.batch_size, **shared, exact=int(exact), block_tokens=block_tokens,
         prefix_lens=pre.data_ptr(), seq_lens=seq.data_ptr(), q_start=qo.data_ptr(), page_table=table.data_ptr(),
         sink_slots=sinks.data_ptr(), win_off=woff.data_ptr(),
         k_pages=store.k_pages[layer].data_ptr(), v_pages=store.v_pages[layer].data_ptr(),

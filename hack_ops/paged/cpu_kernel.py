@@ -10,7 +10,8 @@ not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('
 
 Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a multiple of 64 up
 to 256, up to 16 query heads per KV head, sliding windows and logit soft-capping; decode 'hack'
-with any tails / sinks / RQE setting; extend 'hack' (RQE on) and 'exact' (K and V tails, RQE on):
+with any tails / sinks / RQE setting; extend 'hack' (RQE on), prefill 'homomorphic' or 'exact' (the
+latter with K and V tails, RQE on):
 the tiled kernel of hack_extend.c (bound in cpu_extend.py; no windows or soft-caps), or this
 file's per-query call (one kernel "request" per new token).
 Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
@@ -24,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from ..cbuild import build_library
+from ..cbuild import LibraryCache, build_library
 from ..config import OpenMode
+from ..modes import AttentionMode, PrefillMode
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c", CSRC / "hack_store.c"]
@@ -38,19 +40,20 @@ _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 
 
+# Argument fields the decode (hack_args) and extend (hack_xargs) structs of csrc/ share, in
+# their C order: the model's geometry and format, then where each part of a page lies.
+GEOMETRY_FIELDS = ("batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens")
+PAGE_FIELDS = ("k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
+               "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads")
+
+
 class _Args(ctypes.Structure):
     _fields_ = [(n, _I64) for n in (
-        "batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens",
-        "k_open_quantized", "v_open_quantized", "meta_fp32", "max_pages",
-        "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
-        "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads", "window")] + [
+        *GEOMETRY_FIELDS, "k_open_quantized", "v_open_quantized", "meta_fp32", "max_pages",
+        *PAGE_FIELDS, "window")] + [
         ("logit_cap", ctypes.c_double)] + [
         (n, _P) for n in ("seq_lens", "n_closed", "page_table", "table_rows", "sink_slots", "k_open_off",
                           "v_open_off", "k_pages", "v_pages", "k_open", "v_open", "sink_k", "sink_v", "q", "out")]
-
-
-_libs: dict[str, ctypes.CDLL | None] = {}
-_errors: dict[str, str] = {}
 
 
 def build(variant: str = "native") -> Path:
@@ -61,26 +64,26 @@ def build(variant: str = "native") -> Path:
                          libs=["-lm"])
 
 
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.hack_decode.argtypes = [ctypes.POINTER(_Args)]
+    lib.hack_decode.restype = ctypes.c_int
+    lib.hack_decode_simd.restype = ctypes.c_int
+
+
+_cache = LibraryCache(build, _declare)
+_errors = _cache.errors
+
+
 def load(variant: str = "native") -> ctypes.CDLL | None:
     """The loaded library, building it on first use; None (reason in why_not) if impossible."""
-    if variant in _libs:
-        return _libs[variant]
-    lib = None
-    try:
-        lib = ctypes.CDLL(str(build(variant)))
-        lib.hack_decode.argtypes = [ctypes.POINTER(_Args)]
-        lib.hack_decode.restype = ctypes.c_int
-        lib.hack_decode_simd.restype = ctypes.c_int
-    except (RuntimeError, OSError) as exc:
-        _errors[variant] = str(exc)
-        lib = None
-    _libs[variant] = lib
-    return lib
+    return _cache.load(variant)
 
 
-def why_not(store, mode: str, generator=None, variant: str = "native", phase: str = "decode",
-            window: int | None = None, logit_cap: float = 0.0) -> str | None:
-    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend'.
+def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "native", phase: str = "decode",
+            window: int | None = None, logit_cap: float = 0.0,
+            prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> str | None:
+    """Why the kernel cannot run this call (None: it can). phase: 'decode' or 'extend' (with
+    the extend's PrefillMode).
     window / logit_cap: the layer's features; this kernel has both (a kernel without them
     returns its reason here, and the dispatcher falls back to a path that has them)."""
     cfg = store.config
@@ -89,8 +92,8 @@ def why_not(store, mode: str, generator=None, variant: str = "native", phase: st
         return "disabled by HACK_CPU_KERNEL=0"
     if store.device.type != "cpu":
         return f"the store is on {store.device}, not the CPU"
-    if mode not in (("hack",) if phase == "decode" else ("hack", "exact")):
-        return f"mode {mode!r} (the kernel does 'hack' decode, 'hack'/'exact' extend)"
+    if mode != AttentionMode.HACK:
+        return f"mode {str(mode)!r} (the kernel does 'hack' decode and extend)"
     if cfg.orientation != "channel_k":
         return "orientation 'token_k' (the kernel does 'channel_k')"
     if cfg.rounding != "nearest" or generator is not None:
@@ -99,8 +102,8 @@ def why_not(store, mode: str, generator=None, variant: str = "native", phase: st
         return f"head_dim {d} (the kernel needs a multiple of 64 up to 256)"
     if phase == "extend" and cfg.open_mode("k") == OpenMode.REQUANT:
         return "extend with requant_elimination=False (each query needs its own re-quantized page)"
-    if mode == "exact" and cfg.open_mode("v") != OpenMode.FP16:
-        return "'exact' extend without a V tail"
+    if phase == "extend" and prefill == PrefillMode.EXACT and cfg.open_mode("v") != OpenMode.FP16:
+        return "prefill 'exact' without a V tail"
     if load(variant) is None:
         return why_not_loaded(variant)
     return None
@@ -111,10 +114,35 @@ def why_not_loaded(variant: str = "native") -> str:
     return _errors.get(variant, "the kernel could not be loaded")
 
 
-def usable(store, mode: str, backend: str, generator=None, phase: str = "decode",
+def usable(store, mode: AttentionMode | str, backend: str, generator=None, phase: str = "decode",
            window: int | None = None, logit_cap: float = 0.0) -> bool:
     return backend in ("auto", "cpu") and why_not(store, mode, generator, phase=phase, window=window,
                                                   logit_cap=logit_cap) is None
+
+
+def shared_args(store, q: torch.Tensor, max_pages: int) -> dict[str, int]:
+    """The values of both kernels' shared argument fields (all but batch) for queries q
+    [N, Hq, D]; RuntimeError for more query heads per KV head than the kernels take."""
+    cfg, lay = store.config, store.layout
+    d = q.shape[2]
+    rep = q.shape[1] // store.num_heads
+    if rep > 16:
+        raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
+    return dict(
+        heads=store.num_heads, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
+        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
+        v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
+        meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=max_pages,
+        k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
+        k_scale_off=lay.k.scale.offset, k_sums_off=lay.k.sums.offset,
+        k_sums_bytes=torch.tensor([], dtype=lay.k.sums.dtype).element_size(),
+        v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
+        v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads())
+
+
+def check_contiguous(*bufs: torch.Tensor | None) -> None:
+    if any(t is not None and not t.is_contiguous() for t in bufs):
+        raise RuntimeError("the buffers the kernel reads must be contiguous")
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -136,31 +164,16 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
     lib = load(variant)
     if lib is None:
         raise RuntimeError(_errors.get(variant, "the CPU kernel is not available"))
-    cfg, lay = store.config, store.layout
     n, hq, d = q.shape
-    h = store.num_heads
-    rep = hq // h
-    if rep > 16:
-        raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
-    for t in (store.k_pages[layer], store.v_pages[layer], k_open, v_open, store.sink_k[layer], store.sink_v[layer]):
-        if t is not None and not t.is_contiguous():
-            raise RuntimeError("the buffers the kernel reads must be contiguous")
+    shared = shared_args(store, q, torch.as_tensor(page_table).shape[1])
+    check_contiguous(store.k_pages[layer], store.v_pages[layer], k_open, v_open, store.sink_k[layer],
+                     store.sink_v[layer])
     qs = (q.float() * scale).contiguous()
     out = torch.empty(n, hq, d, dtype=torch.float32)
     keep = [_i64(x) for x in (seq_lens, n_closed, page_table, table_rows, sink_slots, k_open_off, v_open_off)]
     seq, ncl, table, trows, sinks, koff, voff = keep
-    sums = lay.k.sums
     a = _Args(
-        batch=n, heads=h, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
-        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
-        k_open_quantized=int(cfg.open_mode("k") != OpenMode.FP16),
-        v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
-        meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=table.shape[1],
-        k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,
-        k_scale_off=lay.k.scale.offset, k_sums_off=sums.offset,
-        k_sums_bytes=torch.tensor([], dtype=sums.dtype).element_size(),
-        v_page_bytes=lay.v.page_bytes, v_codes_off=lay.v.codes.offset, v_min_off=lay.v.minimum.offset,
-        v_scale_off=lay.v.scale.offset, nthreads=torch.get_num_threads(),
+        batch=n, **shared, k_open_quantized=int(store.config.open_mode("k") != OpenMode.FP16),
         window=-1 if window is None else int(window), logit_cap=float(logit_cap or 0.0),
         seq_lens=_ptr(seq), n_closed=_ptr(ncl), page_table=_ptr(table), table_rows=_ptr(trows),
         sink_slots=_ptr(sinks), k_open_off=_ptr(koff), v_open_off=_ptr(voff),

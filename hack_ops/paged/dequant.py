@@ -78,3 +78,31 @@ def dequant_decode(store, layer: int, plan: ForwardPlan, q: Tensor, scale: float
             o = F.scaled_dot_product_attention(qb, dense["k"][None], dense["v"][None], scale=scale, enable_gqa=hq != h)
         out[b] = o.reshape(hq, d).float()
     return out
+
+
+def prefix_dense(store, layer: int, plan: ForwardPlan, b: int, snaps: dict[str, list[Tensor]],
+                 dtype: torch.dtype) -> dict[str, Tensor]:
+    """Request b's cached prefix as the strawman reads it, dense [H, prefix, D] in dtype: closed
+    pages dequantized from their codes, the prefix's open page from the FP16 tokens kept before
+    this step's write (`snaps`, tensors with a tail) or from its codes (tensors without one),
+    sinks in FP16. Called after the write, which may have closed the prefix's open page."""
+    cfg, lay = store.config, store.layout
+    p, d, h = cfg.partition_size, store.head_dim, store.num_heads
+    gd = cfg.head_group(d)
+    pre = plan.prefix_list[b]
+    pages = plan.page_table[b, : -(-pre // p)].to(store.device)
+    nc = pre // p
+    out = {}
+    for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
+        from_tail = name in snaps
+        n_q = nc if from_tail else len(pages)  # pages read from their codes
+        x = torch.empty(h, max(n_q * p, pre), d, dtype=dtype)
+        if n_q:
+            x[:, : n_q * p] = _dequant_tensor(tl, buf, pages[:n_q], p, d, cfg.kv_bits, gd, dtype)
+        if from_tail and pre > nc * p:
+            x[:, nc * p: pre] = snaps[name][b].transpose(0, 1).to(dtype)
+        s = min(cfg.sink_tokens, pre)
+        if s:
+            x[:, :s] = (store.sink_k if name == "k" else store.sink_v)[layer][int(plan.sink_slot[b]), :s].transpose(0, 1).to(dtype)
+        out[name] = x[:, :pre]
+    return out

@@ -55,6 +55,17 @@ class ForwardPlan:
     def is_decode(self) -> bool:
         return all(e == 1 for e in self.ext_list)
 
+    def csr_pages(self, device: torch.device | str) -> tuple[Tensor, Tensor]:
+        """The page table in FlashInfer's CSR form, as the Triton kernels take it: (kv_indptr,
+        kv_indices) int32 on `device`, request b's pages being
+        kv_indices[kv_indptr[b]:kv_indptr[b+1]] (the padding of page_table dropped)."""
+        npg = self.num_pages.to(torch.long).cpu()
+        table = self.page_table.cpu()
+        indptr = torch.zeros(npg.shape[0] + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(npg, 0).to(torch.int32)
+        indices = table[torch.arange(table.shape[1])[None, :] < npg[:, None]].to(torch.int32)
+        return indptr.to(device), indices.to(device)
+
 
 def _as_long(x, name: str) -> Tensor:
     t = torch.as_tensor(x)

@@ -2,8 +2,8 @@
 
 The visibility of each query i (position t_i) is described by:
   nc_i        pages 0..nc_i-1 are closed (read quantized from the pages);
-  exact_from  keys at positions >= exact_from are read in FP16, K and V (the 'exact'
-              prefill's new tokens; = seq_len otherwise, i.e. none);
+  exact_from  keys at positions >= exact_from are read in FP16, K and V (the new tokens of
+              a PrefillMode.EXACT extend; = seq_len otherwise, i.e. none);
 and the FP16 sources in RequestView: the sinks (positions < S) and ranges of FP16 K / V
 (the tails' tokens, the new tokens). A query's open partition (keys of pages >= nc_i, not
 sinks, before exact_from) is read per tensor as `HackConfig.open_mode` says: FP16 from the tail, the
@@ -26,7 +26,8 @@ from torch import Tensor
 
 from ..attention import soft_cap, visible
 from ..config import HackConfig, OpenMode
-from ..quant import quantize
+from ..homomorphic import pv_token_v_codes, pv_token_v_min, quantize_qp, scores_channel_k
+from ..modes import AttentionMode
 from .pages import RequestPages, TensorPages, quantize_open_page
 
 
@@ -50,30 +51,17 @@ class RequestView:
         raise ValueError(f"no FP16 {name} for positions {start}..{start + count - 1}")
 
 
-def _q8(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, zero_min: bool = False):
-    return quantize(x, cfg.qp_bits, dim=dim, group_size=group, rounding=cfg.rounding, generator=gen,
-                    meta_dtype=torch.float32, zero_min=zero_min)
-
-
-def _scores_per_channel(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+def _scores_per_channel(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: AttentionMode, gen) -> Tensor:
     """q [n, H, rep, D] vs K pages quantized per channel -> [n, H, rep, pages * Π]."""
     n, h, rep, d = q.shape
     npg, p = kp.codes.shape[1], kp.codes.shape[2]
-    gd = cfg.head_group(d)
-    ng = d // gd
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         kd = kp.codes * kp.scale[:, :, None, :] + kp.minimum[:, :, None, :]
         return torch.einsum("nhrd,hpjd->nhrpj", q, kd).reshape(n, h, rep, npg * p)
-    qf = q[:, :, :, None, :] * kp.scale[None, :, None]  # K's per-channel scale folded into Q
-    qq = _q8(qf, -1, gd, cfg, gen)
-    qc = qq.codes.float().reshape(n, h, rep, npg, ng, gd)
-    dot = torch.einsum("nhrpgk,hpjgk->nhrpjg", qc, kp.codes.reshape(h, npg, p, ng, gd))
-    s = (qq.scale[..., None, :] * dot + qq.minimum[..., None, :] * kp.sums[None, :, None]).sum(-1)
-    s = s + torch.einsum("nhrd,hpd->nhrp", q, kp.minimum)[..., None]  # Q · min, exact
-    return s.reshape(n, h, rep, npg * p)
+    return scores_channel_k(q, kp.codes, kp.scale, kp.minimum, kp.sums, cfg, gen)
 
 
-def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: AttentionMode, gen) -> Tensor:
     """q [n, H, rep, D] vs K quantized per token (head_dim groups): Eq. 4."""
     n, h, rep, d = q.shape
     npg, p = kp.codes.shape[1], kp.codes.shape[2]
@@ -82,10 +70,10 @@ def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, ge
     sk = kp.scale.reshape(h, npg * p, ng)
     mk = kp.minimum.reshape(h, npg * p, ng)
     kc = kp.codes.reshape(h, npg * p, ng, gd)
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         kd = (kc * sk[..., None] + mk[..., None]).reshape(h, npg * p, d)
         return torch.einsum("nhrd,hjd->nhrj", q, kd)
-    qq = _q8(q, -1, gd, cfg, gen)
+    qq = quantize_qp(q, -1, gd, cfg, gen)
     qc = qq.codes.float().reshape(n, h, rep, ng, gd)
     dot = torch.einsum("nhrgk,hjgk->nhrjg", qc, kc)
     sq, mq, qs = (t[:, :, :, None, :] for t in (qq.scale, qq.minimum, qq.sums.float()))
@@ -94,35 +82,31 @@ def _scores_per_token(q: Tensor, kp: TensorPages, cfg: HackConfig, mode: str, ge
     return s.sum(-1)
 
 
-def _pv_per_token(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+def _pv_per_token(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: AttentionMode, gen) -> Tensor:
     """P·V over keys w [n, Kp] with V quantized per token (head_dim groups)."""
     n, h, rep, kp_ = pr.shape
-    npg, p, d = vp.codes.shape[1], vp.codes.shape[2], vp.codes.shape[3]
+    d = vp.codes.shape[3]
     gd = cfg.head_group(d)
     ng = d // gd
     pw = pr * w[:, None, None, :]
     sv = vp.scale.reshape(h, kp_, ng)
     mv = vp.minimum.reshape(h, kp_, ng)
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         vd = (vp.codes.reshape(h, kp_, ng, gd) * sv[..., None] + mv[..., None]).reshape(h, kp_, d)
         return torch.einsum("nhrj,hjd->nhrd", pw, vd)
-    pf = (pw[..., None] * sv[None, :, None]).reshape(n, h, rep, npg, p, ng)  # V scale folded into P
-    qp = _q8(pf, -2, p, cfg, gen, zero_min=True)  # INT8 per (query, page, group), range [0, max]
-    dot = torch.einsum("nhrpjg,hpjgk->nhrpgk", qp.codes.float(), vp.codes.reshape(h, npg, p, ng, gd))
-    out = (qp.scale[:, :, :, :, 0, :, None] * dot).sum(3).reshape(n, h, rep, d)
-    return out + torch.einsum("nhrj,hjg->nhrg", pw, mv).repeat_interleave(gd, -1)
+    return pv_token_v_codes(pw, vp.codes, sv, cfg, gen) + pv_token_v_min(pw, mv, gd)
 
 
-def _pv_per_channel(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: str, gen) -> Tensor:
+def _pv_per_channel(pr: Tensor, w: Tensor, vp: TensorPages, cfg: HackConfig, mode: AttentionMode, gen) -> Tensor:
     """P·V over keys w [n, pages*Π] with V quantized per channel over each page: Eq. 4 with P's
     minimum 0 (so neither V's code sums nor the min·min term appear)."""
     n, h, rep, kp_ = pr.shape
     npg, p = vp.codes.shape[1], vp.codes.shape[2]
     pw = (pr * w[:, None, None, :]).reshape(n, h, rep, npg, p)
-    if mode == "dequant":
+    if mode == AttentionMode.DEQUANT:
         vd = vp.codes * vp.scale[:, :, None, :] + vp.minimum[:, :, None, :]
         return torch.einsum("nhrpj,hpjd->nhrd", pw, vd)
-    qp = _q8(pw, -1, p, cfg, gen, zero_min=True)
+    qp = quantize_qp(pw, -1, p, cfg, gen, zero_min=True)
     dot = torch.einsum("nhrpj,hpjd->nhrpd", qp.codes.float(), vp.codes)
     sp, ps = qp.scale, qp.sums.float()  # [n, H, rep, pages, 1]
     sv, mv = vp.scale[None, :, None], vp.minimum[None, :, None]  # [1, H, 1, pages, D]
@@ -136,7 +120,7 @@ def _fill_range(x: Tensor, start: int, length: int, s_min: int) -> tuple[int, in
 
 
 def attend_request(q: Tensor, t: Tensor, nc: Tensor, rp: RequestPages, view: RequestView, cfg: HackConfig,
-                   mode: str, gen: torch.Generator | None = None, chunk: int = 64,
+                   mode: AttentionMode, gen: torch.Generator | None = None, chunk: int = 64,
                    window: int | None = None, logit_cap: float = 0.0, page0: int = 0) -> Tensor:
     """q [n, H, rep, D] float (already scaled), positions t [n], closed pages nc [n] ->
     float32 [n, H, rep, D]. window / logit_cap: see the module docstring (None / 0: none).
@@ -159,7 +143,7 @@ def _from_page(tp: TensorPages, lo: int) -> TensorPages:
                                            (tp.codes, tp.scale, tp.minimum, tp.sums)))
 
 
-def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig, mode: str, gen,
+def _attend_chunk(q, t, nc, rp: RequestPages, view: RequestView, cfg: HackConfig, mode: AttentionMode, gen,
                   window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     n, h, rep, d = q.shape
     p = cfg.partition_size
@@ -240,7 +224,7 @@ def _shift_view(view: RequestView, k0: int) -> RequestView:
                        v16=cut(view.v16), sink_k=view.sink_k, sink_v=view.sink_v, key0=view.key0 + k0)
 
 
-def _requant_open(q, t, nc, s, view: RequestView, cfg: HackConfig, mode: str, gen, open_c, pr):
+def _requant_open(q, t, nc, s, view: RequestView, cfg: HackConfig, mode: AttentionMode, gen, open_c, pr):
     """Requantization-elimination ablation: each query's open page, quantized per channel over
     the tokens it holds (grouped by page and count). Scores (pr None) or P·V (pr given)."""
     p = cfg.partition_size

@@ -87,30 +87,11 @@ def plan_batch(
                       int(touched.max()) if b else 0, int(h_qo[-1]))
 
 
-def pages_from_req_to_token(
-    req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor, page_size: int
-) -> tuple[Tensor, Tensor]:
-    """SGLang's token table -> (kv_indptr, kv_indices). With page_size = Π the pool allocates
-    whole pages, so the page of position i is req_to_token[row, i] // Π."""
-    lens = seq_lens.long()
-    n_pages = (lens + page_size - 1) // page_size
-    indptr = torch.zeros(lens.shape[0] + 1, dtype=torch.int32, device=req_to_token.device)
-    indptr[1:] = torch.cumsum(n_pages, 0)
-    rows = [req_to_token[int(r), : int(n) * page_size : page_size] // page_size
-            for r, n in zip(req_pool_indices.tolist(), n_pages.tolist())]
-    idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int32, device=req_to_token.device)
-    return indptr, idx.to(torch.int32)
-
-
 def batch_from_plan(plan, device: torch.device | str | None = None) -> PagedBatch:
     """A PagedBatch from hack_ops.paged's ForwardPlan (its padded page table, request rows and
     sink slots), so the Triton kernels and the CPU path run on one plan."""
-    npg = plan.num_pages.to(torch.long).cpu()
-    table = plan.page_table.cpu()
-    indptr = torch.zeros(npg.shape[0] + 1, dtype=torch.int32)
-    indptr[1:] = torch.cumsum(npg, 0).to(torch.int32)
-    indices = table[torch.arange(table.shape[1])[None, :] < npg[:, None]].to(torch.int32)
-    dev = torch.device(device) if device is not None else table.device
-    return plan_batch(indptr.to(dev), indices.to(dev), plan.seq_lens.to(dev), plan.page_size,
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    indptr, indices = plan.csr_pages(dev)
+    return plan_batch(indptr, indices, plan.seq_lens.to(dev), plan.page_size,
                       qo_indptr=plan.qo_indptr.to(dev), tail_rows=plan.rows.to(dev),
                       sink_slots=plan.sink_slot.to(dev))

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ..layout import PageLayout
+from ..modes import AttentionMode
 from ..packing import pack
 from ..quant import quantize
 
@@ -94,7 +95,7 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
         bufs["sink_v"][sink_slot, :m] = v[:m].half()
 
 
-def dense_reference(q: Tensor, k: Tensor, v: Tensor, layout: PageLayout, mode: str = "hack",
+def dense_reference(q: Tensor, k: Tensor, v: Tensor, layout: PageLayout, mode: AttentionMode | str = AttentionMode.HACK,
                     scale: float | None = None, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """hack_ops.attention for one sequence: q [Sq, Hq, D] (the last Sq positions), k/v [L, H, D]
     -> [Sq, Hq, D] float32; window / logit_cap: the layer's sliding window and soft-cap."""

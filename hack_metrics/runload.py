@@ -14,9 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow as pa
 
-from engine.metrics import rundir
-from engine.metrics.reader import StreamStatus, StreamTail
-from engine.metrics.schema import COLUMNS, SUPPORTED_VERSIONS, arrow_schema
+from hack_metrics import rundir
+from hack_metrics.reader import StreamStatus, StreamTail
+from hack_metrics.schema import COLUMNS, SUPPORTED_VERSIONS, arrow_schema
 
 # A stream not written for this long, and not closed, is reported as possibly stale.
 STALE_AFTER_S = 30.0

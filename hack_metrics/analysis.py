@@ -1,5 +1,5 @@
 """Numbers the dashboard and the benchmarks show: breakdown, percentiles, throughput,
-memory. Inputs are the frames of `engine.metrics.join`; outputs are plain DataFrames.
+memory. Inputs are the frames of `hack_metrics.join`; outputs are plain DataFrames.
 
 Breakdown (the paper's Fig. 10): each instant between a request's arrival and its finish
 goes to exactly one phase — the first active one in `schema.EXCLUSIVE_PRIORITY`
@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from engine.metrics.schema import EXCLUSIVE_PRIORITY, SAMPLE_FIELDS
+from hack_metrics.schema import EXCLUSIVE_PRIORITY, SAMPLE_FIELDS
 
 BREAKDOWN_PHASES = EXCLUSIVE_PRIORITY + ("other",)
 _RANK = {p: i for i, p in enumerate(EXCLUSIVE_PRIORITY)}

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from engine.metrics import analysis, join
-from engine.metrics.runload import RunData
+from hack_metrics import analysis, join
+from hack_metrics.runload import RunData
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Run directories: `<runs root>/<YYYYmmdd-HHMMSS>-<label>/` with `run.json` + streams.
 
 The runs root is `$HACK_RUNS_DIR` if set, else `~/.cache/sglang-hack/runs` (one default for
-every command: `hack up`, `hack bench disagg`, `hack demo` write there, `hack dashboard` reads
-there).
+every command: `hack up`, `hack serve`, `hack bench serve`, `hack bench disagg`, `hack demo`
+write there, `hack dashboard` reads there).
 `run.json` (format version 1) holds what the dashboard cannot learn from the streams:
 
     {"run_format": 1, "label": "hack-200mbit", "kv_mode": "hack", "link_rate": "200mbit",

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import cluster, netns, procs
-from .replay import replay, summarize
-from .workload import build, load_tokenizer
+from disagg import cluster, netns, procs
+from disagg.replay import replay, summarize
+from hack_eval.workloads import build, tokenizer
 
 DEMO_LINK_MBPS = 100.0
 
@@ -34,7 +34,7 @@ def run(model_path: str, requests: int = 3, rps: float = 0.2, dashboard: bool = 
     link = DEMO_LINK_MBPS if shaped else None
     if not shaped:
         log(f"note: {why}; running on loopback without a shaped link, so transfer time is small")
-    tok = load_tokenizer(model_path)
+    tok = tokenizer(model_path)
     items = build("demo", tok, requests, rps, seed=0)
     summaries = {}
     state = None

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from engine.metrics import schema as S
+from hack_metrics import schema as S
 
 EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 

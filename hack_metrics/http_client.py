@@ -16,9 +16,9 @@ from typing import Any
 import pyarrow as pa
 import requests
 
-from engine.metrics.reader import StreamStatus
-from engine.metrics.runload import RunData, table_to_frame
-from engine.metrics.schema import COLUMNS, arrow_schema, check_schema
+from hack_metrics.reader import StreamStatus
+from hack_metrics.runload import RunData, table_to_frame
+from hack_metrics.schema import COLUMNS, arrow_schema, check_schema
 
 MAX_PAGES = 50   # per stream and load: bounds one refresh on a huge backlog
 

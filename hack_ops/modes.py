@@ -1,0 +1,52 @@
+"""The attention modes, one meaning per name, the same in flags, code and docs.
+
+AttentionMode: how attention reads K and V.
+  exact    no quantization: every key and value at full precision (the dense reference's
+           accuracy baseline; no cache is involved, so the paged paths do not take it)
+  hack     the 2-bit pages read homomorphically (Eq. 4 on the codes, nothing dequantized)
+  dequant  the same 2-bit pages dequantized, then float attention (the paper's strawman)
+`--hack-attention` takes the two the server runs (SERVING_MODES).
+
+PrefillMode: how extend (prefill) attention reads the chunk's own new tokens (`--hack-prefill`).
+  homomorphic  as decode will see them later: through the quantized cache (decode-time visibility)
+  exact        at full precision (FP16 as stored); the cached prefix is still read by the
+               AttentionMode, so only the chunk's own tokens differ
+"""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class AttentionMode(StrEnum):
+    EXACT = "exact"
+    HACK = "hack"
+    DEQUANT = "dequant"
+
+
+class PrefillMode(StrEnum):
+    HOMOMORPHIC = "homomorphic"
+    EXACT = "exact"
+
+
+# The modes a server runs and the paged decode/extend take (exact needs no cache at all).
+SERVING_MODES = (AttentionMode.HACK, AttentionMode.DEQUANT)
+
+
+def attention_mode(mode: AttentionMode | str, allowed: tuple[AttentionMode, ...] = tuple(AttentionMode),
+                   what: str = "mode") -> AttentionMode:
+    """mode as an AttentionMode, or ValueError naming the allowed values."""
+    try:
+        m = AttentionMode(mode)
+    except ValueError:
+        m = None
+    if m not in allowed:
+        raise ValueError(f"{what} must be one of {tuple(a.value for a in allowed)}, got {mode!r}")
+    return m
+
+
+def prefill_mode(mode: PrefillMode | str) -> PrefillMode:
+    """mode as a PrefillMode, or ValueError naming the allowed values."""
+    try:
+        return PrefillMode(mode)
+    except ValueError:
+        raise ValueError(f"prefill must be one of {tuple(m.value for m in PrefillMode)}, got {mode!r}") from None
