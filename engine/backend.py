@@ -66,7 +66,8 @@ class HackAttnBackend(AttentionBackend):
         settings = pool.hack_settings
         self.settings = settings
         self.mode: AttentionMode = settings.attention
-        # The strawman reads the chunk through its dequantized cache whatever --hack-prefill says.
+        # --hack-prefill is a choice of the homomorphic path; the strawman prefills with
+        # extend_strawman (its chunk in full precision, a cached prefix dequantized).
         self.prefill: PrefillMode = (settings.prefill if settings.attention == AttentionMode.HACK
                                      else PrefillMode.HOMOMORPHIC)
         self.generator: Optional[torch.Generator] = None
@@ -84,8 +85,13 @@ class HackAttnBackend(AttentionBackend):
         # Per-layer refusal at startup, once the model's layers exist (the config-level check
         # already ran in the launcher); a failure here stops the server before it serves.
         check_model_layers(getattr(model_runner, "model", None), gpu=self.device.type == "cuda")
-        logger.info("HACK prefill attention path: %s", "GPU (Triton)" if self.gpu is not None
-                    else describe_extend_path(self.store, self.mode, self.generator, self.prefill))
+        if self.gpu is not None:
+            path = "GPU (Triton)"
+        elif self.mode == AttentionMode.DEQUANT:
+            path = "strawman (chunk in full precision, cached prefix dequantized, torch SDPA)"
+        else:
+            path = describe_extend_path(self.store, self.mode, self.generator, self.prefill)
+        logger.info("HACK prefill attention path: %s", path)
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import clock
-from .dequant import dequant_decode, prefix_dense
+from .dequant import dense_kv, dequant_decode
 from .pages import request_pages
 from .plan import ForwardPlan
 from ..attention import check_logit_cap, check_window
@@ -192,7 +192,7 @@ def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         with clock.phase("dequantization"):  # the dense copy only, not the attention
-            dense = prefix_dense(store, layer, plan, b, snaps, dtype)
+            dense = dense_kv(store, layer, plan, b, pre, {n: t[b] for n, t in snaps.items()}, dtype)
         kb, vb = (torch.cat([dense[n], x[lo:hi].to(torch.float16).to(dtype).transpose(0, 1)], 1)[None]
                   for n, x in (("k", k), ("v", v)))
         qb = q[lo:hi].to(dtype).transpose(0, 1)[None]
