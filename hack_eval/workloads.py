@@ -43,13 +43,20 @@ def tokenizer(model_path: str | Path) -> Any:
 
 
 def essay_ids(model_path: str | Path, length: int, index: int = 0) -> list[int]:
-    """`length` token ids from the `index`-th essay long enough (BOS-free, exact length)."""
+    """`length` token ids from the `index`-th essay long enough (BOS-free, exact length); from
+    the essays joined in order when fewer than index + 1 of them are that long."""
     from .texts import essay_files, token_windows
 
-    wins = token_windows(tokenizer(str(model_path)), essay_files(), length, index + 1)
-    if len(wins) <= index:
-        raise ValueError(f"fewer than {index + 1} essays hold {length} tokens")
-    return wins[index]
+    tok = tokenizer(str(model_path))
+    wins = token_windows(tok, essay_files(), length, index + 1)
+    if len(wins) > index:
+        return wins[index]
+    # Too few essays are this long in this tokenizer (Gemma-3's 262K vocabulary packs an essay
+    # into fewer tokens): cut the window out of the essays joined in order instead.
+    ids = _essay_stream(tok, (index + 1) * length)
+    if len(ids) < (index + 1) * length:
+        raise ValueError(f"the essays hold {len(ids)} tokens, fewer than {index + 1} windows of {length}")
+    return ids[index * length:(index + 1) * length]
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -81,18 +88,24 @@ def _encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list[int]]:
+def _essay_stream(tok: Any, n_tokens: int) -> list[int]:
+    """The essays' tokens in order, each followed by a blank line, until `n_tokens` (or all)."""
     from .texts import essay_files
 
+    ids: list[int] = []
+    for path in essay_files():
+        ids += _encode(tok, path.read_text(encoding="utf-8", errors="replace") + "\n\n")
+        if len(ids) >= n_tokens:
+            break
+    return ids
+
+
+def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list[int]]:
     tail = _encode(tok, instruction)
     body_len = length - len(tail)
     if body_len <= 0:
         raise ValueError(f"prompt_tokens {length} is shorter than the instruction")
-    ids: list[int] = []
-    for path in essay_files():  # one long token stream over all essays, cut into documents
-        ids += _encode(tok, path.read_text(encoding="utf-8", errors="replace") + "\n\n")
-        if len(ids) >= n * body_len:
-            break
+    ids = _essay_stream(tok, n * body_len)  # one long token stream over all essays, cut into documents
     if len(ids) < body_len:
         raise ValueError(f"the essays hold {len(ids)} tokens, fewer than one {length}-token prompt")
     out = []
