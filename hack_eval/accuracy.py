@@ -23,7 +23,7 @@ MODEL_TITLES = {
 }
 from .runner import EXACT, Variant, greedy, load_model, logits_for
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
-from .variants import byte_ratio, core_variants, generation_variants, quick_variants, study_variants
+from .variants import byte_ratio, core_variants, generation_variants, quick_variants, select_variants, study_variants
 
 
 @dataclass
@@ -76,11 +76,19 @@ def run_study(
     threads: int | None = None,
     log=print,
     model_name: str = DEFAULT_MODEL,
+    variant_patterns: list[str] | None = None,
 ) -> dict:
+    """variant_patterns: instead of the quick/core/full set, the rows of the full study whose
+    name or config label contains one of these (plus the exact baseline)."""
+    if variant_patterns is not None:
+        if quick or core:
+            raise ValueError("--variants replaces --quick/--core (it selects from the full study); give one")
+        variants = select_variants(study_variants(), variant_patterns)  # before the model loads: fails fast
+    else:
+        variants = quick_variants() if quick else core_variants() if core else study_variants()
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     cfg = model.config
-    variants = quick_variants() if quick else core_variants() if core else study_variants()
     windows = token_windows(tok, essay_files(), context, essays)
     windows += token_windows(tok, play_files(), context, plays, skip_chars=4000)
     if len(windows) < essays + plays:
@@ -98,6 +106,8 @@ def run_study(
             tallies[_key(v)].seconds += time.time() - t0
         log(f"window {i + 1}/{len(windows)} done")
     gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
+    if variant_patterns is not None:  # generation for the selected homomorphic rows only
+        gen_vars = [EXACT] + [v for v in variants[1:] if v.mode == "hack"]
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
@@ -127,7 +137,8 @@ def run_study(
         "model": MODEL_TITLES.get(model_name, model_name),
         "context": context, "windows": {"essays": essays, "plays": plays},
         "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
-        "variant_set": "quick" if quick else "core" if core else "full", "rows": rows,
+        "variant_set": "selected" if variant_patterns is not None else "quick" if quick else "core" if core else "full",
+        "variant_patterns": variant_patterns, "rows": rows,
     }
 
 
