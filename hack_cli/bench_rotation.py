@@ -44,16 +44,18 @@ def _best(fn, runs: int) -> float:
 
 
 def _rotation_calls(q, k, v, how: str, scope: str):
+    """One layer's rotation work: q, k, v in, and the output (shaped like q) back."""
     from hack_ops.rotation import Rotation, fwht, restore_output, rotate_qkv
 
     rot = Rotation.HADAMARD_KV if scope == "kv" else Rotation.HADAMARD_V
+    o = q.clone()  # stands for the attention output [tokens, q heads, D]
     if how == "matmul":
-        return lambda: restore_output(rotate_qkv(q, k, v, rot)[2], rot)
+        return lambda: (rotate_qkv(q, k, v, rot), restore_output(o, rot))
 
     def butterfly():
         if scope == "kv":
             fwht(q).to(q.dtype), fwht(k).to(k.dtype)
-        fwht(fwht(v).to(v.dtype)).to(v.dtype)  # Hᵀ = H: the way back is the same transform
+        fwht(v).to(v.dtype), fwht(o).to(o.dtype)  # Hᵀ = H: the way back is the same transform
 
     return butterfly
 

@@ -54,15 +54,23 @@ def _key(v: Variant) -> str:
     return f"{v.mode}:{v.name}"
 
 
+SCORE_ROWS = 256  # positions scored at a time: [rows, vocab] temporaries instead of [context, vocab]
+
+
 def _score(tally: Tally, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-    logp = torch.log_softmax(logits[:-1], -1)
-    nll = -logp.gather(1, targets[:, None]).squeeze(1)
-    tally.nll += nll.sum().item()
+    nll_sum, kl, top1 = 0.0, 0.0, 0
+    for lo in range(0, targets.numel(), SCORE_ROWS):
+        hi = min(lo + SCORE_ROWS, targets.numel())
+        logp = torch.log_softmax(logits[lo:hi], -1)
+        ref = ref_logp[lo:hi]
+        nll_sum += -logp.gather(1, targets[lo:hi, None]).sum().item()
+        kl += (ref.exp() * (ref - logp)).sum().item()
+        top1 += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+    tally.nll += nll_sum
     tally.tokens += targets.numel()
-    tally.seq_ppl.append(math.exp(nll.mean().item()))
-    p_ref = ref_logp.exp()
-    tally.kl += (p_ref * (ref_logp - logp)).sum(-1).sum().item()
-    tally.top1 += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+    tally.seq_ppl.append(math.exp(nll_sum / targets.numel()))
+    tally.kl += kl
+    tally.top1 += top1
 
 
 def run_study(
