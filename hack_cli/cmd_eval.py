@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--core", action="store_true", help="the rows that carry the decisions only")
     acc.add_argument("--variants", default=None, metavar="PATTERNS",
                      help="comma-separated patterns: instead of --quick/--core, the rows of the full "
-                          "study whose name or config label contains one (plus the exact baseline), "
-                          "e.g. --variants rotation")
+                          "study whose name or config label contains one (plus the exact baseline); "
+                          "'=NAME' matches a whole name; e.g. --variants rotation,=default")
     acc.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     acc.add_argument("--out", default=None,
                      help="markdown report to write ('' = none; default docs/accuracy.md, "

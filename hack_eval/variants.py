@@ -47,12 +47,15 @@ def rotation_variants() -> list[Variant]:
 
 def select_variants(variants: list[Variant], patterns: list[str]) -> list[Variant]:
     """The exact baseline and every variant whose name or config label contains one of the
-    patterns (case-insensitive). ValueError when a pattern matches nothing."""
+    patterns (case-insensitive); a pattern starting with '=' matches a whole name instead
+    ('=default': the default rows only). ValueError when a pattern matches nothing."""
     pats = [p.strip().lower() for p in patterns if p.strip()]
     if not pats:
         raise ValueError("--variants needs at least one non-empty pattern")
 
     def hits(v: Variant, p: str) -> bool:
+        if p.startswith("="):
+            return v.name.lower() == p[1:].strip()
         return p in v.name.lower() or (v.config is not None and p in v.config.label().lower())
 
     for p in pats:

@@ -60,6 +60,8 @@ def test_variants_filter_selects_rows_and_refuses_unknown_patterns():
     both = select_variants(study_variants(), ["ROT-hadamard_v", " 4-bit"])  # labels too, case-insensitive
     assert {v.config.rotation.value for v in both[1:] if v.config.kv_bits == 2} == {"hadamard_v"}
     assert any(v.config.kv_bits == 4 for v in both[1:])
+    exact_name = select_variants(study_variants(), ["=default"])
+    assert [(v.name, v.mode) for v in exact_name[1:]] == [("default", "hack"), ("default", "dequant")]
     with pytest.raises(ValueError, match="matches no variant"):
         select_variants(study_variants(), ["rotation", "givens"])
     with pytest.raises(ValueError, match="replaces --quick/--core"):
