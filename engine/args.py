@@ -12,6 +12,7 @@ from typing import Any
 from hack_ops import HackConfig
 from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS
 from hack_ops.modes import SERVING_MODES, PrefillMode
+from hack_ops.rotation import Rotation
 
 from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
 
@@ -80,6 +81,11 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_sink_tokens": ("--hack-sink-tokens", dict(
         type=_non_negative_int, metavar="N",
         help="First N tokens of every sequence kept in FP16 (attention sinks).")),
+    "hack_rotation": ("--hack-rotation", dict(
+        choices=[r.value for r in Rotation],
+        help="Orthogonal Walsh-Hadamard rotation per head before quantization (head_dim a power "
+             "of two): none (default); hadamard_k rotates Q and K; hadamard_v rotates V and the "
+             "output back; hadamard_kv both; signed_* adds a fixed seeded random sign diagonal.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_attention": ("--hack-attention", dict(
@@ -100,6 +106,7 @@ _CONFIG_FIELDS = {
     "hack_tail_tensors": "tail_tensors",
     "hack_sink_tokens": "sink_tokens",
     "hack_kv_bits": "kv_bits",
+    "hack_rotation": "rotation",
 }
 
 

@@ -11,6 +11,11 @@ Device: the CPU path of hack_ops.paged on CPU; the Triton kernels of hack_ops.tr
 chunk's own tokens attend to each other in full precision, `--hack-attention dequant` runs the
 strawman baseline (same pages, dequantized before attention).
 
+Rotation (`--hack-rotation`): the layer's q/k/v are rotated here, once, before the store and
+attention, and the output is rotated back here, once, after (hack_ops.rotation); every path
+below (CPU kernels, Triton, torch, the strawman, exact prefill, the PD transfer of pages and
+tails) then works on rotated values unchanged.
+
 Layer features: each layer's sliding window (`sliding_window_size`), scaling and logit
 soft-cap go to the attention call. What no HACK path serves (cross-attention, encoder-only or
 non-causal layers, MLA) is refused at startup (engine.model_checks), never at a request.
@@ -28,6 +33,7 @@ from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
 from hack_ops.paged import extend_strawman
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
+from hack_ops.rotation import Rotation, restore_output, rotate_qkv
 
 from . import fused_phases
 from .pool import HackKVPool
@@ -70,6 +76,7 @@ class HackAttnBackend(AttentionBackend):
         # extend_strawman (its chunk in full precision, a cached prefix dequantized).
         self.prefill: PrefillMode = (settings.prefill if settings.attention == AttentionMode.HACK
                                      else PrefillMode.HOMOMORPHIC)
+        self.rotation: Rotation = settings.config.rotation
         self.generator: Optional[torch.Generator] = None
         if settings.config.rounding == "stochastic":
             # Seeded once per server so a run is reproducible for a fixed request order.
@@ -84,7 +91,8 @@ class HackAttnBackend(AttentionBackend):
 
         # Per-layer refusal at startup, once the model's layers exist (the config-level check
         # already ran in the launcher); a failure here stops the server before it serves.
-        check_model_layers(getattr(model_runner, "model", None), gpu=self.device.type == "cuda")
+        check_model_layers(getattr(model_runner, "model", None), gpu=self.device.type == "cuda",
+                           rotation=self.rotation)
         if self.gpu is not None:
             path = "GPU (Triton)"
         elif self.mode == AttentionMode.DEQUANT:
@@ -122,14 +130,15 @@ class HackAttnBackend(AttentionBackend):
         self.init_forward_metadata(forward_batch)
 
     # ---- per layer ---------------------------------------------------------------------------
-    def _shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention"):
+    def _rotated_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention"):
+        """q/k/v as [tokens, heads, head_dim], rotated (the one place the rotation is applied)."""
         if layer.qk_head_dim != layer.v_head_dim:
             raise ValueError("the 'hack' backend needs equal q/k and v head dims")
         d = layer.qk_head_dim
         q3 = q.reshape(-1, layer.tp_q_head_num, d)
-        k3 = None if k is None else k.reshape(-1, layer.tp_k_head_num, d)
-        v3 = None if v is None else v.reshape(-1, layer.tp_v_head_num, d)
-        return q3, k3, v3
+        k3 = k.reshape(-1, layer.tp_k_head_num, d)
+        v3 = v.reshape(-1, layer.tp_v_head_num, d)
+        return rotate_qkv(q3, k3, v3, self.rotation)
 
     def _check_layer(self, layer: "RadixAttention", save_kv_cache: bool, k: Any) -> int:
         if layer.is_cross_attention:  # refused at startup (engine.model_checks); never reached
@@ -143,7 +152,7 @@ class HackAttnBackend(AttentionBackend):
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         lid = self._check_layer(layer, save_kv_cache, k)
-        q3, k3, v3 = self._shapes(q, k, v, layer)
+        q3, k3, v3 = self._rotated_heads(q, k, v, layer)
         window, cap = layer_features(layer)
         if self.gpu is not None:
             o = self.gpu.extend(lid, self.forward_metadata, q3, k3, v3, layer.scaling,
@@ -158,12 +167,12 @@ class HackAttnBackend(AttentionBackend):
                 o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
                                  prefill=self.prefill, scale=layer.scaling, generator=self.generator,
                                  window=window, logit_cap=cap)
-        return o.reshape(q3.shape[0], -1)
+        return restore_output(o.reshape(q3.shape), self.rotation).reshape(q3.shape[0], -1)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         lid = self._check_layer(layer, save_kv_cache, k)
-        q3, k3, v3 = self._shapes(q, k, v, layer)
+        q3, k3, v3 = self._rotated_heads(q, k, v, layer)
         window, cap = layer_features(layer)
         if self.gpu is not None:
             o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, layer.scaling,
@@ -171,7 +180,7 @@ class HackAttnBackend(AttentionBackend):
         else:  # the store step (HackKVStore.write) runs inside decode
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
                              scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
-        return o.reshape(q3.shape[0], -1)
+        return restore_output(o.reshape(q3.shape), self.rotation).reshape(q3.shape[0], -1)
 
     def support_triton(self) -> bool:
         return self.device.type == "cuda"

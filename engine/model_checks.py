@@ -13,11 +13,14 @@ Refused, with a sentence naming the feature and the flag that works, before anyt
   * in each scheduler, once the model's layers exist (HackAttnBackend.__init__), per layer:
     cross-attention, encoder-only or bidirectional layers, another soft-capping method than
     tanh, K and V head dims that differ, and on CUDA a head_dim the Triton kernels lack (not a
-    power of two >= 32).
+    power of two >= 32);
+  * in both places, a head_dim that `--hack-rotation` cannot rotate (not a power of two).
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
+
+from hack_ops.rotation import Rotation, head_dim_refusal
 
 BF16_HINT = "serve it with a BF16 KV cache instead (drop --kv-cache-dtype hack)"
 
@@ -30,8 +33,10 @@ def _sentence(feature: str, model: str, hint: str = BF16_HINT) -> str:
     return f"--kv-cache-dtype hack does not serve {feature} (model {model}); {hint}"
 
 
-def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False) -> Optional[str]:
-    """The refusal sentence for an HF config's attention features, or None when served."""
+def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False,
+                   rotation: Rotation | str = Rotation.NONE) -> Optional[str]:
+    """The refusal sentence for an HF config's attention features (and the head_dim the
+    rotation needs), or None when served."""
     text = getattr(hf_config, "text_config", None) or hf_config
     arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
     if getattr(text, "kv_lora_rank", None) or getattr(hf_config, "kv_lora_rank", None):
@@ -44,7 +49,19 @@ def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False) -> O
         return _sentence("SGLang's hybrid sliding-window KV pool", arch,
                          "add --disable-hybrid-swa-memory (one pool; the HACK backend applies each layer's "
                          "window) or drop --kv-cache-dtype hack")
+    d = _config_head_dim(text)
+    reason = head_dim_refusal(rotation, d) if d else None
+    if reason:
+        return f"{reason} (model {arch})"
     return None
+
+
+def _config_head_dim(text: Any) -> Optional[int]:
+    d = getattr(text, "head_dim", None)
+    if d:
+        return int(d)
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    return int(hidden) // int(heads) if hidden and heads else None
 
 
 def _hybrid_swa(hf_config: Any, text: Any) -> bool:
@@ -57,7 +74,8 @@ def _hybrid_swa(hf_config: Any, text: Any) -> bool:
 
 
 def check_model_path(model_path: str, trust_remote_code: bool = False,
-                     disable_hybrid_swa_memory: bool = False) -> Optional[str]:
+                     disable_hybrid_swa_memory: bool = False,
+                     rotation: Rotation | str = Rotation.NONE) -> Optional[str]:
     """config_refusal for a local model folder; None when there is no readable config (SGLang
     reports a missing or broken model itself)."""
     import os
@@ -70,10 +88,11 @@ def check_model_path(model_path: str, trust_remote_code: bool = False,
         cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except Exception:
         return None
-    return config_refusal(cfg, disable_hybrid_swa_memory)
+    return config_refusal(cfg, disable_hybrid_swa_memory, rotation)
 
 
-def layer_refusal(layers: Iterable[Any], gpu: bool = False) -> Optional[str]:
+def layer_refusal(layers: Iterable[Any], gpu: bool = False,
+                  rotation: Rotation | str = Rotation.NONE) -> Optional[str]:
     """The refusal sentence for the first RadixAttention layer the HACK paths cannot serve."""
     for layer in layers:
         name = f"layer {getattr(layer, 'layer_id', '?')}"
@@ -94,15 +113,19 @@ def layer_refusal(layers: Iterable[Any], gpu: bool = False) -> Optional[str]:
         if gpu and (d < 32 or d & (d - 1)):
             return _sentence(f"head_dim {d} on CUDA (the HACK Triton kernels take powers of two >= 32)",
                              name, "serve it on the CPU path or with a BF16 KV cache")
+        reason = head_dim_refusal(rotation, d)
+        if reason:
+            return f"{reason} ({name})"
     return None
 
 
-def check_model_layers(model: Any, gpu: bool = False) -> None:
+def check_model_layers(model: Any, gpu: bool = False, rotation: Rotation | str = Rotation.NONE) -> None:
     """Raise UnsupportedModelError for a model whose attention layers HACK cannot serve."""
     if model is None:
         return
     from sglang.srt.layers.radix_attention import RadixAttention
 
-    reason = layer_refusal((m for m in model.modules() if isinstance(m, RadixAttention)), gpu=gpu)
+    reason = layer_refusal((m for m in model.modules() if isinstance(m, RadixAttention)), gpu=gpu,
+                           rotation=rotation)
     if reason:
         raise UnsupportedModelError(reason)

@@ -26,7 +26,7 @@ def apply_cli_namespace(ns: Any) -> None:
     for key, value in check_combination(ns, settings).items():
         setattr(ns, key, value)
     if enabled:
-        _refuse_unserved_model(ns)
+        _refuse_unserved_model(ns, settings)
     if settings is not None:
         settings_mod.publish(settings)
         if enabled:
@@ -53,14 +53,16 @@ def apply_server_args(server_args: Any) -> None:
         settings_mod.publish(settings)
     for key, value in check_combination(server_args, settings).items():
         setattr(server_args, key, value)
-    _refuse_unserved_model(server_args)
+    _refuse_unserved_model(server_args, settings)
 
 
-def _refuse_unserved_model(args: Any) -> None:
-    """Refuse, before any process loads the model, attention features HACK does not serve."""
+def _refuse_unserved_model(args: Any, settings: settings_mod.EngineSettings) -> None:
+    """Refuse, before any process loads the model, attention features HACK does not serve
+    (and a head_dim the configured rotation cannot rotate)."""
     from .model_checks import check_model_path
 
     reason = check_model_path(getattr(args, "model_path", None), bool(getattr(args, "trust_remote_code", False)),
-                              bool(getattr(args, "disable_hybrid_swa_memory", False)))
+                              bool(getattr(args, "disable_hybrid_swa_memory", False)),
+                              settings.config.rotation)
     if reason:
         raise HackArgumentError(reason)

@@ -28,6 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--gen-tokens", type=int, default=48, help="greedy tokens per prompt")
     acc.add_argument("--quick", action="store_true", help="three variants only (a smoke run)")
     acc.add_argument("--core", action="store_true", help="the rows that carry the decisions only")
+    acc.add_argument("--variants", default=None, metavar="PATTERNS",
+                     help="comma-separated patterns: instead of --quick/--core, the rows of the full "
+                          "study whose name or config label contains one (plus the exact baseline); "
+                          "'=NAME' matches a whole name; e.g. --variants rotation,=default")
     acc.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     acc.add_argument("--out", default=None,
                      help="markdown report to write ('' = none; default docs/accuracy.md, "
@@ -59,7 +63,8 @@ def _accuracy(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
-                    quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model)
+                    quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
+                    variant_patterns=None if args.variants is None else args.variants.split(","))
     suffix = "" if args.model == "smollm2" else f"-{args.model}"
     if args.out is None:
         args.out = f"docs/accuracy{suffix}.md"

@@ -23,7 +23,7 @@ MODEL_TITLES = {
 }
 from .runner import EXACT, Variant, greedy, load_model, logits_for
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
-from .variants import byte_ratio, core_variants, generation_variants, quick_variants, study_variants
+from .variants import byte_ratio, core_variants, generation_variants, quick_variants, select_variants, study_variants
 
 
 @dataclass
@@ -54,15 +54,23 @@ def _key(v: Variant) -> str:
     return f"{v.mode}:{v.name}"
 
 
+SCORE_ROWS = 256  # positions scored at a time: [rows, vocab] temporaries instead of [context, vocab]
+
+
 def _score(tally: Tally, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-    logp = torch.log_softmax(logits[:-1], -1)
-    nll = -logp.gather(1, targets[:, None]).squeeze(1)
-    tally.nll += nll.sum().item()
+    nll_sum, kl, top1 = 0.0, 0.0, 0
+    for lo in range(0, targets.numel(), SCORE_ROWS):
+        hi = min(lo + SCORE_ROWS, targets.numel())
+        logp = torch.log_softmax(logits[lo:hi], -1)
+        ref = ref_logp[lo:hi]
+        nll_sum += -logp.gather(1, targets[lo:hi, None]).sum().item()
+        kl += (ref.exp() * (ref - logp)).sum().item()
+        top1 += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
+    tally.nll += nll_sum
     tally.tokens += targets.numel()
-    tally.seq_ppl.append(math.exp(nll.mean().item()))
-    p_ref = ref_logp.exp()
-    tally.kl += (p_ref * (ref_logp - logp)).sum(-1).sum().item()
-    tally.top1 += (logp.argmax(-1) == ref_logp.argmax(-1)).sum().item()
+    tally.seq_ppl.append(math.exp(nll_sum / targets.numel()))
+    tally.kl += kl
+    tally.top1 += top1
 
 
 def run_study(
@@ -76,11 +84,19 @@ def run_study(
     threads: int | None = None,
     log=print,
     model_name: str = DEFAULT_MODEL,
+    variant_patterns: list[str] | None = None,
 ) -> dict:
+    """variant_patterns: instead of the quick/core/full set, the rows of the full study whose
+    name or config label contains one of these (plus the exact baseline)."""
+    if variant_patterns is not None:
+        if quick or core:
+            raise ValueError("--variants replaces --quick/--core (it selects from the full study); give one")
+        variants = select_variants(study_variants(), variant_patterns)  # before the model loads: fails fast
+    else:
+        variants = quick_variants() if quick else core_variants() if core else study_variants()
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     cfg = model.config
-    variants = quick_variants() if quick else core_variants() if core else study_variants()
     windows = token_windows(tok, essay_files(), context, essays)
     windows += token_windows(tok, play_files(), context, plays, skip_chars=4000)
     if len(windows) < essays + plays:
@@ -98,6 +114,8 @@ def run_study(
             tallies[_key(v)].seconds += time.time() - t0
         log(f"window {i + 1}/{len(windows)} done")
     gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
+    if variant_patterns is not None:  # generation for the selected homomorphic rows only
+        gen_vars = [EXACT] + [v for v in variants[1:] if v.mode == "hack"]
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
@@ -127,7 +145,8 @@ def run_study(
         "model": MODEL_TITLES.get(model_name, model_name),
         "context": context, "windows": {"essays": essays, "plays": plays},
         "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
-        "variant_set": "quick" if quick else "core" if core else "full", "rows": rows,
+        "variant_set": "selected" if variant_patterns is not None else "quick" if quick else "core" if core else "full",
+        "variant_patterns": variant_patterns, "rows": rows,
     }
 
 

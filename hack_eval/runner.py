@@ -3,7 +3,9 @@
 The model computes Q, K, V (post-RoPE) as usual; our function receives them and applies the
 chosen variant: 'exact' float32 attention, 'hack' (2-bit cache, homomorphic, INT8 Q/P) or
 'dequant'. With decode-time visibility in hack_ops.attention, a teacher-forced pass over a whole
-sequence sees exactly the cache that token-by-token generation would hold.
+sequence sees exactly the cache that token-by-token generation would hold. A variant whose
+config has a rotation is rotated inside hack_ops.attention by hack_ops.rotation.rotate_qkv /
+restore_output, the functions the serving backend calls around its kernels.
 """
 from __future__ import annotations
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from hack_ops import HackConfig
 from hack_ops.layout import bytes_per_token, page_layout
+from hack_ops.rotation import Rotation
 
 from .runner import EXACT, Variant
 
@@ -30,7 +31,38 @@ def study_variants() -> list[Variant]:
         Variant("default, partition 32", "dequant", d.replace(partition_size=32)),
         Variant("default, partition 128", "dequant", d.replace(partition_size=128)),
         Variant("default, 4-bit K/V", "hack", d.replace(kv_bits=4)),
+        *rotation_variants(),
     ]
+
+
+def rotation_variants() -> list[Variant]:
+    """The default layout with each rotation scope (hack_ops.rotation): K alone (with Q), V
+    alone (output rotated back), both, and V with random signs; 'dequant' isolates the layout's
+    error, 'hack' adds the INT8 Q/P noise on the same rotated layout (V, the scope that can pay)."""
+    d = DEFAULT
+    rows = [(Rotation.HADAMARD_K, "dequant"), (Rotation.HADAMARD_V, "dequant"), (Rotation.HADAMARD_KV, "dequant"),
+            (Rotation.SIGNED_HADAMARD_V, "dequant"), (Rotation.HADAMARD_V, "hack")]
+    return [Variant(f"default, rotation {r.value}", mode, d.replace(rotation=r)) for r, mode in rows]
+
+
+def select_variants(variants: list[Variant], patterns: list[str]) -> list[Variant]:
+    """The exact baseline and every variant whose name or config label contains one of the
+    patterns (case-insensitive); a pattern starting with '=' matches a whole name instead
+    ('=default': the default rows only). ValueError when a pattern matches nothing."""
+    pats = [p.strip().lower() for p in patterns if p.strip()]
+    if not pats:
+        raise ValueError("--variants needs at least one non-empty pattern")
+
+    def hits(v: Variant, p: str) -> bool:
+        if p.startswith("="):
+            return v.name.lower() == p[1:].strip()
+        return p in v.name.lower() or (v.config is not None and p in v.config.label().lower())
+
+    for p in pats:
+        if not any(hits(v, p) for v in variants if v is not EXACT):
+            raise ValueError(f"--variants {p!r} matches no variant; known: "
+                             + "; ".join(sorted({v.name for v in variants if v is not EXACT})))
+    return [EXACT] + [v for v in variants if v is not EXACT and any(hits(v, p) for p in pats)]
 
 
 CORE = {

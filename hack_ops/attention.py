@@ -20,6 +20,10 @@ rule for sinks, the FP16 open partition and the quantized pages. `logit_cap` > 0
 scaled scores (cap * tanh(s / cap)) before the softmax, as SGLang's kernels do. `scale` is the
 layer's scaling (e.g. query_pre_attn_scalar ** -0.5).
 
+Rotation (config.rotation, hack_ops.rotation): Q/K and/or V are rotated by an orthogonal
+Walsh-Hadamard matrix R before anything else and the output is rotated back by Rᵀ after, in
+every mode; the paged paths receive the same rotated tensors from the serving backend.
+
 Homomorphic steps ('hack'):
   channel_k: S = Σ_g sq*(Qq·Kq) + mq*ΣKq + Q·m_K, where Q' = Q ⊙ s_K(page) is quantized to
       INT8 per (query, page, head_dim group) — K's per-channel scale folded into Q, and ΣKq
@@ -44,6 +48,7 @@ from .config import HackConfig
 from .homomorphic import homomorphic_matmul_q, pv_token_v_codes, pv_token_v_min, quantize_qp, scores_channel_k
 from .modes import AttentionMode, attention_mode
 from .quant import QTensor, dequantize, quantize
+from .rotation import restore_output, rotate_qkv
 
 MODES = tuple(AttentionMode)
 
@@ -100,15 +105,19 @@ def attention(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rep = q.shape[1] // k.shape[1]
     pos = _positions(q.shape[2], k.shape[2], causal)
-    qs = q.float() * scale
+    # The rotation wraps everything below, as the serving backend wraps its kernels.
+    q, k, v = rotate_qkv(q.float(), k.float(), v.float(), cfg.rotation)
+    qs = q * scale
     if mode == AttentionMode.EXACT:
-        kf = k.float().repeat_interleave(rep, 1)
-        vf = v.float().repeat_interleave(rep, 1)
+        kf = k.repeat_interleave(rep, 1)
+        vf = v.repeat_interleave(rep, 1)
         s = soft_cap(qs @ kf.transpose(-1, -2), logit_cap)
         valid = visible(torch.arange(k.shape[2])[None, :], pos[:, None], window)
         s = s.masked_fill(~valid, float("-inf"))
-        return torch.softmax(s, -1) @ vf
-    return _quantized_attention(qs, k.float(), v.float(), cfg, mode, pos, rep, generator, window, logit_cap)
+        out = torch.softmax(s, -1) @ vf
+    else:
+        out = _quantized_attention(qs, k, v, cfg, mode, pos, rep, generator, window, logit_cap)
+    return restore_output(out, cfg.rotation)
 
 
 def check_window(window: int | None) -> int | None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Literal
 
+from .rotation import Rotation, rotation as _rotation
+
 Orientation = Literal["channel_k", "token_k"]
 Rounding = Literal["nearest", "stochastic"]
 TailTensors = Literal["kv", "per_channel"]
@@ -53,6 +55,10 @@ class HackConfig:
     range_search: when a page is quantized, choose each group's range among a few clipped
         candidates by least squared error (quantize(..., range_search=True)); costs nothing
         in bytes or at attention time, and cut perplexity loss sharply in the study.
+    rotation: an orthogonal Walsh-Hadamard rotation per head (hack_ops.rotation.Rotation) of Q
+        and K and/or of V (the output rotated back), applied outside the kernels before the
+        cache; exact attention is unchanged, only what the quantizer sees differs. Needs a
+        head_dim that is a power of two. Costs no bytes.
     """
 
     partition_size: int = 64
@@ -66,6 +72,7 @@ class HackConfig:
     sink_tokens: int = 1
     meta_dtype: str = "float16"
     range_search: bool = True
+    rotation: Rotation = Rotation.NONE
 
     def __post_init__(self) -> None:
         p = self.partition_size
@@ -86,6 +93,7 @@ class HackConfig:
             raise ValueError(f"sink_tokens must be an integer in 0..partition_size ({p}), got {s!r}")
         if self.meta_dtype not in META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {self.meta_dtype!r}")
+        object.__setattr__(self, "rotation", _rotation(self.rotation))  # frozen: coerced once, here
         for name in ("summation_elimination", "requant_elimination", "range_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -145,4 +153,6 @@ class HackConfig:
             parts.append("noRQE")
         if not self.range_search:
             parts.append("minmax")
+        if self.rotation != Rotation.NONE:
+            parts.append("rot-" + self.rotation.value)
         return "-".join(parts)

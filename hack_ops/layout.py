@@ -34,6 +34,7 @@ import torch
 
 from .config import HackConfig
 from .quant import sums_dtype
+from .rotation import check_head_dim
 
 LAYOUT_VERSION = 2
 _ALIGN = 16
@@ -120,6 +121,7 @@ class PageLayout:
             "sink_tokens": self.config.sink_tokens,
             "meta_dtype": self.config.meta_dtype,
             "tail_tensors": list(self.tail_tensors),
+            "rotation": self.config.rotation.value,
             "num_heads": self.num_heads,
             "head_dim": self.head_dim,
             "k_page_bytes": self.k.page_bytes,
@@ -158,6 +160,7 @@ def page_layout(config: HackConfig, num_heads: int, head_dim: int) -> PageLayout
     """The layout for one layer with `num_heads` KV heads of size `head_dim`."""
     if num_heads <= 0 or head_dim <= 0:
         raise ValueError(f"num_heads and head_dim must be positive, got {num_heads}, {head_dim}")
+    check_head_dim(config.rotation, head_dim)
     gd = config.head_group(head_dim)
     if head_dim % gd or (head_dim * config.kv_bits) % 8:
         raise ValueError(f"head_dim {head_dim} must be a multiple of {gd} and pack into whole bytes")

@@ -72,6 +72,9 @@ def test_fingerprint_names_version_partition_and_model():
     assert fp(HackConfig().replace(partition_size=32)) != base
     assert fp(HackConfig(), model="other") != base
     assert fp(HackConfig(), layers=24) != base
+    # a rotated format computes on other codes: a pair differing only in --hack-rotation is refused
+    assert fp(HackConfig(rotation="hadamard_v")) != base
+    assert fp(HackConfig(rotation="hadamard_v")) != fp(HackConfig(rotation="signed_hadamard_v"))
     text = pd_state.describe_fingerprint(fp(HackConfig().replace(partition_size=32)))
     assert "partition size 32" in text and "model m" in text
 

@@ -66,6 +66,24 @@ def test_unserved_model_feature_is_refused_at_startup(tmp_path):
     assert "Traceback" not in out
 
 
+def test_rotation_of_an_odd_head_dim_is_refused_at_startup(tmp_path):
+    """--hack-rotation needs a power-of-two head_dim: a model with head_dim 96 (tiny Llama
+    config, no weights) stops the launcher with the sentence, before anything loads."""
+    import json
+
+    model = tmp_path / "tiny-llama-96"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 192,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "intermediate_size": 64, "vocab_size": 128}))
+    out = _refused_launch(model, ["--kv-cache-dtype", "hack", "--hack-partition-size", "32",
+                                  "--hack-rotation", "hadamard_v"], tmp_path / "launch.log")
+    assert ("--hack-rotation hadamard_v needs a head_dim that is a power of two (a Walsh-Hadamard rotation), "
+            "got head_dim 96; use --hack-rotation none (model LlamaForCausalLM)") in out, out[-2000:]
+    assert "Traceback" not in out
+
+
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
                           env=env, timeout=120)

@@ -50,6 +50,24 @@ def test_cli_size_json():
     assert rows[0]["format"] == "bf16" and all(0 < r["ratio"] <= 1 for r in rows)
 
 
+def test_variants_filter_selects_rows_and_refuses_unknown_patterns():
+    from hack_eval.runner import EXACT
+    from hack_eval.variants import select_variants, study_variants
+
+    picked = select_variants(study_variants(), ["rotation"])
+    assert picked[0] is EXACT and len(picked) > 2
+    assert all("rotation" in v.name and v.config.rotation != "none" for v in picked[1:])
+    both = select_variants(study_variants(), ["ROT-hadamard_v", " 4-bit"])  # labels too, case-insensitive
+    assert {v.config.rotation.value for v in both[1:] if v.config.kv_bits == 2} == {"hadamard_v"}
+    assert any(v.config.kv_bits == 4 for v in both[1:])
+    exact_name = select_variants(study_variants(), ["=default"])
+    assert [(v.name, v.mode) for v in exact_name[1:]] == [("default", "hack"), ("default", "dequant")]
+    with pytest.raises(ValueError, match="matches no variant"):
+        select_variants(study_variants(), ["rotation", "givens"])
+    with pytest.raises(ValueError, match="replaces --quick/--core"):
+        run_study(core=True, variant_patterns=["rotation"], log=lambda m: None)
+
+
 @pytest.mark.slow
 def test_quick_study_on_the_real_model():
     res = run_study(context=96, essays=1, plays=1, gen_prompts=1, gen_tokens=4, quick=True, log=lambda m: None)
