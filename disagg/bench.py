@@ -158,7 +158,8 @@ def startup_error(message: str) -> str:
 
 def compare(result: dict) -> list[str]:
     """The target checks: at the slowest link, each HACK method's mean JCT vs BF16 and dequant;
-    at every rate, bf16-lossless's mean TTFT vs bf16 and whether their output tokens agree."""
+    at every rate, bf16-lossless's mean TTFT vs bf16 and hack's bytes vs hack-full-pages, and
+    whether their output tokens agree."""
     slow = min(result["rates_mbps"])
     lines = []
     for rate in sorted(result["rates_mbps"]):
@@ -171,6 +172,12 @@ def compare(result: dict) -> list[str]:
             lines.append(f"at {rate:g} Mbit/s `bf16-lossless` mean TTFT is {x:.2f}x better than bf16{target}; "
                          f"output tokens {'identical' if same else 'DIFFER'}; KV bytes/request "
                          f"{100 * (b.get('wire_bytes_mean') or 0) / (a.get('wire_bytes_mean') or 1):.1f}% of bf16")
+        a, b = pts.get("hack-full-pages"), pts.get("hack")
+        if a and b and a.get("wire_bytes_mean") and b.get("wire_bytes_mean"):
+            same = a.get("output_ids") is not None and a.get("output_ids") == b.get("output_ids")
+            lines.append(f"at {rate:g} Mbit/s `hack` (pages without derived bytes) puts "
+                         f"{100 * b['wire_bytes_mean'] / a['wire_bytes_mean']:.1f}% of `hack-full-pages`' KV "
+                         f"bytes/request on the wire; output tokens {'identical' if same else 'DIFFER'}")
     for method, reason in (result.get("failed_methods") or {}).items():
         lines.append(f"`{method}`: {reason}" if reason.startswith("stopped") else f"`{method}` did not start: {reason}")
     # The issue's targets: at the slowest link (100 Mbit/s) >= 40% below BF16 and >= 20% below

@@ -5,9 +5,11 @@ a server, at the points of a request's life where SGLang lets it act:
   attach       both sides, at startup: describe the pool's per-request state (FP16 tails,
                sinks) to SGLang's transfer engine and register the format fingerprint;
   stage        prefill, before the last chunk is sent: the request's sinks into its row;
-  send         prefill: the pages travel coded when --hack-kv-codec asks for it;
+  send         prefill: the pages travel coded when --hack-kv-codec asks for it (splitzip:
+               disagg.transfer_codec; hack-pages: disagg.hack_wire, which also leaves the
+               unread open page out of the last chunk);
   install      decode, once the KV landed and before the first step: sinks into a slot,
-               coded pages decoded (before SGLang's digest check);
+               coded pages decoded or K's code sums rebuilt (before SGLang's digest check);
   fingerprint  the page layout + model string both sides compare at bootstrap; a mismatch
                fails the pairing's requests with one sentence (`check_pairing`).
 `rows()` is its part of the project's hook table (engine.hooks: Hook/Use/Patch rows, each with
@@ -27,7 +29,7 @@ import torch
 from engine.hooks import Hook, HookSet, Patch, Use, option_error, register_extension
 
 from . import checksum as cpu_checksum
-from . import faults, pd_state, transfer_codec, wire_meter
+from . import faults, hack_wire, pd_state, transfer_codec, wire_meter
 from .request_guard import check_bootstrap_fields
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class PdConnector:
             MooncakeKVSender.supports_host_tensor_indices = False
         if pd_state.is_hack_pool(token_to_kv_pool):
             pd_state.attach(kv_args, token_to_kv_pool)
+            if transfer_codec.active() is transfer_codec.KvCodec.HACK_PAGES:
+                hack_wire.attach(kv_args, token_to_kv_pool)
         elif transfer_codec.active() is transfer_codec.KvCodec.SPLITZIP:
             transfer_codec.attach(kv_args, token_to_kv_pool, pd_state.model_path())
 
@@ -85,7 +89,12 @@ class PdConnector:
     @staticmethod
     def checksum(original: Callable, computer: Any, kv_page_indices: Any,
                  state_indices: Any = None) -> int:
-        """AROUND the digest: computed on the CPU for CPU tensors (disagg.checksum)."""
+        """AROUND the digest: computed on the CPU for CPU tensors (disagg.checksum). With
+        hack-pages, the open page that was not sent is not digested (on both sides)."""
+        wire = hack_wire.current()
+        if wire is not None and hasattr(state_indices, "live") and kv_page_indices is not None:
+            keep = len(wire.digest_pages(list(range(len(kv_page_indices))), int(state_indices.live)))
+            kv_page_indices = kv_page_indices[:keep]
         if isinstance(kv_page_indices, torch.Tensor) and kv_page_indices.is_cuda:
             return original(computer, kv_page_indices, state_indices)
         return cpu_checksum.compute(computer, kv_page_indices, state_indices)
@@ -106,6 +115,9 @@ class PdConnector:
     def send(original: Callable, manager: Any, session_id: str, prefill_kv_indices: Any,
              dst_kv_ptrs: list, dst_kv_indices: Any, *a: Any, **kw: Any) -> int:
         """AROUND send_kvcache: with --hack-kv-codec the pages travel coded; else unchanged."""
+        wire = hack_wire.current()
+        if wire is not None:
+            return wire.send(manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices)
         codec = transfer_codec.current()
         if codec is None:
             return original(manager, session_id, prefill_kv_indices, dst_kv_ptrs, dst_kv_indices, *a, **kw)
@@ -119,6 +131,7 @@ class PdConnector:
         pool = _kv_pool(scheduler)
         hack = pd_state.is_hack_pool(pool)
         codec = transfer_codec.current()
+        wire = hack_wire.current()
         if not hack and codec is None:
             return None
         req_to_token = scheduler.req_to_token_pool.req_to_token
@@ -127,6 +140,9 @@ class PdConnector:
                 continue
             if hack:
                 pd_state.install_received_sinks(pool, req_to_token, int(req.kv.req_pool_idx))
+            if wire is not None:
+                # Before SGLang digests the pages: K's code sums were not sent.
+                wire.rebuild(_received_pages(scheduler, req))
             if codec is not None:
                 # Before SGLang digests the pages: the digest covers the decoded bytes.
                 failed = codec.decode_pages(_received_pages(scheduler, req))
@@ -194,7 +210,11 @@ class PdConnector:
             Hook("sglang.srt.server_args.ServerArgs.from_cli_args", "BEFORE", self.check_options,
                  "refuse a --hack-kv-codec combination that cannot work; publish the codec to children"),
             Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache", "AROUND",
-                 self.send, "PD prefill with --hack-kv-codec: send the pages coded (SplitZip) + their header table"),
+                 self.send, "PD prefill with --hack-kv-codec: send the pages coded (SplitZip + header table, "
+                 "or HACK pages without derived bytes)"),
+            Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request", "AROUND",
+                 hack_wire.around_add_transfer_request,
+                 "PD prefill with --hack-kv-codec hack-pages: the last chunk leaves out the unread open page"),
             Hook("sglang.srt.disaggregation.checksum.state_indices_for_request", "AROUND",
                  self.state_indices, "PD checksum: a HACK request's state is its request row"),
             Hook("sglang.srt.disaggregation.checksum.KvChecksumComputer.compute", "AROUND",
@@ -202,7 +222,8 @@ class PdConnector:
             Hook(f"{_PREFILL}.send_kv_chunk", "BEFORE", self.stage,
                  "PD prefill: stage the request's FP16 sinks into its row before the last chunk"),
             Hook(f"{_DECODE}._verify_kv_checksums", "BEFORE", self.install,
-                 "PD decode: install received sinks, decode coded pages before the digest and the first step"),
+                 "PD decode: install received sinks, decode coded pages / rebuild K's code sums before the "
+                 "digest and the first step"),
             Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info", "AROUND",
                  self.check_pairing, "PD decode: a format mismatch fails the pairing's requests with a clear reason"),
             Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",

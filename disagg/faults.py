@@ -5,7 +5,8 @@ it on its decode servers; the e2e tests use that). The switch is read once, when
 registers its hooks: without it the injection is no hook at all and costs nothing per request.
 When it is on and that file exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
 wire would have damaged it, and the file is removed (one fault per trigger):
-  corrupt   one byte (byte 200) of the first received page of layer 0's K is flipped;
+  corrupt   one byte (byte 200) of the first received page (in sequence order) of layer 0's K
+            is flipped;
   truncate  the first received page of every layer is zeroed, as if its bytes never arrived
             (the open partition's page holds no codes yet, so it would not show a loss).
 The digest check (SGLang's --disaggregation-enable-kv-checksum, computed on the CPU by
@@ -50,8 +51,8 @@ def received_pages(scheduler: Any, req: Any) -> list[int]:
     page = scheduler.token_to_kv_pool_allocator.page_size
     row = int(req.kv.req_pool_idx)
     start = int(getattr(req.kv, "cache_protected_len", 0) or 0)
-    locs = scheduler.req_to_token_pool.req_to_token[row, start:len(req.origin_input_ids)]
-    return sorted({int(x) // page for x in locs.tolist()})
+    locs = scheduler.req_to_token_pool.req_to_token[row, start:len(req.origin_input_ids):page]
+    return [int(x) // page for x in locs.tolist()]  # sequence order: the first one was sent
 
 
 def inject_receive_fault(scheduler: Any, req: Any) -> str | None:

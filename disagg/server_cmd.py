@@ -1,7 +1,10 @@
 """The SGLang command lines of a disaggregated pair, per KV method.
 
 Methods (same launcher, same model, same transfer path; only the KV cache differs):
-  hack     --kv-cache-dtype hack: 2-bit pages, homomorphic attention (this project)
+  hack     --kv-cache-dtype hack: 2-bit pages, homomorphic attention (this project); pages
+           travel without their derived bytes (--hack-kv-codec hack-pages, disagg.hack_wire)
+  hack-full-pages
+           the same with every page sent as stored (--hack-kv-codec none): the transform off
   hack-exact-prefill
            the same with --hack-prefill exact: a prompt's own tokens attend to each other in
            full precision (on CPU, where INT8 buys prefill nothing, the faster prefill)
@@ -18,7 +21,10 @@ from __future__ import annotations
 
 import sys
 
-METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill", "bf16-lossless", "fp8")
+METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill", "bf16-lossless", "fp8", "hack-full-pages")
+# HACK's pages on the wire: lossless, fewer bytes with identical tokens (docs/disagg.md), so on
+# for the HACK methods; the strawman (dequant) sends its pages as stored.
+HACK_WIRE_FLAGS = ["--hack-kv-codec", "hack-pages"]
 PAGE_SIZE = 64
 
 # CPU-specific flags, each for a reason observed with SGLang 0.5.23 (see docs/disagg.md).
@@ -38,9 +44,11 @@ COMMON_FLAGS = [
 
 def method_flags(method: str) -> list[str]:
     if method == "hack":
-        return ["--kv-cache-dtype", "hack"]
+        return ["--kv-cache-dtype", "hack", *HACK_WIRE_FLAGS]
+    if method == "hack-full-pages":
+        return ["--kv-cache-dtype", "hack", "--hack-kv-codec", "none"]
     if method == "hack-exact-prefill":
-        return ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"]
+        return ["--kv-cache-dtype", "hack", "--hack-prefill", "exact", *HACK_WIRE_FLAGS]
     if method == "dequant":
         return ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"]
     if method == "bf16":

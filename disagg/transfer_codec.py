@@ -15,6 +15,9 @@ bytes, so the digest check fails the request ("KV checksum mismatch") and SGLang
 pages on both sides; for that reason the codec requires --disaggregation-enable-kv-checksum.
 Both sides put `+splitzip:<codebook id>` into the KV dtype string compared at bootstrap, so a
 pairing whose codec or codebook differs is refused with a sentence (disagg.connector).
+
+This module also owns the option for the other member, `hack-pages` (HACK pages without their
+derived bytes, disagg.hack_wire): one flag, one set of checks, one fingerprint vocabulary.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "SGLANG_HACK_KV_CODEC"
 FINGERPRINT_TAG = "+splitzip:"
+HACK_PAGES_TAG = "+hack-pages:"  # followed by the transform's version (disagg.hack_wire)
+_TAGS = (FINGERPRINT_TAG, HACK_PAGES_TAG)
 STAGING_BYTES = 64 << 20  # coded streams per transfer batch; flushed when full
 MAX_BATCH_BLOCKS = 512  # pages per synchronous transfer call (one batch of thousands of small
 # writes failed over a 100 Mbit/s link; SGLang's own path sends few, contiguous blocks)
@@ -40,7 +45,8 @@ HEADER_WORDS = 2  # per (page, entry): int32 stream length, int32 mode
 
 class KvCodec(enum.Enum):
     NONE = "none"
-    SPLITZIP = "splitzip"
+    SPLITZIP = "splitzip"  # 16-bit (BF16/FP16) pages, SplitZip-coded
+    HACK_PAGES = "hack-pages"  # HACK pages without K's code sums and the unread open page
 
 
 class PageMode(enum.IntEnum):
@@ -53,9 +59,12 @@ def add_arguments(parser: Any) -> None:
         return
     parser.add_argument(
         "--hack-kv-codec", dest="hack_kv_codec", default=None, choices=[c.value for c in KvCodec],
-        help="Lossless codec for the KV pages a prefill server sends to decode (SplitZip: 16-bit "
-             "KV coded to ~75%% with the model folder's kv_codebook.json, see `hack codec "
-             "calibrate`). Both sides of a pairing must use the same codec.")
+        help="Lossless codec for the KV pages a prefill server sends to decode. splitzip: 16-bit "
+             "KV coded to ~75%% with the model folder's kv_codebook.json (see `hack codec "
+             "calibrate`); hack-pages (--kv-cache-dtype hack): pages sent without K's code sums, "
+             "which decode recomputes from the codes, and without the open partition's page, "
+             "which decode does not read; none (the default): pages sent as stored. Both sides "
+             "of a pairing must use the same codec.")
 
 
 def check_options(ns: Any) -> KvCodec:
@@ -72,13 +81,19 @@ def check_options(ns: Any) -> KvCodec:
     if backend not in ("mooncake", "mooncake_tcp"):
         raise ValueError(f"--hack-kv-codec rides the Mooncake transfer engine; got "
                          f"--disaggregation-transfer-backend {backend}")
+    kv = getattr(ns, "kv_cache_dtype", "auto")
+    if codec is KvCodec.HACK_PAGES:
+        if kv != "hack":
+            raise ValueError(f"--hack-kv-codec hack-pages sends HACK pages; it needs --kv-cache-dtype "
+                             f"hack (got {kv}; for 16-bit KV use --hack-kv-codec splitzip)")
+        return codec
     if not getattr(ns, "disaggregation_enable_kv_checksum", False):
         raise ValueError("--hack-kv-codec needs --disaggregation-enable-kv-checksum: a coded page "
                          "that cannot be decoded fails its request through the digest check")
-    kv = getattr(ns, "kv_cache_dtype", "auto")
     if kv not in ("auto", "bfloat16", "bf16", "float16", "fp16"):
-        raise ValueError(f"--hack-kv-codec codes 16-bit KV pages; --kv-cache-dtype {kv} is not "
-                         "(HACK's FP16 parts are not coded yet)")
+        hint = " (for --kv-cache-dtype hack use --hack-kv-codec hack-pages)" if kv == "hack" else ""
+        raise ValueError(f"--hack-kv-codec splitzip codes 16-bit KV pages; --kv-cache-dtype {kv} is "
+                         f"not{hint}")
     dtype = getattr(ns, "dtype", "auto")
     if kv == "auto" and dtype not in ("auto", "bfloat16", "float16", "half"):
         raise ValueError(f"--hack-kv-codec codes 16-bit KV pages; --dtype {dtype} is not")
@@ -98,15 +113,18 @@ def active() -> KvCodec:
 
 
 def describe(tag: str) -> str:
-    """'+splitzip:<id>' -> words for a mismatch message."""
+    """'+splitzip:<id>' or '+hack-pages:<version>' -> words for a mismatch message."""
     if tag.startswith(FINGERPRINT_TAG):
         return f"KV transfer codec splitzip (codebook {tag[len(FINGERPRINT_TAG):]})"
+    if tag.startswith(HACK_PAGES_TAG):
+        return f"KV transfer codec hack-pages (version {tag[len(HACK_PAGES_TAG):]})"
     return "no KV transfer codec"
 
 
 def split_fingerprint(fp: str) -> tuple[str, str]:
-    base, sep, rest = fp.partition(FINGERPRINT_TAG)
-    return base, (sep + rest) if sep else ""
+    """(the KV format, the codec tag or '')."""
+    cut = min((i for i in (fp.find(t) for t in _TAGS) if i >= 0), default=-1)
+    return (fp, "") if cut < 0 else (fp[:cut], fp[cut:])
 
 
 class PageCodec:

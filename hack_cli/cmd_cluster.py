@@ -28,7 +28,9 @@ def _model_path(name: str) -> str:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start prefill + decode servers and the PD router on this machine")
     p.add_argument("--model", default="smollm2", help="model name (hack model prepare) or a model folder")
-    p.add_argument("--kv", default="hack", choices=list(METHODS), help="KV cache method")
+    p.add_argument("--kv", default="hack", choices=list(METHODS),
+                   help="KV cache method (hack sends its pages without K's code sums and the unread open "
+                        "page, --hack-kv-codec hack-pages; hack-full-pages sends every page as stored)")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")

@@ -35,7 +35,7 @@ def pack(codes: Tensor, bits: int) -> Tensor:
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
     c = codes.reshape(*codes.shape[:-1], -1, k).to(torch.int32)
-    shifts = torch.arange(k, dtype=torch.int32) * bits
+    shifts = torch.arange(k, dtype=torch.int32, device=codes.device) * bits
     return (c << shifts).sum(-1).to(torch.uint8)
 
 
@@ -48,6 +48,6 @@ def unpack(packed: Tensor, bits: int, n: int) -> Tensor:
         raise ValueError(f"n={n} does not match {packed.shape[-1]} packed bytes of {k} codes")
     if k == 1:
         return packed.clone()
-    shifts = torch.arange(k, dtype=torch.int32) * bits
+    shifts = torch.arange(k, dtype=torch.int32, device=packed.device) * bits
     c = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return c.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.uint8)

@@ -48,6 +48,17 @@ def sums_dtype(bits: int, group_size: int) -> torch.dtype:
     return torch.int32
 
 
+def group_code_sums(codes: Tensor, bits: int, group_size: int) -> Tensor:
+    """Sums of `group_size` consecutive codes along the last dim (uint8 codes [..., n]) in
+    sums_dtype: the one definition of the stored code sums (the store writes them, the PD
+    decode side rebuilds them from received codes, hack_ops.page_wire)."""
+    n = codes.shape[-1]
+    if n % group_size:
+        raise ValueError(f"the last dim ({n}) must be a multiple of group_size {group_size}")
+    g = codes.reshape(*codes.shape[:-1], n // group_size, group_size)
+    return g.sum(-1, dtype=torch.int32).to(sums_dtype(bits, group_size))
+
+
 def _step_toward(x: Tensor, dtype: torch.dtype, down: bool) -> Tensor:
     """Round float32 x to `dtype` so that the result is <= x (down) or >= x (up)."""
     if dtype == torch.float32:
@@ -187,7 +198,7 @@ def quantize(
     if m is not None:
         c = c.masked_fill(~m, 0)
     codes = c.to(torch.uint8)
-    sums = codes.sum(-1, dtype=torch.int32).to(sums_dtype(bits, group_size))
+    sums = group_code_sums(codes, bits, group_size).squeeze(-1)
     codes = codes.reshape(shape).movedim(-1, d).contiguous()
     return QTensor(
         codes=codes,

@@ -154,15 +154,18 @@ def test_pd_timeline_joins_both_roles_with_every_phase(hack_pd):
     assert 0 < r["ttft_s"] < r["jct_s"] and int(r["output_tokens"]) == 8
 
 
-def _predicted_hack_bytes(n: int) -> int:
+def _predicted_hack_bytes(n: int, full_pages: bool = False) -> int:
+    """Bytes of an n-token HACK request: with `hack` (--hack-kv-codec hack-pages) the full pages
+    without K's code sums and no open page; full_pages: every page as stored (hack-full-pages)."""
     from hack_ops import HackConfig
     from hack_ops.layout import page_layout
+    from hack_ops.page_wire import wire_page_bytes
 
     lay = page_layout(HackConfig(), 3, 64)
-    per_page = 30 * lay.page_bytes  # K and V pages of all layers
     tail_per_token = 30 * 2 * 3 * 64 * 2  # FP16 K and V of the open partition
     sink_bytes = 30 * 2 * max(1, HackConfig().sink_tokens) * 3 * 64 * 2
-    return -(-n // PAGE) * per_page + (n % PAGE) * tail_per_token + sink_bytes
+    pages = 30 * (-(-n // PAGE) * lay.page_bytes if full_pages else n // PAGE * wire_page_bytes(lay))
+    return pages + (n % PAGE) * tail_per_token + sink_bytes
 
 
 # 2068 = 32 pages + a 20-token open partition (>= 2K tokens, not a multiple of 64)
@@ -179,6 +182,9 @@ def test_hack_wire_bytes_match_the_compressed_layout(hack_pd):
         HACK_WIRE[n] = recs[0]["bytes"]
         predicted = _predicted_hack_bytes(n)
         assert abs(HACK_WIRE[n] - predicted) <= WIRE_TOLERANCE * predicted, (n, HACK_WIRE[n], predicted)
+        # the transform's saving: at least the sums and the open page of every full-page send
+        full = _predicted_hack_bytes(n, full_pages=True)
+        assert HACK_WIRE[n] < full - 0.9 * (full - predicted), (n, HACK_WIRE[n], full)
 
 
 def test_request_without_bootstrap_fields_gets_400_and_servers_keep_serving(hack_pd):

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..config import HackConfig, OpenMode
 from ..layout import PageLayout, TensorLayout
 from ..packing import pack
-from ..quant import quantize
+from ..quant import group_code_sums, quantize
 from .plan import ForwardPlan
 
 
@@ -176,5 +176,5 @@ def quantize_pages(store, tl: TensorLayout, buf: Tensor, tpages: Tensor, content
     tl.view(buf, "scale")[tpages] = sc
     if is_k:  # per-token sums over each head_dim group
         sums = tl.view(buf, "sums")
-        ks = codes.reshape(c, h, p, ng, gd).sum(-1, dtype=torch.int32)
+        ks = group_code_sums(codes, cfg.kv_bits, gd)  # [C, H, Π, ng]
         sums[tpages] = ks.reshape(c, h, p * ng).to(sums.dtype)

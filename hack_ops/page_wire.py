@@ -1,0 +1,82 @@
+"""A HACK page on the wire: which bytes of a page carry information, and how a receiver rebuilds
+the rest bit-identically (the `hack-pages` transfer transform, disagg.hack_wire).
+
+A page (hack_ops.layout) holds, per tensor, codes | minimum | scale [| sums]. The K code sums
+are derived data: each is the sum of a head_dim group of the same page's codes
+(quant.group_code_sums, the store's own definition), so a receiver that has the codes can
+recompute them exactly (integer sums, no rounding). The wire form of a page is therefore its
+prefix up to the end of the scale section; the sums section (and the alignment padding after
+the scale section) is not sent. The receiver rebuilds the sums with `rebuild_derived`; the
+padding is never written by the store, so it is zero on both sides.
+
+The open partition's page (the last, partially filled page of a sequence) carries nothing a
+receiver reads when both K and V keep the open partition in FP16 tails (HackConfig.
+tails_hold_open: the page is quantized whole, on the receiver, when it fills); `open_page_unread`
+says when it may be left out.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from .config import HackConfig
+from .layout import PageLayout, TensorLayout
+from .packing import unpack
+from .quant import group_code_sums
+
+
+class PageTensor(enum.Enum):
+    K = "k"
+    V = "v"
+
+
+def wire_bytes(tl: TensorLayout) -> int:
+    """Bytes of one page of this tensor that travel: codes, minimum and scale."""
+    return tl.scale.offset + tl.scale.nbytes
+
+
+def derived_bytes(tl: TensorLayout) -> int:
+    """Bytes of one page of this tensor a receiver rebuilds or never needs (sums, padding)."""
+    return tl.page_bytes - wire_bytes(tl)
+
+
+def tensor_layout(layout: PageLayout, tensor: PageTensor) -> TensorLayout:
+    return layout.k if tensor is PageTensor.K else layout.v
+
+
+def page_code_sums(layout: PageLayout, tensor: PageTensor, buf: Tensor, pages: Tensor) -> Tensor:
+    """The code sums of `pages` of a [num_pages, page_bytes] uint8 buffer, computed from their
+    codes: [n, H, Π*ng] in the sums section's dtype."""
+    tl = tensor_layout(layout, tensor)
+    if tl.sums is None:
+        raise ValueError(f"tensor {tensor.value} has no sums section")
+    cfg = layout.config
+    d = layout.head_dim
+    gd = cfg.head_group(d)
+    codes = unpack(tl.view(buf, "codes")[pages], cfg.kv_bits, d)  # [n, H, Π, D]
+    sums = group_code_sums(codes, cfg.kv_bits, gd)  # [n, H, Π, ng]
+    return sums.reshape(pages.shape[0], layout.num_heads, -1).to(tl.sums.dtype)
+
+
+def rebuild_derived(layout: PageLayout, k_buf: Tensor, pages: Sequence[int] | Tensor) -> None:
+    """Recompute the K code sums of `pages` in place from the codes they hold (the receiver's
+    half of the transform; V pages have nothing derived)."""
+    idx = torch.as_tensor(pages, dtype=torch.long, device=k_buf.device).reshape(-1)
+    if idx.numel() == 0:
+        return
+    tl = layout.k
+    tl.view(k_buf, "sums")[idx] = page_code_sums(layout, PageTensor.K, k_buf, idx)
+
+
+def open_page_unread(config: HackConfig) -> bool:
+    """True when a receiver reads nothing of a sequence's open (partial) page: K and V both
+    hold the open partition in FP16 tails, so the page is written whole when it fills."""
+    return config.tails_hold_open
+
+
+def wire_page_bytes(layout: PageLayout) -> int:
+    """Bytes of one page (K and V of one layer) that travel."""
+    return wire_bytes(layout.k) + wire_bytes(layout.v)
