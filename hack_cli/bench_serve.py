@@ -24,6 +24,7 @@ from pathlib import Path
 
 import requests
 
+from hack_eval.models import MODELS
 from hack_metrics import rundir
 
 from .bench_doc import DOCS, command_line, replace_block
@@ -45,7 +46,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
-    p.add_argument("--model", default="smollm2", help="model name for `hack model prepare`")
+    p.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
