@@ -104,8 +104,11 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
     """All servers up at once (--sleep-on-idle: an idle one takes no CPU); measurements
     alternate between them so that load drifts on a shared machine hit every method alike."""
     from engine.launcher import SGLangServer
-    from hack_eval.workloads import essay_ids
+    from hack_eval.workloads import essay_ids, essay_ids_up_to
 
+    # Each context's prompt: the third essay long enough (or the last that is), built before any
+    # server starts so a context no essay holds stops the run at once.
+    context_prompts = {c: essay_ids_up_to(model_path, c, index=2) for c in cfg["contexts"]}
     # One run directory per method (the dashboard compares two runs side by side).
     runs = {m: rundir.create_run(f"bench-serve-{m}", m, extra={"model_path": model_path, "bench": "serve",
                                                                 **(run_meta or {})}) for m in methods}
@@ -122,7 +125,7 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
             res[m]["max_total_num_tokens"] = s.kv_usage()["max_total_num_tokens"]
             s.timed_stream(essay_ids(model_path, 128), 4)  # warm-up
         for c in cfg["contexts"]:
-            ids = essay_ids(model_path, c, index=2)
+            ids = context_prompts[c]
             for m, s in servers.items():
                 s.flush_cache()
                 cold = s.timed_stream(ids, cfg["decode_tokens"])  # prefill (cold) and decode

@@ -52,6 +52,18 @@ def essay_ids(model_path: str | Path, length: int, index: int = 0) -> list[int]:
     return wins[index]
 
 
+def essay_ids_up_to(model_path: str | Path, length: int, index: int) -> list[int]:
+    """The `index`-th essay's window as essay_ids gives it, or the last essay that holds
+    `length` tokens when fewer do (a large vocabulary such as Gemma-3's 262K makes fewer essays
+    that long). ValueError when none does."""
+    from .texts import essay_files, token_windows
+
+    wins = token_windows(tokenizer(str(model_path)), essay_files(), length, index + 1)
+    if not wins:
+        raise ValueError(f"no essay holds {length} tokens with this model's tokenizer")
+    return wins[min(index, len(wins) - 1)]
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):

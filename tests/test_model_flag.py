@@ -160,3 +160,24 @@ def test_eval_size_reads_gemma3s_geometry(prepared, capsys):
     assert args.func(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0] == {"format": "bf16", "bytes_per_token_layer": 2 * 2 * 1 * 256, "ratio": 1.0}
+
+
+def test_bench_serve_long_context_prompt_falls_back_to_the_last_long_essay(tmp_path, monkeypatch):
+    """Gemma-3's 262K vocabulary leaves fewer essays of 8000 tokens than SmolLM2's: the context
+    prompt is the third long-enough essay, else the last one, else a clear error."""
+    import hack_eval.texts
+    import hack_eval.workloads as workloads
+
+    files = []
+    for i, n in enumerate((50, 900, 30, 1200)):  # characters = tokens for the tokenizer below
+        p = tmp_path / f"e{i}.txt"
+        p.write_text(chr(ord("a") + i) * n)
+        files.append(p)
+    monkeypatch.setattr(hack_eval.texts, "essay_files", lambda: files)
+    monkeypatch.setattr(workloads, "tokenizer", lambda path: lambda text, add_special_tokens: {
+        "input_ids": [ord(c) for c in text]})
+    assert workloads.essay_ids_up_to("m", 40, 2) == [ord("d")] * 40  # e0, e1, e3 hold 40: the third
+    assert workloads.essay_ids_up_to("m", 800, 2) == [ord("d")] * 800  # only e1, e3: the last
+    assert workloads.essay_ids_up_to("m", 800, 0) == [ord("b")] * 800
+    with pytest.raises(ValueError, match="no essay holds 5000 tokens"):
+        workloads.essay_ids_up_to("m", 5000, 2)

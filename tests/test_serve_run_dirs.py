@@ -74,6 +74,7 @@ def test_hack_bench_serve_records_one_run_per_method(tmp_path, monkeypatch):
     monkeypatch.setattr(engine.launcher, "SGLangServer", _FakeServer)
     monkeypatch.setattr(_FakeServer, "started", [])
     monkeypatch.setattr(hack_eval.workloads, "essay_ids", lambda path, n, index=0: [1] * n)
+    monkeypatch.setattr(hack_eval.workloads, "essay_ids_up_to", lambda path, n, index: [1] * n)
     monkeypatch.setattr(bench_serve, "_throughput", lambda *a: {"output_tok_s": 5.0})
     cfg = {"contexts": [16], "decode_tokens": 2, "concurrency": 1, "requests": 1, "tp_prompt": 8,
            "tp_tokens": 2, "budget_mb": 64.0}
