@@ -21,14 +21,29 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
+from hack_eval.models import MODELS
 from hack_ops.config import HackConfig
 from hack_ops.modes import AttentionMode
 
 SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (query heads, kv heads, head_dim)
+
+
+def model_attention_shape(name: str) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) from a prepared model's config.json (prepared once
+    when missing), so `--model gemma3` measures Gemma-3's 4 x 1 x 256 layers."""
+    from hack_eval.models import model_dir, prepare
+
+    folder = model_dir(name)
+    if not (folder / "config.json").is_file():
+        folder = prepare(name, log=lambda m: print(m, file=sys.stderr))
+    cfg = json.loads((folder / "config.json").read_text())
+    hq = cfg["num_attention_heads"]
+    return hq, cfg.get("num_key_value_heads", hq), cfg.get("head_dim") or cfg["hidden_size"] // hq
 
 
 def register(bsub: argparse._SubParsersAction) -> None:
@@ -40,6 +55,10 @@ def register(bsub: argparse._SubParsersAction) -> None:
                         "(hack_cli/bench_attention_gpu.py: its own default grid, CUDA-event timing, bandwidth)")
     p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} "
                                                   "(cuda: llama3-8b, qwen2.5-7b)")
+    p.add_argument("--model", default=None,
+                   help=f"also a prepared model's attention shape ({', '.join(MODELS)}: its query heads, KV heads "
+                        "and head_dim; full causal attention, sliding windows not applied), as a row named by it; "
+                        "CPU only")
     p.add_argument("--batches", default=None, help="comma-separated (default 1,8; cuda: 1,8,32,128)")
     p.add_argument("--contexts", default=None, help="comma-separated token counts (default 2048,8192,32768)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (default 5, quick 3)")
@@ -58,7 +77,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
 
 
 def run_default(args: argparse.Namespace) -> int:
-    return run(argparse.Namespace(json=False, quick=False, shapes=",".join(SHAPES), batches="1,8",
+    return run(argparse.Namespace(json=False, quick=False, shapes=",".join(SHAPES), model=None, batches="1,8",
                                   contexts=None, repeats=None, prefill_tokens=None, store_tokens=None, threads=None,
                                   clock="wall",
                                   out=None))
@@ -90,15 +109,25 @@ def _median_ms(methods: dict, repeats: int, clock=time.perf_counter) -> dict[str
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "device", "cpu") == "cuda":
+        if getattr(args, "model", None):
+            raise ValueError("--model is CPU only; --device cuda measures its --shapes (llama3-8b, qwen2.5-7b)")
         from hack_cli.bench_attention_gpu import run_cuda
 
         return run_cuda(args)
     from hack_ops.paged import cpu_kernel
 
-    shapes = [s.strip() for s in (args.shapes or ",".join(SHAPES)).split(",") if s.strip()]
-    bad = [s for s in shapes if s not in SHAPES]
+    known = dict(SHAPES)
+    model = getattr(args, "model", None)
+    if model:
+        known[model] = model_attention_shape(model)
+    # --model alone measures that model; with --shapes, both.
+    default = model if model and not args.shapes else ",".join(SHAPES)
+    shapes = [s.strip() for s in (args.shapes or default).split(",") if s.strip()]
+    if model and model not in shapes:
+        shapes.append(model)
+    bad = [s for s in shapes if s not in known]
     if bad:
-        raise ValueError(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+        raise ValueError(f"unknown shapes {bad}; choose from {list(known)}")
     batches = _ints(args.batches or "1,8", "--batches")
     contexts = _ints(args.contexts, "--contexts") if args.contexts else ([2048, 8192] if args.quick else [2048, 8192, 32768])
     repeats = args.repeats or (3 if args.quick else 5)
@@ -125,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     say("roofline: " + ", ".join(f"{k} {v}" for k, v in roof.items()))
     extend_path = None
     for shape in shapes:
-        hq, h, d = SHAPES[shape]
+        hq, h, d = known[shape]
         for batch in batches:
             for ctx in contexts:
                 case = decode_case(hq, h, d, batch, ctx)

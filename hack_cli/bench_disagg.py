@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 from .bench_doc import DOCS, command_line, replace_block
+from .cmd_cluster import MODEL_HELP
 
 DOC = DOCS / "disagg.md"
 
 
 def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("disagg", help="JCT/TTFT and breakdown of KV methods (bf16, bf16-lossless, fp8, dequant, hack, ...) over shaped links")
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--methods", default="bf16,dequant,hack",
                    help="comma-separated KV methods of `hack up --kv` (e.g. bf16,bf16-lossless,fp8,dequant,hack)")
     p.add_argument("--rates", default="100,1000,10000", help="link rates in Mbit/s, comma-separated")

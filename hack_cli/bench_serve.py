@@ -24,6 +24,7 @@ from pathlib import Path
 
 import requests
 
+from hack_eval.models import MODELS
 from hack_metrics import rundir
 
 from .bench_doc import DOCS, command_line, replace_block
@@ -45,7 +46,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
-    p.add_argument("--model", default="smollm2", help="model name for `hack model prepare`")
+    p.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
@@ -105,6 +106,9 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
     from engine.launcher import SGLangServer
     from hack_eval.workloads import essay_ids
 
+    # Each context's prompt (the third essay that long, else cut from the essays joined), built
+    # before any server starts so a context the essays cannot fill stops the run at once.
+    context_prompts = {c: essay_ids(model_path, c, index=2) for c in cfg["contexts"]}
     # One run directory per method (the dashboard compares two runs side by side).
     runs = {m: rundir.create_run(f"bench-serve-{m}", m, extra={"model_path": model_path, "bench": "serve",
                                                                 **(run_meta or {})}) for m in methods}
@@ -121,7 +125,7 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
             res[m]["max_total_num_tokens"] = s.kv_usage()["max_total_num_tokens"]
             s.timed_stream(essay_ids(model_path, 128), 4)  # warm-up
         for c in cfg["contexts"]:
-            ids = essay_ids(model_path, c, index=2)
+            ids = context_prompts[c]
             for m, s in servers.items():
                 s.flush_cache()
                 cold = s.timed_stream(ids, cfg["decode_tokens"])  # prefill (cold) and decode

@@ -9,10 +9,16 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from disagg.server_cmd import METHODS
+from hack_eval.models import MODELS
 from hack_metrics.rundir import RUNS_ROOT_HELP
+
+if TYPE_CHECKING:
+    from disagg.cluster import ClusterSpec
+
+MODEL_HELP = f"model name ({', '.join(MODELS)}; prepared once, as `hack model prepare` does) or a model folder"
 
 
 def _model_path(name: str) -> str:
@@ -27,7 +33,7 @@ def _model_path(name: str) -> str:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="start prefill + decode servers and the PD router on this machine")
-    p.add_argument("--model", default="smollm2", help="model name (hack model prepare) or a model folder")
+    p.add_argument("--model", default="smollm2", help=MODEL_HELP)
     p.add_argument("--kv", default="hack", choices=list(METHODS),
                    help="KV cache method (hack sends its pages without K's code sums and the unread open "
                         "page, --hack-kv-codec hack-pages; hack-full-pages sends every page as stored)")
@@ -55,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.set_defaults(func=cmd_down)
 
     m = sub.add_parser("demo", help="BF16 then HACK over a shaped link, with the dashboard (make demo)")
-    m.add_argument("--model", default="smollm2")
+    m.add_argument("--model", default="smollm2", help=MODEL_HELP)
     m.add_argument("--requests", type=int, default=3, help="requests per method")
     m.add_argument("--no-dashboard", action="store_true", help="do not start the dashboard (headless)")
     m.add_argument("--duration", type=float, default=None,
@@ -85,14 +91,21 @@ def stop_on_signals() -> Iterator[None]:
             signal.signal(sig, h)
 
 
-def cmd_up(args: argparse.Namespace) -> int:
+def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
+    """The ClusterSpec `hack up` starts (the model prepared by name, or a folder as given)."""
     from disagg import cluster
 
-    spec = cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
+    return cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,
                                max_total_tokens=args.max_total_tokens, run_dir=args.run_dir,
                                command=shlex.join(["hack", *sys.argv[1:]]),
                                enable_metrics=args.enable_metrics)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from disagg import cluster
+
+    spec = spec_from_args(args)
     if args.link_mbps is not None:
         from disagg import netns
 

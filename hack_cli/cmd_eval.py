@@ -7,6 +7,8 @@ import shlex
 import sys
 from pathlib import Path
 
+from hack_eval.models import MODELS
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="bytes and accuracy of the KV formats on the real model")
@@ -14,13 +16,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     esub.required = True
 
     size = esub.add_parser("size", help="bytes per token per layer for a model vs BF16")
-    size.add_argument("--model", default="smollm2", help="a model name known to `hack model prepare`")
+    size.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
     size.add_argument("--context", type=int, default=2048, help="tokens per request (default 2048)")
     size.add_argument("--json", action="store_true", help="print one JSON object")
     size.set_defaults(func=_size)
 
     acc = esub.add_parser("accuracy", help="the accuracy study (perplexity, KL, top-1, generation)")
-    acc.add_argument("--model", default="smollm2", help="a model name known to `hack model prepare`")
+    acc.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
     acc.add_argument("--context", type=int, default=2048)
     acc.add_argument("--essays", type=int, default=3, help="essay windows (default 3)")
     acc.add_argument("--plays", type=int, default=3, help="Shakespeare windows (default 3)")

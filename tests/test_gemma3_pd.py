@@ -1,0 +1,161 @@
+"""Gemma-3-270M through prefill/decode disaggregation: the cluster `hack up --model gemma3` starts
+(one prefill, one decode, the PD router, mooncake over TCP on loopback) gives the colocated
+`--kv-cache-dtype hack` server's greedy tokens, on prompts longer than the 512-token window.
+
+Why equality is the bar: both sides run the same kernels on the same pages, so the only
+difference is the transfer. The decode server must receive every 2-bit page of every layer
+(its pool keeps all tokens; the window is applied when attention reads), the FP16 open
+partition and the FP16 sinks; anything lost there changes the window layers' or the full
+layers' scores and, greedy, the tokens. The wire bytes are checked against that layout too.
+
+Every server runs with --disable-radix-cache, so every request is a cold prefill on both sides
+(cached-prefix and cold prefill are numerically different paths). One cluster and one
+colocated server serve all assertions, one after the other (memory), and are always stopped.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from disagg import cluster, procs
+from disagg.replay import generate
+from disagg.server_cmd import server_command
+from disagg.wire_meter import read_log
+from engine.cpu_runtime import shared_host_env
+from engine.launcher import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
+
+NO_RADIX = ["--disable-radix-cache"]
+MAX_TOTAL_TOKENS = 8192
+WINDOW = 512  # Gemma-3-270M's sliding_window (HF); 5 of its 6 layers in a group use it
+PAGE = 64
+# Longer than the window (the window layers drop the first keys), neither a multiple of the
+# page size (an FP16 open partition travels) nor equal to each other's page count.
+PROMPT_LENGTHS = (700, 1090)
+N_NEW = 8
+WIRE_TOLERANCE = 0.01  # measured bytes vs the layout's prediction (the metadata row is ~1 KB)
+STARTUP_TIMEOUT_S = 900.0  # three servers loading a 270M model on a shared 2-core machine
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from hack_eval.models import prepare
+
+    return str(prepare("gemma3", log=lambda *a, **k: None))
+
+
+def _pd_spec(model_path: str):
+    """The ClusterSpec of `hack up --model gemma3 --kv hack`, radix cache off."""
+    from hack_cli.cmd_cluster import spec_from_args
+    from hack_cli.main import build_parser
+
+    args = build_parser().parse_args(["up", "--model", "gemma3", "--kv", "hack",
+                                      "--max-total-tokens", str(MAX_TOTAL_TOKENS)])
+    spec = spec_from_args(args)
+    assert spec.model_path == model_path
+    spec.extra_server_args = list(NO_RADIX)
+    spec.health_timeout_s = STARTUP_TIMEOUT_S
+    return spec
+
+
+# Memory: a Gemma-3 server is ~1.5 GB of processes and this host is shared, so the cluster
+# serves every prompt and is stopped before the colocated server starts (peak: two servers).
+@pytest.fixture(scope="module")
+def pd_runs(model_path, request) -> dict:
+    """Every prompt through one 1P1D cluster: output ids, wire records, and each side's KV
+    usage once the requests are done."""
+    state = cluster.up(_pd_spec(model_path), log=lambda m: None)
+    request.addfinalizer(lambda: cluster.down(state))
+    wire = Path(state["run_dir"]) / "wire-prefill-0.jsonl"
+    out: dict = {"results": {}, "wire": {}, "usage": {}}
+    for i, n in enumerate(PROMPT_LENGTHS):
+        before = len(read_log(wire))
+        out["results"][n] = generate(state["router_url"], _prompt(model_path, n, index=i), N_NEW, stream=False)
+        out["wire"][n] = read_log(wire)[before:]
+    for role in ("prefill", "decode"):
+        out["usage"][role] = _idle_usage(_url(state, role))
+    cluster.down(state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(model_path, pd_runs, request) -> dict:
+    """The same prompts through one colocated HACK server with the cluster's server flags."""
+    run_dir = Path(cluster.default_run_root()) / f"gemma3-colocated-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = server_command("colocated", "hack", model_path, "127.0.0.1", port, None, MAX_TOTAL_TOKENS, NO_RADIX)
+    log = run_dir / "colocated.log"
+    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), log)
+    request.addfinalizer(lambda: procs.stop(pid))
+    url = f"http://127.0.0.1:{port}"
+    cluster.wait_healthy([url + "/health"], [pid], STARTUP_TIMEOUT_S, [log])
+    out = {n: generate(url, _prompt(model_path, n, index=i), N_NEW, stream=False)
+           for i, n in enumerate(PROMPT_LENGTHS)}
+    procs.stop(pid)
+    return out
+
+
+def _prompt(model_path: str, n: int, index: int) -> list[int]:
+    from hack_eval.workloads import essay_ids
+
+    return essay_ids(model_path, n, index=index)
+
+
+def _url(state: dict, role: str) -> str:
+    return next(s["url"] for s in state["servers"] if s["role"] == role)
+
+
+def _kv_usage(url: str) -> dict:
+    return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["hack_kv"]
+
+
+def _predicted_wire_bytes(model_path: str, n: int) -> int:
+    """Every layer's pages, its FP16 open partition and its FP16 sinks (disagg.pd_state)."""
+    import json
+
+    from hack_ops import HackConfig
+    from hack_ops.layout import page_layout
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    layers, heads, dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    fp16_token = layers * 2 * heads * dim * 2  # K and V, 2 bytes each
+    sinks = max(1, HackConfig().sink_tokens)
+    return (-(-n // PAGE) * layers * page_layout(HackConfig(), heads, dim).page_bytes
+            + (n % PAGE) * fp16_token + sinks * fp16_token)
+
+
+def _idle_usage(url: str) -> dict:
+    deadline = time.monotonic() + 60  # prefill frees a request once decode acknowledged it
+    usage = _kv_usage(url)
+    while (usage["request_rows_in_use"] or usage["used_tokens"]) and time.monotonic() < deadline:
+        time.sleep(1.0)
+        usage = _kv_usage(url)
+    return usage
+
+
+def test_pd_gives_the_colocated_greedy_tokens_past_the_window(pd_runs, colocated_runs, model_path):
+    for i, n in enumerate(PROMPT_LENGTHS):
+        assert len(_prompt(model_path, n, index=i)) == n > WINDOW
+        got, ref = pd_runs["results"][n], colocated_runs[n]
+        assert got.ok and ref.ok, (got.error, ref.error)
+        assert len(ref.output_ids) == N_NEW
+        assert got.output_ids == ref.output_ids, f"{n}-token prompt: PD {got.output_ids} vs colocated {ref.output_ids}"
+
+
+def test_every_page_tail_and_sink_crossed_the_wire(pd_runs, model_path):
+    for n in PROMPT_LENGTHS:
+        recs = pd_runs["wire"][n]
+        assert len(recs) == 1
+        predicted = _predicted_wire_bytes(model_path, n)
+        assert abs(recs[0]["bytes"] - predicted) <= WIRE_TOLERANCE * predicted, (n, recs[0]["bytes"], predicted)
+
+
+def test_both_sides_free_the_requests(pd_runs):
+    for role, usage in pd_runs["usage"].items():
+        assert usage["request_rows_in_use"] == 0 and usage["used_tokens"] == 0, (role, usage)

@@ -1,0 +1,162 @@
+"""`--model gemma3` reaches what each command runs: `hack up`, `hack bench serve|disagg|attention`,
+`hack eval accuracy|size`. No server starts: the real parser and command functions run, and the
+first step that would load or serve the model is replaced by a recorder that stops the command.
+Model preparation is replaced by a folder holding Gemma-3-270M's attention config, so the test
+needs neither the GGUF package nor a conversion."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hack_cli.main import build_parser
+
+# Gemma-3-270M's attention geometry as its converted config.json states it.
+GEMMA3_CONFIG = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 18, "num_attention_heads": 4,
+                 "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640, "sliding_window": 512}
+
+
+class Reached(Exception):
+    """Raised by a recorder: the command got as far as the model's first real use."""
+
+
+@pytest.fixture()
+def prepared(tmp_path, monkeypatch):
+    """`prepare(name)` returns a per-name folder with a config.json and records the names asked."""
+    import hack_eval.models as models
+
+    asked: list[str] = []
+
+    def fake_prepare(name: str = models.DEFAULT_MODEL, force: bool = False, log=print) -> Path:
+        models._spec(name)  # an unknown name still fails as it would
+        asked.append(name)
+        folder = tmp_path / f"{name}-hf"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(GEMMA3_CONFIG))
+        return folder
+
+    import hack_eval.size as size
+
+    def fake_dir(name: str = models.DEFAULT_MODEL) -> Path:
+        return tmp_path / f"{name}-hf"
+
+    for mod in (models, size):  # size imported the two names
+        monkeypatch.setattr(mod, "prepare", fake_prepare)
+        monkeypatch.setattr(mod, "model_dir", fake_dir)
+    monkeypatch.setenv("HACK_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setenv("HACK_CLUSTER_STATE_DIR", str(tmp_path / "state"))
+    return {"asked": asked, "folder": tmp_path / "gemma3-hf"}
+
+
+def _run(argv: list[str]) -> None:
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    with pytest.raises(Reached):
+        args.func(args)
+
+
+def test_hack_up_starts_the_gemma3_cluster(prepared, monkeypatch):
+    from disagg import cluster
+
+    seen = {}
+
+    def fake_up(spec, log=print):
+        seen["spec"] = spec
+        raise Reached
+
+    monkeypatch.setattr(cluster, "up", fake_up)
+    _run(["up", "--model", "gemma3", "--kv", "hack"])
+    spec = seen["spec"]
+    assert prepared["asked"] == ["gemma3"]
+    assert spec.model == "gemma3" and Path(spec.model_path) == prepared["folder"] and spec.kv == "hack"
+    spec.validate()  # the folder exists: the spec would start
+
+
+def test_hack_up_spec_is_what_the_command_starts(prepared):
+    from hack_cli.cmd_cluster import spec_from_args
+
+    args = build_parser().parse_args(["up", "--model", "gemma3", "--kv", "bf16", "--max-total-tokens", "4096"])
+    spec = spec_from_args(args)
+    assert (spec.model, spec.kv, spec.max_total_tokens) == ("gemma3", "bf16", 4096)
+    assert Path(spec.model_path) == prepared["folder"]
+
+
+def test_hack_up_refuses_an_unknown_model_name(prepared):
+    args = build_parser().parse_args(["up", "--model", "gemma9"])
+    with pytest.raises(ValueError, match="unknown model 'gemma9'; known: smollm2, gemma3"):
+        args.func(args)
+
+
+def test_bench_serve_serves_gemma3(prepared, monkeypatch):
+    import hack_cli.bench_serve as bench_serve
+
+    seen = {}
+
+    def fake_measure(methods, model_path, cfg, say, run_meta=None):
+        seen.update(methods=methods, model_path=model_path, run_meta=run_meta)
+        raise Reached
+
+    monkeypatch.setattr(bench_serve, "_measure_all", fake_measure)
+    _run(["bench", "serve", "--model", "gemma3", "--methods", "bf16,hack", "--no-doc"])
+    assert prepared["asked"] == ["gemma3"]
+    assert Path(seen["model_path"]) == prepared["folder"] and seen["methods"] == ["bf16", "hack"]
+    assert seen["run_meta"]["model"] == "gemma3"
+
+
+def test_bench_disagg_serves_gemma3(prepared, monkeypatch):
+    import disagg.bench
+
+    seen = {}
+
+    def fake_run(model_path, methods, rates, workload, n, rps, **kw):
+        seen.update(model_path=model_path, methods=methods)
+        raise Reached
+
+    monkeypatch.setattr(disagg.bench, "run", fake_run)
+    _run(["bench", "disagg", "--model", "gemma3", "--methods", "bf16,hack", "--rates", "100", "--no-doc"])
+    assert prepared["asked"] == ["gemma3"]
+    assert Path(seen["model_path"]) == prepared["folder"] and seen["methods"] == ["bf16", "hack"]
+
+
+def test_bench_attention_measures_gemma3s_shape(prepared, monkeypatch):
+    import hack_cli.bench_attention as bench_attention
+    import hack_ops.paged.benchcases as benchcases
+
+    seen = []
+
+    def fake_decode_case(hq, h, d, batch, context):
+        seen.append((hq, h, d))
+        raise Reached
+
+    monkeypatch.setattr(bench_attention, "roofline", lambda clock=None, repeats=3: {})
+    monkeypatch.setattr(benchcases, "decode_case", fake_decode_case)
+    _run(["bench", "attention", "--model", "gemma3", "--batches", "1", "--contexts", "1024"])
+    assert seen == [(4, 1, 256)]  # --model alone: that model's row, first
+
+
+def test_bench_attention_model_is_cpu_only(prepared):
+    args = build_parser().parse_args(["bench", "attention", "--model", "gemma3", "--device", "cuda"])
+    with pytest.raises(ValueError, match="--model is CPU only"):
+        args.func(args)
+
+
+def test_eval_accuracy_studies_gemma3(prepared, monkeypatch):
+    import hack_eval.accuracy
+
+    seen = {}
+
+    def fake_study(**kw):
+        seen.update(kw)
+        raise Reached
+
+    monkeypatch.setattr(hack_eval.accuracy, "run_study", fake_study)
+    _run(["eval", "accuracy", "--model", "gemma3", "--core"])
+    assert seen["model_name"] == "gemma3" and seen["core"] is True
+
+
+def test_eval_size_reads_gemma3s_geometry(prepared, capsys):
+    args = build_parser().parse_args(["eval", "size", "--model", "gemma3", "--json"])
+    assert args.func(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0] == {"format": "bf16", "bytes_per_token_layer": 2 * 2 * 1 * 256, "ratio": 1.0}
