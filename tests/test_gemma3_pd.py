@@ -3,10 +3,11 @@
 `--kv-cache-dtype hack` server's greedy tokens, on prompts longer than the 512-token window.
 
 Why equality is the bar: both sides run the same kernels on the same pages, so the only
-difference is the transfer. The decode server must receive every 2-bit page of every layer
-(its pool keeps all tokens; the window is applied when attention reads), the FP16 open
-partition and the FP16 sinks; anything lost there changes the window layers' or the full
-layers' scores and, greedy, the tokens. The wire bytes are checked against that layout too.
+difference is the transfer. The decode server must receive every full 2-bit page of every
+layer (its pool keeps all tokens; the window is applied when attention reads; `hack` sends the
+pages without K's code sums, which decode rebuilds), the FP16 open partition and the FP16
+sinks; anything lost there changes the window layers' or the full layers' scores and, greedy,
+the tokens. The wire bytes are checked against that layout too.
 
 Every server runs with --disable-radix-cache, so every request is a cold prefill on both sides
 (cached-prefix and cold prefill are numerically different paths). One cluster and one
@@ -115,19 +116,23 @@ def _kv_usage(url: str) -> dict:
     return requests.get(f"{url}/server_info", timeout=30).json()["internal_states"][0]["hack_kv"]
 
 
-def _predicted_wire_bytes(model_path: str, n: int) -> int:
-    """Every layer's pages, its FP16 open partition and its FP16 sinks (disagg.pd_state)."""
+def _predicted_wire_bytes(model_path: str, n: int, full_pages: bool = False) -> int:
+    """Every layer's full pages as `hack` sends them (--hack-kv-codec hack-pages: without K's
+    code sums, no open page), its FP16 open partition and its FP16 sinks (disagg.pd_state);
+    full_pages: every page as stored (hack-full-pages)."""
     import json
 
     from hack_ops import HackConfig
     from hack_ops.layout import page_layout
+    from hack_ops.page_wire import wire_page_bytes
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     layers, heads, dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
     fp16_token = layers * 2 * heads * dim * 2  # K and V, 2 bytes each
     sinks = max(1, HackConfig().sink_tokens)
-    return (-(-n // PAGE) * layers * page_layout(HackConfig(), heads, dim).page_bytes
-            + (n % PAGE) * fp16_token + sinks * fp16_token)
+    lay = page_layout(HackConfig(), heads, dim)
+    pages = -(-n // PAGE) * layers * lay.page_bytes if full_pages else n // PAGE * layers * wire_page_bytes(lay)
+    return pages + (n % PAGE) * fp16_token + sinks * fp16_token
 
 
 def _idle_usage(url: str) -> dict:
@@ -154,6 +159,7 @@ def test_every_page_tail_and_sink_crossed_the_wire(pd_runs, model_path):
         assert len(recs) == 1
         predicted = _predicted_wire_bytes(model_path, n)
         assert abs(recs[0]["bytes"] - predicted) <= WIRE_TOLERANCE * predicted, (n, recs[0]["bytes"], predicted)
+        assert recs[0]["bytes"] < _predicted_wire_bytes(model_path, n, full_pages=True)
 
 
 def test_both_sides_free_the_requests(pd_runs):
