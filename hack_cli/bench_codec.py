@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .bench_timing import best_of
 from .bench_doc import DOCS, command_line, replace_block
 
 DOC = DOCS / "kernels.md"
@@ -36,13 +37,6 @@ def run_default(args: argparse.Namespace) -> int:
                                       no_doc=False))
 
 
-def _time(fn, runs: int) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def measure(model: str, repeat: int, runs: int) -> dict:
@@ -73,8 +67,8 @@ def measure(model: str, repeat: int, runs: int) -> dict:
         y = torch.zeros_like(x)
         for variant in ("native", "portable"):
             size = cpu.encode_ptr(x.data_ptr(), n, book, buf.data_ptr(), cap, variant=variant)
-            te = _time(lambda: cpu.encode_ptr(x.data_ptr(), n, book, buf.data_ptr(), cap, variant=variant), runs)
-            td = _time(lambda: cpu.decode_ptr(buf.data_ptr(), size, book, y.data_ptr(), n, variant=variant), runs)
+            te = best_of(lambda: cpu.encode_ptr(x.data_ptr(), n, book, buf.data_ptr(), cap, variant=variant), runs)
+            td = best_of(lambda: cpu.decode_ptr(buf.data_ptr(), size, book, y.data_ptr(), n, variant=variant), runs)
             if not torch.equal(x.view(torch.int16), y.view(torch.int16)):
                 raise RuntimeError(f"{variant} codec did not round-trip the {fmt.name} KV bitwise")
             res["throughput"].append({"format": fmt.name.lower(), "impl": f"C {variant}", "bytes": 2 * n,
@@ -82,8 +76,8 @@ def measure(model: str, repeat: int, runs: int) -> dict:
                                       "decode_gbs": 2 * n / td / 1e9})
         small = x[: 1 << 20]
         stream = reference.encode(small, book)
-        te = _time(lambda: reference.encode(small, book), 1)
-        td = _time(lambda: reference.decode(stream, book), 1)
+        te = best_of(lambda: reference.encode(small, book), 1)
+        td = best_of(lambda: reference.decode(stream, book), 1)
         res["throughput"].append({"format": fmt.name.lower(), "impl": "NumPy reference", "bytes": 2 * small.numel(),
                                   "ratio": len(stream) / (2 * small.numel()),
                                   "encode_gbs": 2 * small.numel() / te / 1e9, "decode_gbs": 2 * small.numel() / td / 1e9})

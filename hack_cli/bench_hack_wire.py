@@ -26,6 +26,7 @@ from types import SimpleNamespace
 
 import torch
 
+from .bench_timing import best_of
 from .bench_doc import command_line
 
 
@@ -43,13 +44,6 @@ def run_default(args: argparse.Namespace) -> int:
     return run_cli(argparse.Namespace(model="smollm2", tokens=7500, runs=5, out="docs/bench/hack-wire.json"))
 
 
-def _best(fn, runs: int) -> float:
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _real_kv(folder: Path, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -109,7 +103,7 @@ def measure(model: str, n: int, runs: int) -> dict:
               for tl, buf in ((lay.k, store.k_pages[layer]), (lay.v, store.v_pages[layer])) for name in ("minimum", "scale")]
     coded = sum(cpu.encode(t[i].contiguous(), book).numel() for t in tables for i in range(len(sent)))
     raw = sum(t.nbytes for t in tables)
-    per_page_table_s = _best(lambda: [cpu.encode(t[i].contiguous(), book) for t in tables for i in range(len(sent))], runs)
+    per_page_table_s = best_of(lambda: [cpu.encode(t[i].contiguous(), book) for t in tables for i in range(len(sent))], runs)
     tails = [t[0, : n % p] for name in sorted(store.tails) for t in store.tails[name]]
     tail_coded = sum(cpu.encode(t.contiguous(), book).numel() for t in tails if t.numel())
     sink_t = [t[0] for t in store.sink_k + store.sink_v if t.numel()]
@@ -119,11 +113,11 @@ def measure(model: str, n: int, runs: int) -> dict:
     bufs = store.k_pages + store.v_pages
     w = HackWire(pool, [b.data_ptr() for b in bufs], [b[0].nbytes for b in bufs])
     dst_ptrs = [b.data_ptr() for b in bufs]
-    send_s = _best(lambda: w.blocks(sent, dst_ptrs, sent), runs)
+    send_s = best_of(lambda: w.blocks(sent, dst_ptrs, sent), runs)
     before = [b.clone() for b in store.k_pages]
     for b in store.k_pages:
         lay.k.view(b, "sums")[idx] = 0
-    rebuild_s = _best(lambda: w.rebuild(sent), runs)
+    rebuild_s = best_of(lambda: w.rebuild(sent), runs)
     if not all(torch.equal(a, b) for a, b in zip(before, store.k_pages)):
         raise RuntimeError("the rebuilt K pages differ from the stored ones")
     return {"model": model, "tokens": n, "layers": layers, "kv_heads": heads, "head_dim": dim,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .bench_timing import best_of
+
 # (name, q heads, kv heads, head_dim): SmolLM2-135M and Gemma-3-270M
 SHAPES = [("smollm2", 9, 3, 64), ("gemma3", 4, 1, 256)]
 
@@ -33,14 +35,6 @@ def run_default(args: argparse.Namespace) -> int:
     return run_cli(argparse.Namespace(prefill=2048, batch=8, context=2048, runs=7, out="docs/bench/rotation.json"))
 
 
-def _best(fn, runs: int) -> float:
-    fn()  # warm-up (caches the rotation matrix)
-    best = float("inf")
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def _rotation_calls(q, k, v, how: str, scope: str):
@@ -74,14 +68,14 @@ def measure(prefill: int, batch: int, context: int, runs: int) -> dict:
             else:
                 case = DecodeCase(hq, h, d, batch, context)
                 attn = case.methods()["hack"]
-            base = _best(attn, runs)
+            base = best_of(attn, runs, warmup=True)
             case.release()
             q = torch.randn(tokens, hq, d, generator=g).to(torch.bfloat16)
             k = torch.randn(tokens, h, d, generator=g).to(torch.bfloat16)
             v = torch.randn(tokens, h, d, generator=g).to(torch.bfloat16)
             for scope in ("kv", "v"):
                 for how in ("matmul", "fwht"):
-                    s = _best(_rotation_calls(q, k, v, how, scope), runs)
+                    s = best_of(_rotation_calls(q, k, v, how, scope), runs, warmup=True)
                     rows.append({"model_shape": name, "q_heads": hq, "kv_heads": h, "head_dim": d,
                                  "phase": phase, "tokens": tokens, "context": context if phase == "decode" else prefill,
                                  "scope": scope, "method": how, "rotation_s": s, "hack_attention_s": base,
