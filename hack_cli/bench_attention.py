@@ -26,7 +26,6 @@ import time
 
 import torch
 
-from hack_eval.models import MODELS
 from hack_ops.config import HackConfig
 from hack_ops.modes import AttentionMode
 
@@ -47,6 +46,10 @@ def model_attention_shape(name: str) -> tuple[int, int, int]:
 
 
 def register(bsub: argparse._SubParsersAction) -> None:
+    # hack_eval stays out of this module's imports: the GPU box that runs the Triton benchmark
+    # has no transformers/SGLang (tests/test_triton_imports.py).
+    from hack_eval.models import MODELS
+
     p = bsub.add_parser("attention", help="decode/prefill attention: HACK vs BF16 SDPA vs dequantize+SDPA")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="contexts 2K and 8K, fewer repeats, short prefill")
