@@ -250,6 +250,8 @@ class PdConnector:
             Use("sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST",
                 "SGLang's own health probe passes the request guard"),
             Use(_SENDER, "its host-tensor staging is switched off without CUDA"),
+            Use("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._transfer_data",
+                "the coded sends (splitzip, hack-pages) write their blocks through it in batches"),
         )
         patches = (
             Patch(_SENDER, "supports_host_tensor_indices",

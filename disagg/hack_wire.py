@@ -24,10 +24,11 @@ import threading
 import time
 from typing import Any, Callable
 
+from .transfer_codec import HACK_PAGES_TAG, MAX_BATCH_BLOCKS
+
 logger = logging.getLogger(__name__)
 
 TRANSFORM_VERSION = 1  # bump when the wire form of a page changes
-MAX_BATCH_BLOCKS = 512  # blocks per synchronous transfer call (as disagg.transfer_codec)
 
 
 class HackWire:
@@ -133,18 +134,16 @@ def current() -> HackWire | None:
 
 
 def fingerprint_tag() -> str:
-    from .transfer_codec import HACK_PAGES_TAG
-
     return f"{HACK_PAGES_TAG}{TRANSFORM_VERSION}"
 
 
 def attach(kv_args: Any, pool: Any) -> HackWire:
     """After pd_state.attach: the page buffers this process sends or receives, and the tag."""
     n = len(pool.k_buffer) + len(pool.v_buffer)
-    wire = HackWire(pool, list(kv_args.kv_data_ptrs)[:n], list(kv_args.kv_item_lens)[:n])
     if len(kv_args.kv_data_ptrs) != n:
         raise RuntimeError(f"--hack-kv-codec hack-pages: the pool describes {len(kv_args.kv_data_ptrs)} KV "
                            f"buffers, expected {n} (K and V pages of every layer)")
+    wire = HackWire(pool, list(kv_args.kv_data_ptrs), list(kv_args.kv_item_lens)[:n])
     kv_args.kv_cache_dtype_str = f"{kv_args.kv_cache_dtype_str}{fingerprint_tag()}"
     _wire[:] = [wire]
     from hack_ops import page_wire

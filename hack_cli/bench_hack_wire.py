@@ -91,10 +91,10 @@ def measure(model: str, n: int, runs: int) -> dict:
     pages = [int(x) // p for x in table[0, :n:p]]
     sent = pages[: n // p] if page_wire.open_page_unread(cfg) else pages
     fp16_tok = heads * dim * 2
-    tail = (n % p) * 2 * layers * fp16_tok
-    sinks = 2 * layers * max(1, cfg.sink_tokens) * fp16_tok
-    full = len(pages) * layers * lay.page_bytes + tail + sinks
-    wire = len(sent) * layers * page_wire.wire_page_bytes(lay) + tail + sinks
+    tail = (n % p) * len(lay.tail_tensors) * layers * fp16_tok
+    sinks = 2 * layers * cfg.sink_tokens * fp16_tok
+    full = page_wire.request_bytes(lay, layers, n, hack_pages=False)
+    wire = page_wire.request_bytes(lay, layers, n)
     bf16 = len(pages) * p * layers * 2 * fp16_tok
     # SplitZip FP16 on what is still 16-bit
     book = cb.for_model(folder).get(FloatFormat.FP16)

@@ -80,3 +80,19 @@ def open_page_unread(config: HackConfig) -> bool:
 def wire_page_bytes(layout: PageLayout) -> int:
     """Bytes of one page (K and V of one layer) that travel."""
     return wire_bytes(layout.k) + wire_bytes(layout.v)
+
+
+def request_bytes(layout: PageLayout, num_layers: int, tokens: int, hack_pages: bool = True) -> int:
+    """KV bytes a request of `tokens` tokens puts on the wire: its pages (in their wire form
+    without the unread open page with hack_pages, else every page as stored), the live FP16
+    tail slots of each tensor with a tail, and its FP16 sinks (disagg.pd_state), all layers."""
+    p = layout.page_size
+    fp16_token = layout.num_heads * layout.head_dim * 2
+    if hack_pages:
+        pages = tokens // p if open_page_unread(layout.config) else -(-tokens // p)
+        page_bytes = pages * wire_page_bytes(layout)
+    else:
+        page_bytes = -(-tokens // p) * layout.page_bytes
+    tails = (tokens % p) * len(layout.tail_tensors) * fp16_token
+    sinks = 2 * layout.config.sink_tokens * fp16_token
+    return num_layers * (page_bytes + tails + sinks)

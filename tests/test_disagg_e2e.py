@@ -159,13 +159,9 @@ def _predicted_hack_bytes(n: int, full_pages: bool = False) -> int:
     without K's code sums and no open page; full_pages: every page as stored (hack-full-pages)."""
     from hack_ops import HackConfig
     from hack_ops.layout import page_layout
-    from hack_ops.page_wire import wire_page_bytes
+    from hack_ops.page_wire import request_bytes
 
-    lay = page_layout(HackConfig(), 3, 64)
-    tail_per_token = 30 * 2 * 3 * 64 * 2  # FP16 K and V of the open partition
-    sink_bytes = 30 * 2 * max(1, HackConfig().sink_tokens) * 3 * 64 * 2
-    pages = 30 * (-(-n // PAGE) * lay.page_bytes if full_pages else n // PAGE * wire_page_bytes(lay))
-    return pages + (n % PAGE) * tail_per_token + sink_bytes
+    return request_bytes(page_layout(HackConfig(), 3, 64), 30, n, hack_pages=not full_pages)
 
 
 # 2068 = 32 pages + a 20-token open partition (>= 2K tokens, not a multiple of 64)

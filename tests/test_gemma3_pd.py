@@ -34,7 +34,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 NO_RADIX = ["--disable-radix-cache"]
 MAX_TOTAL_TOKENS = 8192
 WINDOW = 512  # Gemma-3-270M's sliding_window (HF); 5 of its 6 layers in a group use it
-PAGE = 64
 # Longer than the window (the window layers drop the first keys), neither a multiple of the
 # page size (an FP16 open partition travels) nor equal to each other's page count.
 PROMPT_LENGTHS = (700, 1090)
@@ -124,15 +123,11 @@ def _predicted_wire_bytes(model_path: str, n: int, full_pages: bool = False) -> 
 
     from hack_ops import HackConfig
     from hack_ops.layout import page_layout
-    from hack_ops.page_wire import wire_page_bytes
+    from hack_ops.page_wire import request_bytes
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    layers, heads, dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
-    fp16_token = layers * 2 * heads * dim * 2  # K and V, 2 bytes each
-    sinks = max(1, HackConfig().sink_tokens)
-    lay = page_layout(HackConfig(), heads, dim)
-    pages = -(-n // PAGE) * layers * lay.page_bytes if full_pages else n // PAGE * layers * wire_page_bytes(lay)
-    return pages + (n % PAGE) * fp16_token + sinks * fp16_token
+    lay = page_layout(HackConfig(), cfg["num_key_value_heads"], cfg["head_dim"])
+    return request_bytes(lay, cfg["num_hidden_layers"], n, hack_pages=not full_pages)
 
 
 def _idle_usage(url: str) -> dict:

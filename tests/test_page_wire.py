@@ -8,7 +8,7 @@ import torch
 
 from hack_ops import HackConfig
 from hack_ops.page_wire import (PageTensor, derived_bytes, open_page_unread, page_code_sums, rebuild_derived,
-                                wire_bytes, wire_page_bytes)
+                                request_bytes, wire_bytes, wire_page_bytes)
 from hack_ops.layout import page_layout
 from hack_ops.paged import HackKVStore
 from hack_ops.paged.fill import scattered_table, write_context
@@ -95,6 +95,22 @@ def test_wire_bytes_of_smollm2_pages() -> None:
     assert (wire_bytes(lay.k), wire_bytes(lay.v)) == (3840, 3840)
     assert lay.k.page_bytes - wire_bytes(lay.k) == 192
     assert wire_page_bytes(lay) == 7680 and lay.page_bytes == 7872
+
+
+def test_request_bytes_of_smollm2_requests() -> None:
+    """The numbers docs/disagg.md quotes: pages + FP16 tail slots (K and V) + one sink row."""
+    lay = page_layout(HackConfig(), 3, 64)
+    tail_sink = 30 * 2 * 384  # per token of FP16 K and V over 30 layers
+    # 7,500 tokens: 117 full pages and a 12-token open partition
+    assert request_bytes(lay, 30, 7500, hack_pages=False) == 118 * 30 * 7872 + 12 * tail_sink + tail_sink
+    assert request_bytes(lay, 30, 7500) == 117 * 30 * 7680 + 12 * tail_sink + tail_sink == 27_256_320
+    assert request_bytes(lay, 30, 7500, hack_pages=False) == 28_166_400
+    assert request_bytes(lay, 30, 2048) == 32 * 30 * 7680 + tail_sink  # no open page to leave out
+    # RQE off: the open page is read, so it travels (in its wire form)
+    no_rqe = page_layout(HackConfig(requant_elimination=False), 3, 64)
+    assert request_bytes(no_rqe, 30, 100) - request_bytes(no_rqe, 30, 100, hack_pages=False) == -2 * 30 * 192
+    # no sinks, no sink bytes
+    assert request_bytes(page_layout(HackConfig(sink_tokens=0), 3, 64), 30, 64) == 30 * 7680
 
 
 def test_open_page_is_unread_only_when_both_tails_hold_it() -> None:
