@@ -139,7 +139,8 @@ def _run_method(method: str, state: dict, rates: list[float], items: list, workl
     warm = build(workload, tok, 1, None, seed=seed + 1, prompt_tokens=prompt_tokens)
     replay(state["router_url"], warm)  # first request pays one-time costs
     for rate in sorted(rates, reverse=True):
-        set_rate(state["link"], rate)
+        for link in cluster.state_links(state):
+            set_rate(link, rate)
         flush_caches(state)  # the same prompts at every rate: no radix-cache hits
         log(f"[{method}] {rate:g} Mbit/s: {n} requests ...")
         point = run_point(state["router_url"], items, Path(state["run_dir"]))

@@ -24,7 +24,8 @@ from engine.launcher import free_port
 from hack_metrics import rundir
 
 from . import netns, procs
-from .server_cmd import METHODS, router_command, server_command
+from .router import RouterOptions, router_command
+from .server_cmd import METHODS, server_command
 
 
 def state_dir() -> Path:
@@ -60,6 +61,7 @@ class ClusterSpec:
     label: str | None = None  # run directory label (default: "<kv>-<rate>mbit")
     command: str | None = None  # the command line that started it, kept in run.json
     enable_metrics: bool = False  # SGLang's /metrics, with the hack:* metrics beside sglang:*
+    router: RouterOptions = field(default_factory=RouterOptions)
 
     def validate(self) -> None:
         if self.kv not in METHODS:
@@ -70,6 +72,21 @@ class ClusterSpec:
             raise ValueError(f"--link-mbps must be positive, got {self.link_mbps}")
         if not Path(self.model_path).exists():
             raise FileNotFoundError(f"model not found: {self.model_path} (run `hack model prepare smollm2`)")
+        self.router.validate()
+
+
+def link_tag(cluster: str, prefill_index: int) -> str:
+    """The link tag of prefill `prefill_index` (the first keeps the cluster's name; a veth name
+    has at most 15 characters: 'hkv' + tag + 'a')."""
+    return cluster if prefill_index == 0 else f"{cluster}p{prefill_index}"
+
+
+def state_links(state: dict) -> list[dict]:
+    """Every shaped link a cluster state names (one per prefill; older states hold one)."""
+    links = state.get("links")
+    if links is None:
+        links = [state["link"]] if state.get("link") else []
+    return [link for link in links if link]
 
 
 def _get(url: str, timeout: float = 3.0) -> int:
@@ -143,16 +160,26 @@ def up(spec: ClusterSpec, log=print) -> dict:
 
     save()
     try:
-        link = None
+        # One shaped link per prefill server (its own namespace and veth, tagged after the
+        # cluster), so each prefill's KV crosses its own link of the given rate, as on separate
+        # machines. Decode servers live in the root namespace, reachable from every link.
+        links: list[netns.ShapedLink] = []
         if spec.link_mbps is not None:
-            link = netns.create(name, spec.link_mbps)
-            state["link"] = {**link.to_dict(), "namespace": link.namespace, "veth_root": link.veth_root}
-            save()
-        prefill_ip = link.ns_ip if link else "127.0.0.1"
-        decode_ip = link.root_ip if link else "127.0.0.1"
+            state["links"] = []
+            for i in range(spec.prefill):
+                link = netns.create(link_tag(name, i), spec.link_mbps)
+                links.append(link)
+                state["links"].append({**link.to_dict(), "namespace": link.namespace,
+                                       "veth_root": link.veth_root})
+                state["link"] = state["links"][0]  # the first prefill's (single-prefill tools)
+                save()
         pids, urls, logs, prefill_eps, decode_urls = [], [], [], [], []
-        for role, count, ip in (("prefill", spec.prefill, prefill_ip), ("decode", spec.decode, decode_ip)):
+        for role, count in (("prefill", spec.prefill), ("decode", spec.decode)):
             for i in range(count):
+                if not links:
+                    ip = "127.0.0.1"
+                else:  # a decode server listens on the first link's root address (any works)
+                    ip = links[i].ns_ip if role == "prefill" else links[0].root_ip
                 port = free_port("127.0.0.1")
                 bport = free_port("127.0.0.1") if role == "prefill" else None
                 extra_args = list(spec.extra_server_args)
@@ -161,12 +188,13 @@ def up(spec: ClusterSpec, log=print) -> dict:
                 cmd = server_command(role, spec.kv, spec.model_path, ip, port, bport,
                                      spec.max_total_tokens, extra_args)
                 log_path = run_dir / f"{role}-{i}.log"
-                pid = procs.spawn(cmd, _server_env(ip, run_dir, role, i, spec), log_path,
-                                  netns=link.namespace if (link and role == "prefill") else None)
+                ns = links[i].namespace if (links and role == "prefill") else None
+                pid = procs.spawn(cmd, _server_env(ip, run_dir, role, i, spec), log_path, netns=ns)
                 url = f"http://{ip}:{port}"
                 state["pids"].append(pid)
                 state["servers"].append({"role": role, "index": i, "pid": pid, "url": url,
-                                         "bootstrap_port": bport, "log": str(log_path)})
+                                         "bootstrap_port": bport, "log": str(log_path),
+                                         **({"namespace": ns} if ns else {})})
                 save()
                 rundir.register_server(run_dir, f"{role}-{i}", role, url, pid=pid)
                 pids.append(pid)
@@ -176,10 +204,13 @@ def up(spec: ClusterSpec, log=print) -> dict:
         wait_healthy(urls, pids, spec.health_timeout_s, logs)
         rport = free_port()
         rlog = run_dir / "router.log"
-        rpid = procs.spawn(router_command(rport, prefill_eps, decode_urls), dict(os.environ), rlog)
+        rcmd = router_command(rport, prefill_eps, decode_urls, spec.router, prometheus_port=free_port())
+        rpid = procs.spawn(rcmd, dict(os.environ), rlog)
         state["pids"].append(rpid)
         state["servers"].append({"role": "router", "index": 0, "pid": rpid,
-                                 "url": f"http://127.0.0.1:{rport}", "log": str(rlog)})
+                                 "url": f"http://127.0.0.1:{rport}", "log": str(rlog),
+                                 "kind": spec.router.kind.value})
+        state["router"] = spec.router.kind.value
         state["router_url"] = f"http://127.0.0.1:{rport}"
         save()
         rundir.update_run(run_dir, router=state["router_url"])
@@ -201,8 +232,7 @@ def down(state: dict) -> list[str]:
                                  [int(p) for p in state.get("pids", [])]))
     done = [f"stopped {s['role']}-{s['index']} (pid {s['pid']})" for s in servers
             if int(s["pid"]) in running]
-    link = state.get("link")
-    if link:
+    for link in state_links(state):
         done += [f"removed {x}" for x in netns.remove(link.get("namespace"), link.get("veth_root"))]
     run_dir = state.get("run_dir")
     if run_dir and (Path(run_dir) / rundir.RUN_JSON).exists():
@@ -241,14 +271,16 @@ def status(state: dict) -> dict:
     owner = state.get("owner_pid")
     starting = owner != "detached" and owner and procs.alive(int(owner)) and "ready" not in state
     stale = not any(s["alive"] for s in servers) and not starting
-    link = state.get("link") or {}
-    ns = link.get("namespace")
-    if ns and netns.can_shape()[0] and ns not in netns.list_namespaces():
-        problems.append(f"network namespace {ns} is gone")
+    namespaces = [link.get("namespace") for link in state_links(state) if link.get("namespace")]
+    if namespaces and netns.can_shape()[0]:
+        present = set(netns.list_namespaces())
+        problems += [f"network namespace {ns} is gone" for ns in namespaces if ns not in present]
+    ns = namespaces[0] if namespaces else None
     return {"name": state["name"], "kv": state.get("kv"), "link_mbps": state.get("link_mbps"),
             "model_path": state.get("model_path"), "run_dir": state.get("run_dir"),
             "router_url": state.get("router_url"), "started": state.get("started"),
-            "ready": state.get("ready"), "namespace": ns, "command": state.get("command"),
+            "ready": state.get("ready"), "namespace": ns, "namespaces": namespaces,
+            "router": state.get("router"), "command": state.get("command"),
             "owner": owner, "state": "stale" if stale else "starting" if starting
             else "degraded" if problems else "running",
             "problems": problems, "servers": servers}
@@ -280,28 +312,32 @@ def clean_stale() -> list[str]:
     """Stop clusters whose launching process is gone and remove orphaned links. Clusters
     started by `hack up` (owner exited normally) stay: they are recorded with owner 'detached'."""
     msgs = []
-    live_links = set()
+    live_prefixes: set[str] = set()
+
+    def live(ns: str) -> bool:
+        return any(ns.startswith(p) for p in live_prefixes)
+
     for st in load_states():
         owner = st.get("owner_pid")
         detached = owner == "detached"
         servers_alive = any(procs.alive(int(s["pid"])) for s in st.get("servers", []))
         if (detached and servers_alive) or (not detached and owner and procs.alive(int(owner))):
-            # A link is named after its cluster, and the state is written before the link is
-            # created: a cluster still starting up keeps its (future) link.
-            live_links.add(f"{netns.NS_PREFIX}{st['name']}")
+            # Links are named after their cluster, and the state is written before a link is
+            # created: a cluster still starting up keeps its (future) links.
+            live_prefixes.add(f"{netns.NS_PREFIX}{st['name']}")
             continue
         msgs += [f"cluster {st['name']}: {m}" for m in down(st)] or [f"cluster {st['name']}: state removed"]
     if netns.can_shape()[0]:
         # A namespace with processes inside belongs to a running cluster, possibly one recorded
         # in another state directory: only empty, unowned namespaces are orphans.
         for ns in netns.list_namespaces():
-            if ns not in live_links and not netns.in_use(ns):
+            if not live(ns) and not netns.in_use(ns):
                 tag = ns[len(netns.NS_PREFIX):]
                 msgs += [f"orphan: removed {x}" for x in netns.remove(ns, f"{netns.VETH_PREFIX}{tag}a")]
         remaining = set(netns.list_namespaces())
         for veth in netns.list_veths():
-            tag = veth[len(netns.VETH_PREFIX):-1]
-            if f"{netns.NS_PREFIX}{tag}" not in live_links | remaining:
+            ns = f"{netns.NS_PREFIX}{veth[len(netns.VETH_PREFIX):-1]}"
+            if not live(ns) and ns not in remaining:
                 msgs += [f"orphan: removed {x}" for x in netns.remove(None, veth)]
     return msgs
 

@@ -1,8 +1,11 @@
-"""A shaped link on one machine: prefill in its own network namespace behind a veth pair.
+"""A shaped link on one machine: a prefill server in its own network namespace behind a veth pair.
 
     root namespace  hkv<tag>a  10.211.<n>.1/24  <--veth-->  hkv<tag>b  10.211.<n>.2/24  netns hackpd-<tag>
 Both ends get a tc token-bucket filter (tbf) at the given rate, so every byte between prefill
 and decode (KV pages, bootstrap, metadata) crosses a link of that speed in both directions.
+A cluster with several prefill servers gets one link each; the namespace's default route goes
+through its own link, so a prefill reaches decode servers bound to another link's root address
+over its own shaped veth.
 Needs root (CAP_NET_ADMIN). Only addresses inside 10.211.0.0/16 on links this module creates
 are used. `netem` is not assumed to exist (delay/loss emulation is not offered).
 """
@@ -142,6 +145,9 @@ def _create_locked(tag: str, mbps: float) -> ShapedLink:
         _run(*nsx, "ip", "addr", "add", f"{link.ns_ip}/24", "dev", link.veth_ns)
         _run(*nsx, "ip", "link", "set", link.veth_ns, "up")
         _run(*nsx, "ip", "link", "set", "lo", "up")
+        # Everything else (the decode servers, which listen on another link's root address when
+        # there are several prefills) is reached through this link's root end.
+        _run(*nsx, "ip", "route", "add", "default", "via", link.root_ip)
         _run("tc", "qdisc", "add", "dev", link.veth_root, "root", *tbf_args(mbps))
         _run(*nsx, "tc", "qdisc", "add", "dev", link.veth_ns, "root", *tbf_args(mbps))
     except LinkError:

@@ -83,12 +83,3 @@ def server_command(role: str, method: str, model_path: str, host: str, port: int
             del cmd[i:i + 2]
     return cmd + list(extra or [])
 
-
-def router_command(port: int, prefill: list[tuple[str, int]], decode: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-           "--host", "127.0.0.1", "--port", str(port), "--mini-lb"]
-    for url, bport in prefill:
-        cmd += ["--prefill", url, str(bport)]
-    for url in decode:
-        cmd += ["--decode", url]
-    return cmd

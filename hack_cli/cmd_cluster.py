@@ -17,6 +17,7 @@ from hack_metrics.rundir import RUNS_ROOT_HELP
 
 if TYPE_CHECKING:
     from disagg.cluster import ClusterSpec
+    from disagg.router import RouterOptions
 
 MODEL_HELP = f"model name ({', '.join(MODELS)}; prepared once, as `hack model prepare` does) or a model folder"
 
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"the runs root, {RUNS_ROOT_HELP})")
     p.add_argument("--enable-metrics", action="store_true",
                    help="SGLang's Prometheus /metrics on every server, with the hack:* metrics")
+    add_router_args(p)
     p.add_argument("--foreground", action="store_true",
                    help="stay attached: stop everything on Ctrl-C or SIGTERM")
     p.add_argument("--json", action="store_true", help="print the cluster state as JSON")
@@ -68,6 +70,42 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stop after N seconds instead of waiting for Ctrl-C")
     m.add_argument("--port", type=int, default=8501, help="dashboard port")
     m.set_defaults(func=cmd_demo)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    """The router flags of `hack up` (and of the commands that start a cluster the same way)."""
+    from disagg.router import POLICIES, RouterKind
+
+    g = p.add_argument_group("router", "the PD router in front of the servers (disagg/router.py)")
+    g.add_argument("--router", default=RouterKind.RUST.value, choices=[k.value for k in RouterKind],
+                   help="rust: SGLang's production router (health checks, retries with backoff, "
+                        "circuit breaker, routing policies; default); mini-lb: SGLang's small "
+                        "Python balancer, none of those")
+    g.add_argument("--router-policy", default=None, choices=POLICIES,
+                   help="routing policy of both roles (default: the router's, cache_aware)")
+    g.add_argument("--router-prefill-policy", default=None, choices=POLICIES,
+                   help="routing policy of the prefill servers")
+    g.add_argument("--router-decode-policy", default=None, choices=POLICIES,
+                   help="routing policy of the decode servers")
+    g.add_argument("--router-health-interval", type=int, default=2, metavar="S",
+                   help="seconds between the router's health checks of each server (default 2)")
+    g.add_argument("--router-retries", type=int, default=3,
+                   help="retries of a failed request on another server (0: none; default 3)")
+    g.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="one more flag for sglang_router.launch_router, verbatim (repeatable; "
+                        "use --router-arg=--flag=value)")
+
+
+def router_options_from_args(args: argparse.Namespace) -> "RouterOptions":
+    from disagg.router import RouterKind, RouterOptions
+
+    opts = RouterOptions(kind=RouterKind(args.router), policy=args.router_policy,
+                         prefill_policy=args.router_prefill_policy,
+                         decode_policy=args.router_decode_policy,
+                         health_check_interval_s=args.router_health_interval,
+                         retries=args.router_retries, extra=tuple(args.router_arg))
+    opts.validate()
+    return opts
 
 
 class Stopped(Exception):
@@ -99,7 +137,8 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,
                                max_total_tokens=args.max_total_tokens, run_dir=args.run_dir,
                                command=shlex.join(["hack", *sys.argv[1:]]),
-                               enable_metrics=args.enable_metrics)
+                               enable_metrics=args.enable_metrics,
+                               router=router_options_from_args(args))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -124,7 +163,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(state, indent=1), flush=True)
             else:
-                print(f"router:  {state['router_url']}")
+                print(f"router:  {state['router_url']}  ({state.get('router', 'rust')})")
                 print(f"run dir: {state['run_dir']}")
                 print("dashboard: hack dashboard   (status: hack status)")
                 print("stop with: " + ("Ctrl-C" if args.foreground else "hack down"), flush=True)
@@ -158,7 +197,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"no clusters (state in {cluster.state_dir()}); start one with `hack up`")
         return 0
     for c in report:
-        link = f"{c['link_mbps']:g} Mbit/s ({c['namespace']})" if c["link_mbps"] else "loopback"
+        link = (f"{c['link_mbps']:g} Mbit/s ({', '.join(c['namespaces'])})" if c["link_mbps"]
+                else "loopback")
         print(f"cluster {c['name']}: {c['state'].upper()}  kv {c['kv']}  link {link}")
         print(f"  router  {c['router_url'] or '-'}   started {_fmt_time(c['started'])}")
         print(f"  run dir {c['run_dir']}")

@@ -1,0 +1,92 @@
+"""The PD router in front of a local cluster: SGLang's production router, or mini-lb on request.
+
+`RouterKind.RUST` runs `sglang_router.launch_router --pd-disaggregation` (the Rust router that
+users deploy): it health-checks every worker and takes a dead one out of rotation, retries a
+failed request with backoff on another worker, opens a circuit breaker on a worker that keeps
+failing, and routes by a policy (cache_aware by default, as upstream). `RouterKind.MINI_LB` is
+SGLang's small Python balancer (`--mini-lb`): no health checks, retries or breaker; kept as an
+explicit option for comparison and for setups where the Rust binary is unavailable.
+
+The defaults below differ from upstream's where a local cluster needs it, each for a reason:
+the health check runs every 2 s instead of 60 s (a killed server must leave rotation in
+seconds, not a minute; a dead one refuses the connection, so two checks take it out), its
+timeout is 30 s instead of 5 s (SGLang's /health generates one token and answers only when the
+scheduler returns something, after up to its own 20 s: on a CPU one forward of a long prompt
+takes longer than 5 s, and with the upstream timeout a busy, healthy prefill server was taken
+out of rotation mid-soak and every request got a 503), and the router's Prometheus endpoint
+gets a free port (upstream's fixed 29000 would collide when two clusters run on one machine).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+
+POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+
+
+class RouterKind(str, Enum):
+    RUST = "rust"
+    MINI_LB = "mini-lb"
+
+
+@dataclass(frozen=True)
+class RouterOptions:
+    """What `hack up` passes to the router. Policies and thresholds apply to the Rust router;
+    mini-lb takes none of them (asking for one with mini-lb is refused by `validate`)."""
+    kind: RouterKind = RouterKind.RUST
+    policy: str | None = None  # both roles; None: upstream's default (cache_aware)
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
+    health_check_interval_s: int = 2
+    health_failure_threshold: int = 2
+    health_check_timeout_s: int = 30  # above SGLang's own 20 s health-generation timeout
+    retries: int = 3
+    request_timeout_s: int = 1800
+    extra: tuple[str, ...] = field(default_factory=tuple)  # more launch_router flags, verbatim
+
+    def validate(self) -> None:
+        for name in ("policy", "prefill_policy", "decode_policy"):
+            value = getattr(self, name)
+            if value is not None and value not in POLICIES:
+                raise ValueError(f"--router-{name.replace('_', '-')} must be one of "
+                                 f"{', '.join(POLICIES)}, got {value!r}")
+        if self.kind is RouterKind.MINI_LB:
+            asked = [n for n in ("policy", "prefill_policy", "decode_policy") if getattr(self, n)]
+            if asked or self.extra:
+                what = ", ".join([f"--router-{n.replace('_', '-')}" for n in asked]
+                                 + (["--router-arg"] if self.extra else []))
+                raise ValueError(f"{what}: mini-lb takes no routing options; they are flags of "
+                                 "the Rust router (--router rust, the default)")
+        if min(self.health_check_interval_s, self.health_failure_threshold, self.health_check_timeout_s) < 1:
+            raise ValueError("router health checks need an interval, a timeout and a failure threshold >= 1")
+        if self.retries < 0:
+            raise ValueError(f"router retries must be >= 0, got {self.retries}")
+
+
+def router_command(port: int, prefill: list[tuple[str, int | None]], decode: list[str],
+                   options: RouterOptions | None = None, prometheus_port: int | None = None) -> list[str]:
+    """The command line of the PD router on 127.0.0.1:`port` in front of `prefill` (URL,
+    bootstrap port) and `decode` (URL) servers."""
+    opts = options or RouterOptions()
+    opts.validate()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+           "--host", "127.0.0.1", "--port", str(port)]
+    for url, bport in prefill:
+        cmd += ["--prefill", url] + ([str(bport)] if bport is not None else [])
+    for url in decode:
+        cmd += ["--decode", url]
+    if opts.kind is RouterKind.MINI_LB:
+        return cmd + ["--mini-lb"]
+    for flag, value in (("--policy", opts.policy), ("--prefill-policy", opts.prefill_policy),
+                        ("--decode-policy", opts.decode_policy)):
+        if value is not None:
+            cmd += [flag, value]
+    cmd += ["--health-check-interval-secs", str(opts.health_check_interval_s),
+            "--health-failure-threshold", str(opts.health_failure_threshold),
+            "--health-check-timeout-secs", str(opts.health_check_timeout_s),
+            "--request-timeout-secs", str(opts.request_timeout_s)]
+    cmd += ["--retry-max-retries", str(opts.retries)] if opts.retries else ["--disable-retries"]
+    if prometheus_port is not None:
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
+    return cmd + list(opts.extra)
