@@ -122,7 +122,7 @@ def _generate_items() -> list[BadRequest]:
         "stop-token-ids-strings": _gen_sp(stop_token_ids=["eos"]),
         "regex-invalid": _gen_sp(regex="(unclosed"),
         "json-schema-invalid": _gen_sp(json_schema="{not json"),
-        "top-logprobs-negative": _gen(return_logprob=True, top_logprobs_num=-3),
+        "top-logprobs-absurd": _gen(return_logprob=True, top_logprobs_num=10**6),
         "logprob-start-len-string": _gen(return_logprob=True, logprob_start_len="zero"),
         "stream-not-bool": _gen(stream="yes"),
         "batch-length-mismatch": {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 4}] * 3},
@@ -152,6 +152,7 @@ def _completions_items() -> list[BadRequest]:
         "stop-number": _cmpl(stop=7),
         "stop-token-ids-string": _cmpl(stop_token_ids="2"),
         "logprobs-negative": _cmpl(logprobs=-1),
+        "logprobs-absurd": _cmpl(logprobs=10**6),
         "echo-not-bool": _cmpl(echo="sometimes"),
     }
     return items + [BadRequest(f"completions-{k}", c, _json(v)) for k, v in bodies.items()]
@@ -184,6 +185,7 @@ def _chat_items() -> list[BadRequest]:
         "response-format-unknown": _chat(response_format={"type": "yaml"}),
         "logit-bias-not-object": _chat(logit_bias=[1, 2]),
         "top-logprobs-negative": _chat(logprobs=True, top_logprobs=-1),
+        "top-logprobs-absurd": _chat(logprobs=True, top_logprobs=10**6),
     }
     return items + [BadRequest(f"chat-{k}", h, _json(v)) for k, v in bodies.items()]
 
