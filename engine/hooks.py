@@ -104,6 +104,7 @@ LAYER_ATTRS = ("layer_id", "scaling", "logit_cap", "logit_capping_method", "slid
 # Fields of upstream dataclasses read directly (class, field).
 DIRECT_FIELDS = (
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases -> requests
+    ("sglang.srt.managers.io_struct.GenerateReqInput", "top_logprobs_num"),  # request checks
 )
 
 
@@ -202,9 +203,10 @@ def _after_allocator_clear(result: Any, self: Any, *args: Any, **kwargs: Any) ->
 # ---------------------------------------------------------------- request validation
 
 def _before_validate_one_request(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
-    from .request_checks import check_input_ids
+    from .request_checks import check_input_ids, check_top_logprobs_num
 
     check_input_ids(self.model_config.vocab_size, input_ids)
+    check_top_logprobs_num(self.model_config.vocab_size, getattr(obj, "top_logprobs_num", None))
 
 
 # ---------------------------------------------------------------- observability
@@ -285,7 +287,8 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
          "AFTER", _after_allocator_clear, "a cleared allocator frees every sink slot"),
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
          _before_validate_one_request,
-         "refuse out-of-vocabulary input_ids with a 400 (upstream crashes the scheduler)"),
+         "refuse out-of-vocabulary input_ids and top_logprobs_num above the vocabulary with a 400 "
+         "(upstream crashes the scheduler on both)"),
     Hook("sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
          "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),

@@ -1,0 +1,210 @@
+"""A fixed catalogue of malformed requests for the three generation endpoints, and a sender.
+
+Every item must be answered with a 4xx by a healthy server (colocated or behind the PD
+router): never a 5xx, never a dropped connection, and the server keeps serving. The items are
+model-agnostic (token ids far outside any vocabulary, prompts longer than any context a model
+here has), so the same list serves the fuzz tests and `hack bench soak`, which interleaves
+them into its load. `send` never raises: a connection that failed or timed out reads 0.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import requests
+
+
+class Endpoint(str, Enum):
+    GENERATE = "/generate"
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+JSON = "application/json"
+# Longer than the context of every model this project serves (SmolLM2 8K, Gemma-3-270M 32K) and
+# than the usual 128K of larger ones; token id 1 exists in every vocabulary.
+TOO_LONG_TOKENS = 140_000
+FAR_OUT_OF_VOCAB = 1 << 40  # also past int32, where an unchecked id would overflow a tensor
+
+
+@dataclass(frozen=True)
+class BadRequest:
+    name: str  # short, unique: "generate-text-not-string", ...
+    path: str  # an Endpoint value
+    body: bytes  # exactly what is sent (may be invalid JSON)
+    content_type: str = JSON  # "" sends no Content-Type header
+
+
+def _json(obj: Any) -> bytes:
+    return json.dumps(obj).encode()
+
+
+def _gen(**fields: Any) -> dict:
+    """A valid /generate body (a short greedy request) with `fields` replacing its own."""
+    body: dict[str, Any] = {"text": "The capital of France is",
+                            "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+    body.update(fields)
+    return body
+
+
+def _gen_sp(**params: Any) -> dict:
+    """A valid /generate body whose sampling_params get `params` on top of its own."""
+    return _gen(sampling_params={"max_new_tokens": 4, "temperature": 0.0, **params})
+
+
+def _cmpl(**fields: Any) -> dict:
+    body: dict[str, Any] = {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0.0}
+    body.update(fields)
+    return body
+
+
+def _chat(**fields: Any) -> dict:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "Say hello."}],
+                            "max_tokens": 4, "temperature": 0.0}
+    body.update(fields)
+    return body
+
+
+def _envelope_items(prefix: str, path: str, valid: dict) -> list[BadRequest]:
+    """What is wrong with the body as a whole, the same for every endpoint."""
+    return [
+        BadRequest(f"{prefix}-invalid-json", path, b'{"text": "unterminated'),
+        BadRequest(f"{prefix}-empty-body", path, b""),
+        BadRequest(f"{prefix}-json-array", path, b"[1, 2, 3]"),
+        BadRequest(f"{prefix}-json-string", path, b'"hello"'),
+        BadRequest(f"{prefix}-json-null", path, b"null"),
+        BadRequest(f"{prefix}-json-number", path, b"42"),
+        BadRequest(f"{prefix}-not-utf8", path, b'{"text": "\xff\xfe"}'),
+        BadRequest(f"{prefix}-wrong-content-type", path, _json(valid), content_type="text/plain"),
+    ]
+
+
+def _generate_items() -> list[BadRequest]:
+    g = Endpoint.GENERATE.value
+    items = _envelope_items("generate", g, _gen())
+    bodies: dict[str, dict] = {
+        "no-input": {"sampling_params": {"max_new_tokens": 4}},
+        "text-not-string": _gen(text=123),
+        "text-object": _gen(text={"a": 1}),
+        "text-nested-list": _gen(text=[["a", "b"]]),
+        "text-and-input-ids": _gen(input_ids=[1, 2, 3]),
+        "input-ids-not-list": {**_gen(text=None), "input_ids": "1 2 3"},
+        "input-ids-floats": {**_gen(text=None), "input_ids": [1.5, 2.0]},
+        "input-ids-strings": {**_gen(text=None), "input_ids": ["a", "b"]},
+        "input-ids-bools": {**_gen(text=None), "input_ids": [True, False]},
+        "input-ids-negative": {**_gen(text=None), "input_ids": [1, -1, 2]},
+        "input-ids-out-of-vocab": {**_gen(text=None), "input_ids": [1, FAR_OUT_OF_VOCAB]},
+        "input-ids-empty": {**_gen(text=None), "input_ids": []},
+        "input-ids-too-long": {**_gen(text=None), "input_ids": [1] * TOO_LONG_TOKENS},
+        "text-too-long": _gen(text="hello " * TOO_LONG_TOKENS),
+        "sampling-params-not-object": _gen(sampling_params="greedy"),
+        "sampling-params-unknown-key": _gen_sp(temprature=0.5),
+        "max-new-tokens-negative": _gen_sp(max_new_tokens=-5),
+        "max-new-tokens-absurd": _gen_sp(max_new_tokens=10**12),
+        "max-new-tokens-string": _gen_sp(max_new_tokens="ten"),
+        "max-new-tokens-float": _gen_sp(max_new_tokens=2.5),
+        "temperature-negative": _gen_sp(temperature=-1.0),
+        "temperature-string": _gen_sp(temperature="hot"),
+        "top-p-zero": _gen_sp(top_p=0.0),
+        "top-p-above-one": _gen_sp(top_p=1.5),
+        "top-k-zero": _gen_sp(top_k=0),
+        "min-p-above-one": _gen_sp(min_p=2.0),
+        "repetition-penalty-negative": _gen_sp(repetition_penalty=-1.0),
+        "n-zero": _gen_sp(n=0),
+        "n-negative": _gen_sp(n=-2),
+        "n-mismatch-in-batch": {"text": ["a", "b"], "sampling_params": [
+            {"max_new_tokens": 4, "n": 1}, {"max_new_tokens": 4, "n": 2}]},
+        "stop-number": _gen_sp(stop=5),
+        "stop-list-of-numbers": _gen_sp(stop=[1, 2]),
+        "stop-token-ids-string": _gen_sp(stop_token_ids="2"),
+        "stop-token-ids-strings": _gen_sp(stop_token_ids=["eos"]),
+        "regex-invalid": _gen_sp(regex="(unclosed"),
+        "json-schema-invalid": _gen_sp(json_schema="{not json"),
+        "top-logprobs-absurd": _gen(return_logprob=True, top_logprobs_num=10**6),
+        "logprob-start-len-string": _gen(return_logprob=True, logprob_start_len="zero"),
+        "stream-not-bool": _gen(stream="yes"),
+        "batch-length-mismatch": {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 4}] * 3},
+    }
+    return items + [BadRequest(f"generate-{k}", g, _json(v)) for k, v in bodies.items()]
+
+
+def _completions_items() -> list[BadRequest]:
+    c = Endpoint.COMPLETIONS.value
+    items = _envelope_items("completions", c, _cmpl())
+    bodies: dict[str, dict] = {
+        "no-prompt": {"max_tokens": 4},
+        "prompt-not-string": _cmpl(prompt={"text": "hi"}),
+        "prompt-number": _cmpl(prompt=3.5),
+        "prompt-ids-floats": _cmpl(prompt=[1.5, 2.5]),
+        "prompt-ids-negative": _cmpl(prompt=[1, -7]),
+        "prompt-ids-out-of-vocab": _cmpl(prompt=[1, FAR_OUT_OF_VOCAB]),
+        "prompt-too-long": _cmpl(prompt="hello " * TOO_LONG_TOKENS),
+        "max-tokens-negative": _cmpl(max_tokens=-1),
+        "max-tokens-absurd": _cmpl(max_tokens=10**12),
+        "max-tokens-string": _cmpl(max_tokens="four"),
+        "temperature-negative": _cmpl(temperature=-0.5),
+        "top-p-zero": _cmpl(top_p=0),
+        "top-p-above-one": _cmpl(top_p=2.0),
+        "n-zero": _cmpl(n=0),
+        "n-string": _cmpl(n="two"),
+        "stop-number": _cmpl(stop=7),
+        "stop-token-ids-string": _cmpl(stop_token_ids="2"),
+        "logprobs-negative": _cmpl(logprobs=-1),
+        "logprobs-absurd": _cmpl(logprobs=10**6),
+        "echo-not-bool": _cmpl(echo="sometimes"),
+    }
+    return items + [BadRequest(f"completions-{k}", c, _json(v)) for k, v in bodies.items()]
+
+
+def _chat_items() -> list[BadRequest]:
+    h = Endpoint.CHAT.value
+    items = _envelope_items("chat", h, _chat())
+    bodies: dict[str, dict] = {
+        "no-messages": {"max_tokens": 4},
+        "messages-not-list": _chat(messages="hello"),
+        "messages-empty": _chat(messages=[]),
+        "message-not-object": _chat(messages=["hello"]),
+        "message-unknown-role": _chat(messages=[{"role": "wizard", "content": "hi"}]),
+        "message-no-role": _chat(messages=[{"content": "hi"}]),
+        "message-missing-content": _chat(messages=[{"role": "user"}]),
+        "message-content-number": _chat(messages=[{"role": "user", "content": 42}]),
+        "message-content-bad-part": _chat(messages=[{"role": "user", "content": [{"type": "hologram"}]}]),
+        "message-too-long": _chat(messages=[{"role": "user", "content": "hello " * TOO_LONG_TOKENS}]),
+        "max-tokens-negative": _chat(max_tokens=-3),
+        "max-tokens-absurd": _chat(max_tokens=10**12),
+        "max-completion-tokens-string": _chat(max_tokens=None, max_completion_tokens="many"),
+        "temperature-negative": _chat(temperature=-2),
+        "top-p-zero": _chat(top_p=0.0),
+        "top-p-above-one": _chat(top_p=1.01),
+        "n-zero": _chat(n=0),
+        "stop-number": _chat(stop=3),
+        "stop-token-ids-string": _chat(stop_token_ids="eos"),
+        "tools-not-list": _chat(tools="calculator"),
+        "response-format-unknown": _chat(response_format={"type": "yaml"}),
+        "logit-bias-not-object": _chat(logit_bias=[1, 2]),
+        "top-logprobs-negative": _chat(logprobs=True, top_logprobs=-1),
+        "top-logprobs-absurd": _chat(logprobs=True, top_logprobs=10**6),
+    }
+    return items + [BadRequest(f"chat-{k}", h, _json(v)) for k, v in bodies.items()]
+
+
+def bad_requests() -> list[BadRequest]:
+    """The whole catalogue (names unique); every item must get a 4xx."""
+    out = _generate_items() + _completions_items() + _chat_items()
+    names = [r.name for r in out]
+    if len(set(names)) != len(names):  # a programming error in this file, caught by its unit test
+        raise AssertionError("duplicate names in the malformed-request catalogue")
+    return out
+
+
+def send(base_url: str, req: BadRequest, timeout: float = 60.0) -> int:
+    """POST `req` to base_url + req.path; the HTTP status, 0 when the connection failed or
+    timed out."""
+    headers = {"Content-Type": req.content_type} if req.content_type else {}
+    try:
+        r = requests.post(base_url.rstrip("/") + req.path, data=req.body, headers=headers, timeout=timeout)
+    except requests.RequestException:
+        return 0
+    return int(r.status_code)
