@@ -15,11 +15,12 @@ BENCH_MODULES: list[str] = [
     "hack_cli.bench_rotation",
     "hack_cli.bench_hack_wire",
     "hack_cli.bench_plot",
+    "hack_cli.bench_soak",
 ]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run benchmarks (attention, serve, disagg, codec, rotation, hack-wire, plot, all)")
+    p = sub.add_parser("bench", help="run benchmarks (attention, serve, disagg, codec, rotation, hack-wire, plot, soak, all)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
     mods = [importlib.import_module(m) for m in BENCH_MODULES]

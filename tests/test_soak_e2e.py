@@ -1,0 +1,80 @@
+"""A small soak of real HACK clusters behind SGLang's Rust PD router (disagg/soak.py): mixed
+chat and long-document load, malformed requests interleaved, a corrupted transfer on 1P1D and
+a prefill killed with SIGKILL mid-run on 2P1D (each prefill behind its own shaped link).
+
+Asserted (the issue's properties, at a size CI affords): no failure other than the corrupted
+request and requests in flight at the kill; every request sent after the kill served by the
+surviving prefill; every malformed request answered 4xx; the pools of the live servers back to
+idle; and after `cluster.down` no process, namespace or veth of the cluster left.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from disagg import cluster, netns, procs
+from disagg.soak import FailureClass, Soak, SoakSpec, fault_schedule, passed
+
+pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+
+
+def _model() -> str:
+    from hack_eval.models import model_dir
+
+    path = model_dir()
+    if not path.exists():
+        pytest.skip("model not prepared (hack model prepare smollm2)")
+    return str(path)
+
+
+def _soak(prefill: int, spec: SoakSpec, link_mbps: float | None) -> tuple[dict, dict]:
+    cspec = cluster.ClusterSpec(model_path=_model(), kv="hack", prefill=prefill, decode=1,
+                                link_mbps=link_mbps, max_total_tokens=16384, label="soak-test")
+    state = cluster.up(cspec, log=lambda m: None)
+    try:
+        report = Soak(state, spec, _model(), log=print).run()
+    finally:
+        cluster.down(state)
+    return state, report
+
+
+def _assert_gone(state: dict) -> None:
+    assert not any(procs.alive(int(s["pid"])) for s in state["servers"])
+    if netns.can_shape()[0]:
+        present = set(netns.list_namespaces())
+        veths = set(netns.list_veths())
+        for link in cluster.state_links(state):
+            assert link["namespace"] not in present and link["veth_root"] not in veths
+    assert not (cluster.state_dir() / f"{state['name']}.json").exists()
+
+
+def test_1p1d_corrupted_transfer_and_malformed_requests() -> None:
+    spec = SoakSpec(requests=24, concurrency=4, seed=1, long_fraction=0.1, bad_every=4,
+                    faults=fault_schedule("corrupt-transfer@0.5"))
+    state, report = _soak(1, spec, None)
+    print(report["failures"], report["requests"], report["faults"])
+    assert state["router"] == "rust"
+    assert passed(report) == [], report["defects"]
+    assert report["malformed"]["sent"] == 6
+    assert report["failures"][FailureClass.CORRUPTED_TRANSFER.value] <= 1
+    assert report["faults"][0]["consumed"], "the damaged transfer never happened"
+    assert report["requests"]["ok"] >= report["requests"]["sent"] - 1
+    _assert_gone(state)
+
+
+def test_2p1d_prefill_killed_mid_run() -> None:
+    link = 1000.0 if os.geteuid() == 0 else None  # each prefill behind its own link (root)
+    spec = SoakSpec(requests=40, concurrency=4, seed=2, long_fraction=0.1, bad_every=8,
+                    faults=fault_schedule("kill-prefill@0.4"))
+    state, report = _soak(2, spec, link)
+    print(report["failures"], report["requests"], report["faults"])
+    if link:
+        assert len(cluster.state_links(state)) == 2
+        assert len({s.get("namespace") for s in state["servers"] if s["role"] == "prefill"}) == 2
+    assert passed(report) == [], report["defects"]
+    kill = report["faults"][0]
+    assert kill["server"] == "prefill-1" and kill["sent_after"] > 0 and kill["failed_after"] == 0
+    assert report["rss"]["prefill-1"]["dead"]
+    assert set(report["pools"]["idle_after"]) == {"prefill-0", "decode-0"}
+    _assert_gone(state)
