@@ -94,6 +94,11 @@ USES: tuple[Use, ...] = (
         "layers checked at startup; LAYER_ATTRS read by the backend"),
     Use("sglang.srt.layers.radix_attention.AttentionType",
         "decoder / encoder-only / bidirectional layers"),
+    Use("sglang.srt.mem_cache.base_prefix_cache.EvictParams",
+        "engine.sink_reclaim evicts cached sequences when sink slots run short"),
+    Use("sglang.srt.managers.scheduler.Scheduler", "engine.sink_reclaim reads tree_cache and the allocator"),
+    Use("sglang.srt.mem_cache.radix_cache.RadixCache.evict", "engine.sink_reclaim: least recently used first"),
+    Use("sglang.srt.mem_cache.radix_cache.RadixCache.evictable_size", "engine.sink_reclaim: what can go"),
     Use("sglang.srt.entrypoints.http_server.app", "SGLang's FastAPI app: the /hack/* routes go there"),
 )
 
@@ -229,8 +234,10 @@ def _metrics_call(fn: Callable, *args: Any) -> None:
 
 
 def _after_handle_generate_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> None:
+    from . import sink_reclaim
     from .timeline import on_arrival
 
+    sink_reclaim.install(self)  # before the request's first forward can need a sink slot
     _metrics_call(on_arrival, self, recv_req)
 
 
@@ -293,7 +300,8 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
          "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
          "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),
     Hook("sglang.srt.managers.scheduler.Scheduler.handle_generate_request", "AFTER",
-         _after_handle_generate_request, "metrics: arrival, queue start, memory sampler"),
+         _after_handle_generate_request, "let the HACK pool reclaim sink slots from the radix cache "
+         "(engine.sink_reclaim); metrics: arrival, queue start, memory sampler"),
     Hook("sglang.srt.managers.scheduler.Scheduler.process_batch_result", "AFTER",
          _after_process_batch_result, "metrics: queue/prefill ends, first token, decode steps, finish"),
     Hook("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."

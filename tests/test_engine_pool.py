@@ -189,3 +189,55 @@ def test_decode_tail_append_matches_the_store_write(hack_env):
     with pytest.raises(ValueError, match="NaN or inf"):
         b.store.write(0, plan_b, torch.full((2, 3, DIM), float("nan")), v)
     assert torch.equal(b.store.tail("k", 0), tails)
+
+
+def test_sink_slots_run_short_and_come_back_from_the_cache(hack_env):
+    """More cached first pages than sink slots (many short prompts): the next new sequence gets
+    a slot by evicting cached sequences least recently used first (engine.sink_reclaim), never
+    one that is running; without a cache to take from, the store refuses with its sentence."""
+    from engine import sink_reclaim
+
+    pool = _pool(rows=2, pages=40)  # 2 rows + 40 // 16 = 4 slots
+    store = pool.store
+    assert store.num_sink_slots == 4
+
+    class Tree:  # the radix cache's eviction contract: LRU leaves, pages freed through the allocator
+        def __init__(self) -> None:
+            self.cached: list[int] = []  # first pages of cached sequences, oldest first
+
+        def evictable_size(self) -> int:
+            return 64 * len(self.cached)
+
+        def evict(self, params):
+            from sglang.srt.mem_cache.base_prefix_cache import EvictResult
+
+            if not self.cached:
+                return EvictResult()
+            page = self.cached.pop(0)
+            hooks._around_release_page_ids(lambda *a: None, Alloc(), torch.tensor([page]))
+            return EvictResult(num_tokens_evicted=64)
+
+    class Alloc:
+        def get_kvcache(self):
+            return pool
+
+    tree = Tree()
+    for page in (3, 4, 5, 6):  # four finished prompts of one page each, all cached
+        store.sink_slots_for(torch.tensor([page]), allocate=True)
+        tree.cached.append(page)
+    assert store.free_sink_slot_count == 0
+    with pytest.raises(RuntimeError, match="out of sink slots"):
+        store.sink_slots_for(torch.tensor([9]), allocate=True)
+
+    class Scheduler:
+        token_to_kv_pool_allocator = type("A", (), {"get_kvcache": lambda self: pool})()
+        tree_cache = tree
+
+    sink_reclaim.install(Scheduler())
+    slots = store.sink_slots_for(torch.tensor([9, 10]), allocate=True)  # two new sequences
+    assert sorted(slots.tolist()) == sorted(set(slots.tolist())) and (slots >= 0).all()
+    assert tree.cached == [5, 6]  # the two oldest went, nothing more
+    assert int(store.sink_map[3]) == -1 and int(store.sink_map[5]) >= 0
+    tree.cached.clear()  # everything left is running (locked): nothing to evict
+    with pytest.raises(RuntimeError, match="out of sink slots"):
+        store.sink_slots_for(torch.tensor([11, 12, 13]), allocate=True)

@@ -26,6 +26,7 @@ written on bad input) and runs the cheapest implementation that leaves the same 
 from __future__ import annotations
 
 from enum import Enum
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -71,6 +72,8 @@ class HackKVStore:
         if num_sink_slots is None:
             # Sinks live as long as a sequence's first page; a slot per running row plus one per
             # 16 cached pages covers caches whose sequences average >= 16 pages (1K tokens at Π=64).
+            # A cache of shorter sequences runs out first: `reclaim_sink_slots` then evicts
+            # cached sequences (the serving engine's radix cache), never a running one.
             num_sink_slots = num_rows + num_pages // 16 if s else 0
         if num_sink_slots < 0:
             raise ValueError(f"num_sink_slots must be >= 0, got {num_sink_slots}")
@@ -88,6 +91,10 @@ class HackKVStore:
         self.sink_v = [torch.zeros(sink_shape, dtype=torch.float16, **kw) for _ in range(num_layers)]
         self.sink_map = torch.full((num_pages,), -1, dtype=torch.int32, device=self.device)
         self._free_sink_slots: list[int] = list(range(num_sink_slots - 1, -1, -1))
+        # Set by the serving engine (engine/sink_reclaim.py): frees cached sequences until `n`
+        # sink slots are free (their first pages go back through free_sinks). None: no cache
+        # to take from, and running out is the RuntimeError below.
+        self.reclaim_sink_slots: Callable[[int], None] | None = None
 
     # ---- sizes -------------------------------------------------------------------------------
     @property
@@ -122,12 +129,15 @@ class HackKVStore:
         fp = first_pages.to(torch.long).cpu()
         cur = self.sink_map[fp.to(self.device)].to(torch.long).cpu()
         if allocate:
-            for i in torch.nonzero(cur < 0).flatten().tolist():
+            missing = torch.nonzero(cur < 0).flatten().tolist()
+            for n, i in enumerate(missing):
                 page = int(fp[i])
                 existing = int(self.sink_map[page])
                 if existing >= 0:  # the same first page twice in one batch
                     cur[i] = existing
                     continue
+                if not self._free_sink_slots and self.reclaim_sink_slots is not None:
+                    self.reclaim_sink_slots(len(missing) - n)
                 if not self._free_sink_slots:
                     raise RuntimeError(
                         f"out of sink slots ({self.num_sink_slots}); free the sinks of evicted pages "
