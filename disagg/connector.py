@@ -247,6 +247,7 @@ class PdConnector:
             Use("sglang.srt.disaggregation.utils.append_state_component",
                 "describe the tail and sink buffers to the transfer engine"),
             Use("sglang.srt.runtime_context.get_model", "the served model's folder (fingerprint, codebook)"),
+            Use("sglang.srt.constants.HEALTH_CHECK_RID_PREFIX", "fault injection skips health probes"),
             Use("sglang.srt.disaggregation.utils.FAKE_BOOTSTRAP_HOST",
                 "SGLang's own health probe passes the request guard"),
             Use(_SENDER, "its host-tensor staging is switched off without CUDA"),

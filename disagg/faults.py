@@ -4,7 +4,9 @@ Off unless the decode server was started with HACK_DISAGG_FAULT_FILE=<path> (`ha
 it on its decode servers; the e2e tests use that). The switch is read once, when the plugin
 registers its hooks: without it the injection is no hook at all and costs nothing per request.
 When it is on and that file exists and holds `corrupt` or `truncate`, the next request whose KV lands is damaged as the
-wire would have damaged it, and the file is removed (one fault per trigger):
+wire would have damaged it, and the file is removed (one fault per trigger; SGLang's health
+probes, which the PD router sends every few seconds and which carry no transferred KV, are
+skipped):
   corrupt   one byte (byte 200) of the first received page (in sequence order) of layer 0's K
             is flipped;
   truncate  the first received page of every layer is zeroed, as if its bytes never arrived
@@ -77,9 +79,20 @@ def inject_receive_fault(scheduler: Any, req: Any) -> str | None:
     return kind
 
 
+def is_probe(req: Any) -> bool:
+    """SGLang's own health probe (what the PD router's health checks send every few seconds):
+    no KV is transferred for it, so damaging it would test nothing."""
+    from sglang.srt.constants import HEALTH_CHECK_RID_PREFIX
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    return (str(getattr(req, "rid", "")).startswith(HEALTH_CHECK_RID_PREFIX)
+            or getattr(req, "bootstrap_host", None) == FAKE_BOOTSTRAP_HOST)
+
+
 def before_verify(scheduler: Any, batch: Any, *a: Any, **kw: Any) -> None:
-    """BEFORE the decode side's digest check (registered only when `enabled()` at startup)."""
+    """BEFORE the decode side's digest check (registered only when `enabled()` at startup).
+    The trigger is kept for the next real transfer when only health probes land."""
     for req in batch.reqs:
-        if req.kv.req_pool_idx is not None:
+        if req.kv.req_pool_idx is not None and not is_probe(req):
             inject_receive_fault(scheduler, req)
     return None
