@@ -138,11 +138,12 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
     from . import cpu_extend  # late import: the compiled kernels are optional
 
-    # Kernels that lack the window or soft-cap decline (cpu_extend.choose says why).
+    # A kernel that lacks a feature the call needs declines (cpu_extend.choose says why).
     path, why = cpu_extend.choose(store, mode, generator, backend, window, logit_cap, prefill)
     if path in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE):
         kw, vw, woff = _fp16_windows(store, plan, k, v, snaps)
-        return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, exact).to(q.dtype)
+        return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, exact, window=window,
+                                 logit_cap=logit_cap).to(q.dtype)
     if path == cpu_extend.ExtendPath.PER_QUERY:
         return _extend_kernel(store, layer, plan, q, k, v, snaps, exact, scale, window, logit_cap).to(q.dtype)
     if backend == "cpu":

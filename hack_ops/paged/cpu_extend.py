@@ -36,7 +36,8 @@ class ExtendPath(str, Enum):
 class _XArgs(ctypes.Structure):
     _fields_ = [(n, _I64) for n in (
         *cpu_kernel.GEOMETRY_FIELDS, "v_open_quantized", "exact", "meta_fp32", "max_pages",
-        *cpu_kernel.PAGE_FIELDS, "block_tokens")] + [
+        *cpu_kernel.PAGE_FIELDS, "block_tokens", "window")] + [
+        ("logit_cap", ctypes.c_double)] + [
         (n, _P) for n in ("prefix_lens", "seq_lens", "q_start", "page_table", "sink_slots", "win_off",
                           "k_pages", "v_pages", "k_win", "v_win", "sink_k", "sink_v", "q", "out")]
 
@@ -73,14 +74,12 @@ def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "na
 def choose(store, mode: AttentionMode | str, generator=None, backend: str = "auto", window: int | None = None,
            logit_cap: float = 0.0, prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> tuple[ExtendPath, str]:
     """The path an extend with this store, AttentionMode and PrefillMode (and the layer's
-    sliding window / soft-cap) takes, and a sentence saying why."""
+    sliding window / soft-cap, which every compiled path has) takes, and a sentence saying why."""
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
     if backend == "torch":
         return ExtendPath.TORCH, "backend='torch' asked for"
     tiled = why_not(store, mode, generator, build_variant(), prefill)
-    if tiled is None and (window is not None or logit_cap):
-        tiled = "a sliding window or logit soft-cap (the tiled kernel has neither yet)"
     if tiled is None:
         if simd(build_variant()):
             return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {AMX_NOTE}"
@@ -109,12 +108,15 @@ def _i64(x) -> torch.Tensor:
 
 
 def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.Tensor, v_win: torch.Tensor,
-           win_off, exact: bool, variant: str | None = None, block_tokens: int = 0) -> torch.Tensor:
+           win_off, exact: bool, variant: str | None = None, block_tokens: int = 0, window: int | None = None,
+           logit_cap: float = 0.0) -> torch.Tensor:
     """Extend attention of the plan's new tokens q [N, Hq, D] (stored already; exact: the
     PrefillMode is 'exact', the new tokens read in FP16 from the windows): request b's
     FP16 window starts at position (prefix // Π) * Π, element offset win_off[b] of k_win/v_win
-    (fp16 [.., H, D]). Returns float32 [N, Hq, D]. block_tokens > 0 sets the query positions per
-    work item (results do not depend on it, nor on the thread count)."""
+    (fp16 [.., H, D]). window (keys t-window..t; None: all; pages before the first query's
+    window are not read) and logit_cap (0: none) are the layer's. Returns float32 [N, Hq, D].
+    block_tokens > 0 sets the query positions per work item (results do not depend on it, nor
+    on the thread count)."""
     variant = variant or build_variant()
     lib = _lib(variant)
     if lib is None:
@@ -132,6 +134,7 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     pre, seq, qo, table, sinks, woff = keep
     a = _XArgs(
         batch=plan.batch_size, **shared, exact=int(exact), block_tokens=block_tokens,
+        window=-1 if window is None else int(window), logit_cap=float(logit_cap or 0.0),
         prefix_lens=pre.data_ptr(), seq_lens=seq.data_ptr(), q_start=qo.data_ptr(), page_table=table.data_ptr(),
         sink_slots=sinks.data_ptr(), win_off=woff.data_ptr(),
         k_pages=store.k_pages[layer].data_ptr(), v_pages=store.v_pages[layer].data_ptr(),

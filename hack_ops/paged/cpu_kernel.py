@@ -12,8 +12,8 @@ Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a mult
 to 256, up to 16 query heads per KV head, sliding windows and logit soft-capping; decode 'hack'
 with any tails / sinks / RQE setting; extend 'hack' (RQE on), prefill 'homomorphic' or 'exact' (the
 latter with K and V tails, RQE on):
-the tiled kernel of hack_extend.c (bound in cpu_extend.py; no windows or soft-caps), or this
-file's per-query call (one kernel "request" per new token).
+the tiled kernel of hack_extend.c (bound in cpu_extend.py), or this file's per-query call (one
+kernel "request" per new token); both with windows and soft-caps.
 Environment: HACK_CPU_KERNEL=0 disables it; HACK_KERNEL_CACHE sets the cache directory.
 """
 from __future__ import annotations

@@ -19,6 +19,15 @@
  * lanes of a register, so every quantity that is per row (Q/P quantization ranges, softmax
  * state) is a plain vertical vector operation: no horizontal reductions in the inner loops.
  *
+ * Sliding window (window >= 0): the query at t sees keys t-window..t. An item starts its page
+ * loop at the page holding key t0-window of its first position t0, so pages wholly before every
+ * row's window are never read (nor the sinks, once page 0 is out); on the pages it reads, a
+ * lane group skips a page none of its rows can see, and keys before a row's window get a zero
+ * numerator, whatever kind they are (2-bit, FP16 open partition, FP16 sink), as in the
+ * reference. logit_cap > 0 soft-caps the scaled scores (cap * tanh(s / cap)) before the online
+ * softmax; tanh is computed from the kernel's exp, (1 - e^-2|x|) / (1 + e^-2|x|) with x's sign,
+ * in both builds.
+ *
  * Differences to the reference: summation order (so a Q'/P' value sitting on a rounding
  * boundary can flip one INT8 code); the P' range is taken against the running softmax max
  * (min/max INT8 quantization is scale invariant, up to float rounding). Codes are computed as
@@ -37,8 +46,15 @@
 #include "hack_kernel.h"
 
 #define LN 16 /* query rows per lane group */
+#define NO_WINDOW ((int64_t)1 << 48) /* a window no position reaches past: t - it < 0 */
 
 int hack_extend_simd(void) { return HACK_SIMD; }
+
+/* The first page a query at position >= t0 can see: the one holding key t0-window (0 without
+ * a window). Pages before it are not read. */
+static inline int64_t window_first_page(const hack_extend_args *a, int64_t t0) {
+    return a->window >= 0 && t0 - a->window > 0 ? (t0 - a->window) / a->page_size : 0;
+}
 
 typedef struct {
     int64_t b, h, t0, t1, cost;
@@ -85,6 +101,26 @@ static inline __m512 xexp_neg16(__m512 x) {
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 #endif
+
+/* s[i] = cap * tanh(s[i] / cap) for n scores: tanh through exp(-2|x|) <= 1, so the kernel's
+ * exp for non-positive arguments serves (tanh(x) = sign(x) (1 - e) / (1 + e)). */
+static void soft_cap(float *s, int64_t n, float cap) {
+    int64_t i = 0;
+#if HACK_SIMD
+    const __m512 c = _mm512_set1_ps(cap), one = _mm512_set1_ps(1.0f), m2 = _mm512_set1_ps(-2.0f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_div_ps(_mm512_loadu_ps(s + i), c);
+        const __m512 e = xexp_neg16(_mm512_mul_ps(m2, _mm512_abs_ps(x)));
+        __m512 t = _mm512_mul_ps(c, _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e)));
+        t = _mm512_mask_sub_ps(t, _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ), _mm512_setzero_ps(), t);
+        _mm512_storeu_ps(s + i, t);
+    }
+#endif
+    for (; i < n; i++) {
+        const float x = s[i] / cap, e = hack_exp_neg(-2.0f * fabsf(x)), t = cap * ((1.0f - e) / (1.0f + e));
+        s[i] = x < 0.0f ? -t : t;
+    }
+}
 
 /* n side values (fp16 or fp32) starting at element idx -> float. */
 static void xload_meta(const uint8_t *base, int64_t idx, int n, int fp32, float *out) {
@@ -415,6 +451,9 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
     const int64_t *tl = w->t + gr * LN, *ncl = w->nc + gr * LN;
     const float *qt = w->qt + (int64_t)gr * d * LN;
     float *o = w->o + (int64_t)gr * d * LN, *m = w->m + gr * LN, *lsum = w->l + gr * LN;
+    /* lanes are position-major, so lane 0 holds the group's earliest query: when even its
+     * window starts after this page, no row sees the page */
+    if (a->window >= 0 && (p + 1) * P - 1 < tl[0] - a->window) return;
     int quant[LN], any_q = 0, any_f = 0;
     for (int l = 0; l < LN; l++) {
         quant[l] = p < ncl[l];
@@ -438,26 +477,33 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
         scores_fp(qt, w->snk, n_sink, d, sf);
         memcpy(w->s, sf, sizeof(float) * n_sink * LN);
     }
-    /* visibility and online softmax */
     const int ns = any_q ? P : n_f; /* tokens with a score */
+    if (a->logit_cap > 0.0) soft_cap(w->s, (int64_t)ns * LN, (float)a->logit_cap);
+    /* visibility (causal, and inside the row's window) and online softmax */
+    const int64_t win = a->window; /* < 0: no window, every key up to t */
     float alpha[LN];
 #if HACK_SIMD
     {
         __mmask16 qmask = 0;
         for (int l = 0; l < LN; l++) qmask |= (__mmask16)(quant[l] << l);
         const __m512i t_lo = _mm512_loadu_si512(tl), t_hi = _mm512_loadu_si512(tl + 8);
+        const __m512i w_lo = _mm512_sub_epi64(t_lo, _mm512_set1_epi64(win < 0 ? NO_WINDOW : win));
+        const __m512i w_hi = _mm512_sub_epi64(t_hi, _mm512_set1_epi64(win < 0 ? NO_WINDOW : win));
         const __m512 ninf = _mm512_set1_ps(-INFINITY);
         __m512 mloc = ninf;
         for (int j = 0; j < ns; j++) {
             const __m512i pos = _mm512_set1_epi64(p * P + j);
             __mmask16 vis = (__mmask16)(_mm512_cmple_epi64_mask(pos, t_lo) | (_mm512_cmple_epi64_mask(pos, t_hi) << 8));
+            vis &= (__mmask16)(_mm512_cmpge_epi64_mask(pos, w_lo) | (_mm512_cmpge_epi64_mask(pos, w_hi) << 8));
             if (j >= n_f) vis &= qmask;
             const __m512 x = _mm512_mask_mov_ps(ninf, vis, _mm512_loadu_ps(w->s + j * LN));
             _mm512_storeu_ps(w->s + j * LN, x);
             mloc = _mm512_max_ps(mloc, x);
         }
         const __m512 mold = _mm512_loadu_ps(m), mnew = _mm512_max_ps(mloc, mold);
-        const __m512 al = xexp_neg16(_mm512_sub_ps(mold, mnew));
+        /* a row that has seen no key yet (window) keeps max -inf: alpha 1, not exp(NaN) */
+        const __m512 al = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ),
+                                               xexp_neg16(_mm512_sub_ps(mold, mnew)), _mm512_set1_ps(1.0f));
         _mm512_storeu_ps(alpha, al);
         _mm512_storeu_ps(m, mnew);
         __m512 add = _mm512_setzero_ps();
@@ -479,7 +525,7 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
         for (int j = 0; j < ns; j++) {
             const int64_t pos = p * P + j;
             for (int l = 0; l < LN; l++) {
-                const int vis = pos <= tl[l] && (quant[l] || j < n_f);
+                const int vis = pos <= tl[l] && (win < 0 || pos >= tl[l] - win) && (quant[l] || j < n_f);
                 float *sj = w->s + j * LN + l;
                 if (!vis) *sj = -INFINITY;
                 mloc[l] = *sj > mloc[l] ? *sj : mloc[l];
@@ -487,7 +533,7 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
         }
         for (int l = 0; l < LN; l++) {
             const float mn = mloc[l] > m[l] ? mloc[l] : m[l];
-            alpha[l] = hack_exp_neg(m[l] - mn);
+            alpha[l] = mn == -INFINITY ? 1.0f : hack_exp_neg(m[l] - mn); /* no key seen yet: see above */
             m[l] = mn;
             add[l] = 0.0f;
         }
@@ -546,13 +592,15 @@ static void run_xitem(const hack_extend_args *a, const xitem_t *it, xscratch_t *
     const int64_t nc_min = w->nc[0], nc_max = w->nc[rows - 1], tmax = it->t1 - 1;
     const int64_t last_page = tmax / P;
     const int64_t *table = a->page_table + b * a->max_pages;
-    const int n_sink_all = (int)(a->sink_tokens < seq ? a->sink_tokens : seq);
+    /* the first page any row's window reaches: earlier pages (and their sinks) are not read */
+    const int64_t first_page = window_first_page(a, it->t0);
+    const int n_sink_all = first_page ? 0 : (int)(a->sink_tokens < seq ? a->sink_tokens : seq);
     if (n_sink_all) {
         const int64_t sbase = a->sink_slots[b] * a->sink_tokens * hd + h * d;
         load_fp16(a->sink_k + sbase, n_sink_all, hd, (int)d, w->snk);
         load_fp16(a->sink_v + sbase, n_sink_all, hd, (int)d, w->snv);
     }
-    for (int64_t p = 0; p <= last_page; p++) {
+    for (int64_t p = first_page; p <= last_page; p++) {
         const int64_t page_id = table[p];
         const int have_q = p < nc_max; /* some row reads this page from its codes */
         const int have_f = p >= nc_min; /* some row reads it in FP16 */
@@ -614,7 +662,8 @@ int hack_extend(const hack_extend_args *a) {
             for (int64_t t0 = lo; t0 < hi; t0 += bt) {
                 const int64_t t1 = t0 + bt < hi ? t0 + bt : hi;
                 max_rows = (t1 - t0) * rep > max_rows ? (t1 - t0) * rep : max_rows;
-                for (int64_t h = 0; h < H; h++) items[k++] = (xitem_t){b, h, t0, t1, (pg + 1) * (t1 - t0)};
+                const int64_t pages = pg + 1 - window_first_page(a, t0); /* pages the item reads */
+                for (int64_t h = 0; h < H; h++) items[k++] = (xitem_t){b, h, t0, t1, pages * (t1 - t0)};
             }
         }
     }

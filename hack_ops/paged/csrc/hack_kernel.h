@@ -104,6 +104,8 @@ typedef struct {
     int64_t k_page_bytes, k_codes_off, k_min_off, k_scale_off, k_sums_off, k_sums_bytes;
     int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
     int64_t nthreads, block_tokens; /* block_tokens <= 0: chosen by the kernel */
+    int64_t window;   /* sliding window (query at t sees keys t-window..t); -1: none */
+    double logit_cap; /* > 0: scores soft-capped to cap * tanh(s / cap); 0: none */
     const int64_t *prefix_lens, *seq_lens, *q_start, *page_table, *sink_slots;
     const int64_t *win_off;          /* element offset of each request's FP16 window (starts at a page) */
     const uint8_t *k_pages, *v_pages;
