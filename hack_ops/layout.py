@@ -120,8 +120,9 @@ class PageLayout:
         return 2 * 2 * self.page_size * self.num_heads * self.head_dim
 
     def describe(self) -> dict:
-        """A JSON-able summary (used by the PD bootstrap check and the docs)."""
-        return {
+        """A JSON-able summary (used by the PD bootstrap check and the docs). Options that are
+        off add no key, so the fingerprints of layouts without them do not change."""
+        desc = {
             "version": self.version,
             "partition_size": self.page_size,
             "kv_bits": self.config.kv_bits,
@@ -130,12 +131,14 @@ class PageLayout:
             "meta_dtype": self.config.meta_dtype,
             "tail_tensors": list(self.tail_tensors),
             "rotation": self.config.rotation.value,
-            "k_outlier_channels": self.config.k_outlier_channels,
             "num_heads": self.num_heads,
             "head_dim": self.head_dim,
             "k_page_bytes": self.k.page_bytes,
             "v_page_bytes": self.v.page_bytes,
         }
+        if self.config.k_outlier_channels:
+            desc["k_outlier_channels"] = self.config.k_outlier_channels
+        return desc
 
 
 def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool, is_k: bool) -> TensorLayout:
