@@ -86,6 +86,14 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Orthogonal Walsh-Hadamard rotation per head before quantization (head_dim a power "
              "of two): none (default); hadamard_k rotates Q and K; hadamard_v rotates V and the "
              "output back; hadamard_kv both; signed_* adds a fixed seeded random sign diagonal.")),
+    "hack_k_outlier_channels": ("--hack-k-outlier-channels", dict(
+        type=_non_negative_int, metavar="N",
+        help="Dense-and-sparse K: keep each page's N widest K channels per head in FP16 outside the "
+             "codes (default 0). Measured by `hack eval accuracy`; the serving paths refuse N > 0.")),
+    "hack_edge_layer_bits": ("--hack-edge-layer-bits", dict(
+        type=int, choices=[2, 4],
+        help="Bits per K/V code of the first and last layer (default: --hack-kv-bits). Measured by "
+             "`hack eval accuracy`; the serving paths refuse a value that differs from --hack-kv-bits.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_attention": ("--hack-attention", dict(
@@ -107,7 +115,27 @@ _CONFIG_FIELDS = {
     "hack_sink_tokens": "sink_tokens",
     "hack_kv_bits": "kv_bits",
     "hack_rotation": "rotation",
+    "hack_k_outlier_channels": "k_outlier_channels",
+    "hack_edge_layer_bits": "edge_layer_bits",
 }
+
+# HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
+_REFERENCE_ONLY_FLAGS = {
+    "k_outlier_channels": "--hack-k-outlier-channels",
+    "edge_layer_bits": "--hack-edge-layer-bits",
+}
+
+
+def reference_only_refusal(cfg: HackConfig) -> str | None:
+    """The startup refusal for options that no serving path implements (only hack_ops.attention,
+    the reference the accuracy study runs, does), or None."""
+    fields = cfg.reference_only()
+    if not fields:
+        return None
+    flags = ", ".join(f"{_REFERENCE_ONLY_FLAGS[f]} {getattr(cfg, f)}" for f in fields)
+    return (f"{flags}: implemented in the reference attention only (hack_ops.attention, measured by "
+            "`hack eval accuracy`); the compiled CPU store and kernels, the Triton kernels and the paged "
+            "PyTorch path do not implement it yet. Drop the option to serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,6 +200,9 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
             raise HackArgumentError(
                 f"{', '.join(extra)} only apply with --kv-cache-dtype hack (got {kv_dtype})")
         return {}
+    refusal = reference_only_refusal(settings.config)
+    if refusal:
+        raise HackArgumentError(refusal)
     out: dict[str, Any] = {}
     page = getattr(ns, "page_size", None)
     if page is None:

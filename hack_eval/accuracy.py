@@ -134,7 +134,8 @@ def run_study(
         rows.append({
             "variant": v.name, "mode": v.mode,
             "config": None if v.config is None else v.config.label(),
-            "bytes_vs_bf16": byte_ratio(v.config, cfg.num_key_value_heads, cfg.head_dim, context),
+            "bytes_vs_bf16": byte_ratio(v.config, cfg.num_key_value_heads, cfg.head_dim, context,
+                                        cfg.num_hidden_layers),
             "ppl": ppl, "ppl_ratio": ppl / base_ppl,
             "ppl_ratio_min": min(ratios), "ppl_ratio_max": max(ratios),
             "kl": t.kl / t.tokens, "top1": t.top1 / t.tokens,

@@ -45,7 +45,10 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     var = _current[-1]
     # HF's sliding_window counts the query itself (kv > q - w); hack_ops takes SGLang's w - 1.
     window = None if not sliding_window else int(sliding_window) - 1
-    out = attention(query, key, value, var.config, mode=var.mode, causal=True, scale=scaling, window=window,
+    cfg = var.config
+    if cfg is not None and cfg.per_layer:  # e.g. more bits for the first and last layer
+        cfg = cfg.for_layer(int(module.layer_idx), int(module.config.num_hidden_layers))
+    out = attention(query, key, value, cfg, mode=var.mode, causal=True, scale=scaling, window=window,
                     logit_cap=softcap or 0.0)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 

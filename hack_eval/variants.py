@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from hack_ops import HackConfig
-from hack_ops.layout import bytes_per_token, page_layout
+from hack_ops.layout import model_bytes_per_token
 from hack_ops.rotation import Rotation
 
 from .runner import EXACT, Variant
@@ -32,6 +32,19 @@ def study_variants() -> list[Variant]:
         Variant("default, partition 128", "dequant", d.replace(partition_size=128)),
         Variant("default, 4-bit K/V", "hack", d.replace(kv_bits=4)),
         *rotation_variants(),
+        *option_variants(),
+    ]
+
+
+def option_variants() -> list[Variant]:
+    """The next options toward the issue's x1.08 target, screened in 'dequant' mode (the layout's
+    error alone): more sink tokens, dense-and-sparse K (a page's widest K channels kept in FP16)
+    and more bits for the first and last layer."""
+    d = DEFAULT
+    return [
+        Variant("default, 16 sinks", "dequant", d.replace(sink_tokens=16)),
+        *(Variant(f"default, K outlier channels {n}", "dequant", d.replace(k_outlier_channels=n)) for n in (1, 2, 4)),
+        Variant("default, first and last layer at 4 bits", "dequant", d.replace(edge_layer_bits=4)),
     ]
 
 
@@ -89,9 +102,12 @@ def generation_variants() -> list[Variant]:
             Variant("default, 4-bit K/V", "hack", DEFAULT.replace(kv_bits=4))]
 
 
-def byte_ratio(config: HackConfig | None, kv_heads: int, head_dim: int, context: int) -> float:
+def byte_ratio(config: HackConfig | None, kv_heads: int, head_dim: int, context: int, num_layers: int = 1) -> float:
     """Bytes per element relative to BF16 at `context` tokens (tails and sinks included,
-    averaged over the open partition's fill)."""
+    averaged over the open partition's fill, and over the model's `num_layers` layers for a
+    per-layer config)."""
     if config is None:
         return 1.0
-    return bytes_per_token(page_layout(config, kv_heads, head_dim), context)["ratio"]
+    if config.per_layer and num_layers < 3:
+        raise ValueError(f"{config.label()} differs per layer: give the model's num_layers")
+    return model_bytes_per_token(config, num_layers, kv_heads, head_dim, context)["ratio"]

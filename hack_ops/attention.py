@@ -24,6 +24,11 @@ Rotation (config.rotation, hack_ops.rotation): Q/K and/or V are rotated by an or
 Walsh-Hadamard matrix R before anything else and the output is rotated back by Rᵀ after, in
 every mode; the paged paths receive the same rotated tensors from the serving backend.
 
+Dense-and-sparse K (config.k_outlier_channels = n, 'channel_k'): each closed page keeps its n
+widest K channels per head in FP16 outside the codes (hack_ops.quant.widest_channels); the
+scores add Q·K_sparse exactly to the homomorphic (or dequantized) product of the rest.
+Per-layer configs (config.edge_layer_bits) are resolved by the caller with config.for_layer().
+
 Homomorphic steps ('hack'):
   channel_k: S = Σ_g sq*(Qq·Kq) + mq*ΣKq + Q·m_K, where Q' = Q ⊙ s_K(page) is quantized to
       INT8 per (query, page, head_dim group) — K's per-channel scale folded into Q, and ΣKq
@@ -47,7 +52,7 @@ from torch import Tensor
 from .config import HackConfig
 from .homomorphic import homomorphic_matmul_q, pv_token_v_codes, pv_token_v_min, quantize_qp, scores_channel_k
 from .modes import AttentionMode, attention_mode
-from .quant import QTensor, dequantize, quantize
+from .quant import QTensor, dequantize, quantize, widest_channels
 from .rotation import restore_output, rotate_qkv
 
 MODES = tuple(AttentionMode)
@@ -102,6 +107,10 @@ def attention(
     d = q.shape[-1]
     if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
         raise ValueError(f"head_dim {d} must be a multiple of the head_dim group {cfg.head_group(d)}")
+    if mode != AttentionMode.EXACT and cfg.per_layer:
+        raise ValueError(f"{cfg.label()} differs per layer: pass config.for_layer(layer, num_layers)")
+    if mode != AttentionMode.EXACT and cfg.k_outlier_channels >= d:
+        raise ValueError(f"k_outlier_channels ({cfg.k_outlier_channels}) must be below head_dim {d}")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rep = q.shape[1] // k.shape[1]
     pos = _positions(q.shape[2], k.shape[2], causal)
@@ -199,9 +208,9 @@ def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mod
     p, dd = cfg.partition_size, k.shape[-1]
     ng = dd // cfg.head_group(dd)
     npg = k.shape[-2] // p
-    qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=kmask[:, None].expand(k.shape))
+    qk, k_out = _quantize_channel_k(k, kmask, cfg, gen)
     if mode == AttentionMode.DEQUANT:
-        kd = dequantize(qk) * kmask[:, None]
+        kd = dequantize(qk) * kmask[:, None] + k_out
         return qs @ _heads(kd, rep).transpose(-1, -2)
     sk_ = _heads(qk.scale.float(), rep)  # [B, H, npg, D]
     mk_ = _heads(qk.minimum.float(), rep)
@@ -211,8 +220,26 @@ def _scores_channel_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mod
     for rows, n in _row_groups(reach):
         out[:, :, rows, : n * p] = scores_channel_k(qs[:, :, rows], codes[:, :, :n], sk_[:, :, :n], mk_[:, :, :n],
                                                     ksum[:, :, :n], cfg, gen, check=False)
+    if cfg.k_outlier_channels:  # the sparse FP16 channels, an exact float product
+        out = out + qs @ _heads(k_out, rep).transpose(-1, -2)
     return out
 
+
+def _quantize_channel_k(k: Tensor, kmask: Tensor, cfg: HackConfig, gen) -> tuple[QTensor, Tensor]:
+    """K per channel over each page (tokens where kmask [Skp] is True). With
+    k_outlier_channels = n (dense-and-sparse), each page's n widest channels per head are left
+    out of the codes (code 0, min 0, scale 0: nothing of them reaches Q's INT8 range) and
+    returned in FP16 as a dense [B, H, Skp, D] tensor that is zero elsewhere."""
+    p = cfg.partition_size
+    mask = kmask[:, None].expand(k.shape)
+    n = cfg.k_outlier_channels
+    if not n:
+        return _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask), torch.zeros(())
+    wide = widest_channels(k, n, p, mask)  # [B, H, npg, D]
+    sparse = wide.repeat_interleave(p, -2) & mask
+    qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask & ~sparse)
+    qk.scale = qk.scale.masked_fill(wide, 0)
+    return qk, k.half().float() * sparse
 
 def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode: AttentionMode, rep: int, gen) -> Tensor:
     """Scores against K quantized per token in head_dim groups (Eq. 4 directly)."""

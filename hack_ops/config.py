@@ -20,6 +20,7 @@ ORIENTATIONS = ("channel_k", "token_k")
 TAIL_TENSORS = ("kv", "per_channel")
 ROUNDINGS = ("nearest", "stochastic")
 META_DTYPES = ("float16", "float32")
+MAX_K_OUTLIER_CHANNELS = 32  # a few per head; indices are stored as uint8 (head_dim <= 256)
 
 
 class OpenMode(str, Enum):
@@ -59,6 +60,15 @@ class HackConfig:
         and K and/or of V (the output rotated back), applied outside the kernels before the
         cache; exact attention is unchanged, only what the quantizer sees differs. Needs a
         head_dim that is a power of two. Costs no bytes.
+    k_outlier_channels: dense-and-sparse K ('channel_k' only): in every closed page, the n
+        channels of each head with the widest range over the page's tokens are kept apart in
+        FP16 (their values and their channel indices, counted in hack_ops.layout) and take no
+        part in the 2-bit codes (code 0, min 0, scale 0), so neither their error nor their scale
+        in Q's INT8 range remains. 0 = none. Implemented in the reference only: the serving paths
+        refuse it at startup.
+    edge_layer_bits: bits per K/V code of the first and the last layer (the rest use kv_bits);
+        0 = every layer uses kv_bits. A per-layer choice: for_layer() resolves it. Implemented in
+        the reference only: the serving pool holds one page size for all layers and refuses it.
     """
 
     partition_size: int = 64
@@ -73,6 +83,8 @@ class HackConfig:
     meta_dtype: str = "float16"
     range_search: bool = True
     rotation: Rotation = Rotation.NONE
+    k_outlier_channels: int = 0
+    edge_layer_bits: int = 0
 
     def __post_init__(self) -> None:
         p = self.partition_size
@@ -93,6 +105,14 @@ class HackConfig:
             raise ValueError(f"sink_tokens must be an integer in 0..partition_size ({p}), got {s!r}")
         if self.meta_dtype not in META_DTYPES:
             raise ValueError(f"meta_dtype must be one of {META_DTYPES}, got {self.meta_dtype!r}")
+        n = self.k_outlier_channels
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= MAX_K_OUTLIER_CHANNELS:
+            raise ValueError(f"k_outlier_channels must be an integer in 0..{MAX_K_OUTLIER_CHANNELS}, got {n!r}")
+        if n and self.orientation != "channel_k":
+            raise ValueError("k_outlier_channels needs orientation 'channel_k' (outlier channels are chosen "
+                             f"over a page's tokens, which per-token K does not group), got {self.orientation!r}")
+        if self.edge_layer_bits not in (0, 2, 4) or isinstance(self.edge_layer_bits, bool):
+            raise ValueError(f"edge_layer_bits must be 0 (off), 2 or 4, got {self.edge_layer_bits!r}")
         object.__setattr__(self, "rotation", _rotation(self.rotation))  # frozen: coerced once, here
         for name in ("summation_elimination", "requant_elimination", "range_search"):
             if not isinstance(getattr(self, name), bool):
@@ -100,6 +120,28 @@ class HackConfig:
 
     def replace(self, **changes) -> "HackConfig":
         return replace(self, **changes)
+
+    def for_layer(self, layer: int, num_layers: int) -> "HackConfig":
+        """The uniform config that layer `layer` (0-based, of `num_layers`) uses: edge_layer_bits
+        resolved into kv_bits for the first and the last layer."""
+        if not isinstance(num_layers, int) or num_layers < 1 or not 0 <= layer < num_layers:
+            raise ValueError(f"layer must be in 0..{num_layers - 1} (num_layers {num_layers!r}), got {layer!r}")
+        if not self.edge_layer_bits:
+            return self
+        bits = self.edge_layer_bits if layer in (0, num_layers - 1) else self.kv_bits
+        return replace(self, kv_bits=bits, edge_layer_bits=0)
+
+    @property
+    def per_layer(self) -> bool:
+        """Layers differ (for_layer is not the identity): a pool with one page size cannot hold it."""
+        return bool(self.edge_layer_bits) and self.edge_layer_bits != self.kv_bits
+
+    def reference_only(self) -> tuple[str, ...]:
+        """The fields set here that only the dense reference (hack_ops.attention, hence the
+        accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
+        Triton) does, so HackKVStore and the server refuse a config that sets them."""
+        return tuple(name for name, on in (("k_outlier_channels", bool(self.k_outlier_channels)),
+                                           ("edge_layer_bits", self.per_layer)) if on)
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""
@@ -155,4 +197,8 @@ class HackConfig:
             parts.append("minmax")
         if self.rotation != Rotation.NONE:
             parts.append("rot-" + self.rotation.value)
+        if self.k_outlier_channels:
+            parts.append(f"kout{self.k_outlier_channels}")
+        if self.per_layer:
+            parts.append(f"edge{self.edge_layer_bits}bit")
         return "-".join(parts)

@@ -18,6 +18,12 @@ minimum multiplies Σ_d Kq[j, d] (in both orientations); this is the paper's sum
 elimination. V has no sums section: P >= 0 is quantized with a zero minimum, so the term
 that would need Σ_j Vq[j, d] vanishes (format version 2; version 1 stored V sums).
 
+Dense-and-sparse K (HackConfig.k_outlier_channels = n > 0) adds two K sections:
+  outlier_index  [H, n]     uint8  the page's n widest channels per head
+  outlier_values [H, Π, n]  fp16   their values (their codes stay 0, min 0, scale 0)
+No serving path reads them yet (the server refuses the option); they are here so that the
+bytes the study reports are the bytes a page would hold.
+
 Sink tokens (the first `sink_tokens` of a sequence) take no part in their page's ranges; their
 slots hold code 0 and (per-token side) min 0, scale 0, so they add nothing to any sum.
 
@@ -64,6 +70,8 @@ class TensorLayout:
     scale: Section
     sums: Section | None  # None for V (no sums section)
     page_bytes: int
+    outlier_index: Section | None = None  # K with k_outlier_channels only
+    outlier_values: Section | None = None
 
     def view(self, buf: torch.Tensor, name: str) -> torch.Tensor:
         """Typed view of one section for all pages: buf is [num_pages, page_bytes] uint8."""
@@ -112,8 +120,9 @@ class PageLayout:
         return 2 * 2 * self.page_size * self.num_heads * self.head_dim
 
     def describe(self) -> dict:
-        """A JSON-able summary (used by the PD bootstrap check and the docs)."""
-        return {
+        """A JSON-able summary (used by the PD bootstrap check and the docs). Options that are
+        off add no key, so the fingerprints of layouts without them do not change."""
+        desc = {
             "version": self.version,
             "partition_size": self.page_size,
             "kv_bits": self.config.kv_bits,
@@ -127,6 +136,9 @@ class PageLayout:
             "k_page_bytes": self.k.page_bytes,
             "v_page_bytes": self.v.page_bytes,
         }
+        if self.config.k_outlier_channels:
+            desc["k_outlier_channels"] = self.config.k_outlier_channels
+        return desc
 
 
 def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool, is_k: bool) -> TensorLayout:
@@ -142,10 +154,14 @@ def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool
         (heads * m * msize, meta, (heads, m)),
         (heads * m * msize, meta, (heads, m)),
     ]
+    n_out = cfg.k_outlier_channels if is_k else 0
     if is_k:
         sdt = sums_dtype(b, gd)
         ssize = torch.tensor([], dtype=sdt).element_size()
         parts.append((heads * p * ng * ssize, sdt, (heads, p * ng)))
+    if n_out:
+        parts.append((heads * n_out, torch.uint8, (heads, n_out)))
+        parts.append((heads * p * n_out * 2, torch.float16, (heads, p, n_out)))
     off = 0
     secs: list[Section | None] = []
     for nbytes, dt, shape in parts:
@@ -153,7 +169,8 @@ def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool
         off = _align(off + nbytes)
     if not is_k:
         secs.append(None)
-    return TensorLayout(per_channel, *secs, page_bytes=off)
+    return TensorLayout(per_channel, *secs[:4], page_bytes=off, outlier_index=secs[4] if n_out else None,
+                        outlier_values=secs[5] if n_out else None)
 
 
 def page_layout(config: HackConfig, num_heads: int, head_dim: int) -> PageLayout:
@@ -161,6 +178,10 @@ def page_layout(config: HackConfig, num_heads: int, head_dim: int) -> PageLayout
     if num_heads <= 0 or head_dim <= 0:
         raise ValueError(f"num_heads and head_dim must be positive, got {num_heads}, {head_dim}")
     check_head_dim(config.rotation, head_dim)
+    if config.per_layer:
+        raise ValueError(f"{config.label()} differs per layer: lay out config.for_layer(layer, num_layers)")
+    if config.k_outlier_channels >= head_dim:
+        raise ValueError(f"k_outlier_channels ({config.k_outlier_channels}) must be below head_dim {head_dim}")
     gd = config.head_group(head_dim)
     if head_dim % gd or (head_dim * config.kv_bits) % 8:
         raise ValueError(f"head_dim {head_dim} must be a multiple of {gd} and pack into whole bytes")
@@ -191,4 +212,16 @@ def bytes_per_token(layout: PageLayout, context: int, tail_fill: float | None = 
         tot += (pages * layout.page_bytes + tails + 2 * layout.config.sink_tokens * fp16_tok) / n
     per_tok = tot / len(fills)
     bf16 = 2 * fp16_tok
+    return {"bytes_per_token": per_tok, "bf16_bytes_per_token": bf16, "ratio": per_tok / bf16}
+
+
+def model_bytes_per_token(config: HackConfig, num_layers: int, num_heads: int, head_dim: int, context: int) -> dict:
+    """bytes_per_token averaged over a model's layers (each laid out with config.for_layer, so
+    edge_layer_bits is counted where it applies): per layer, like bytes_per_token."""
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    rows = [bytes_per_token(page_layout(config.for_layer(i, num_layers), num_heads, head_dim), context)
+            for i in range(num_layers)]
+    per_tok = sum(r["bytes_per_token"] for r in rows) / num_layers
+    bf16 = rows[0]["bf16_bytes_per_token"]
     return {"bytes_per_token": per_tok, "bf16_bytes_per_token": bf16, "ratio": per_tok / bf16}

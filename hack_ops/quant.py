@@ -211,6 +211,33 @@ def quantize(
     )
 
 
+def widest_channels(x: Tensor, n: int, group_size: int, mask: Tensor | None = None) -> Tensor:
+    """Dense-and-sparse selection: for x [..., T, D] grouped along T (group_size consecutive
+    tokens, e.g. one page), the n channels (last dim) of each group with the widest range
+    max - min over the group's elements where `mask` (bool, x's shape) is True. Returns a bool
+    [..., T // group_size, D] with exactly n True per group (ties: the lower channel index, so
+    the choice is deterministic; a group with no True element picks channels 0..n-1)."""
+    if x.dim() < 2:
+        raise ValueError("x must be [..., tokens, channels]")
+    t, d = x.shape[-2], x.shape[-1]
+    if not isinstance(n, int) or not 0 <= n < d:
+        raise ValueError(f"n must be an integer in 0..{d - 1} (head_dim {d}), got {n!r}")
+    if group_size <= 0 or t % group_size:
+        raise ValueError(f"group_size must be a positive divisor of {t}, got {group_size!r}")
+    g = x.float().reshape(*x.shape[:-2], t // group_size, group_size, d)
+    if mask is None:
+        mn, mx = g.amin(-2), g.amax(-2)
+    else:
+        m = mask.expand(x.shape).reshape(g.shape)
+        mn = g.masked_fill(~m, float("inf")).amin(-2)
+        mx = g.masked_fill(~m, float("-inf")).amax(-2)
+    r = torch.nan_to_num(mx - mn, nan=0.0, posinf=0.0, neginf=0.0).clamp_min(0)
+    # Stable descending sort: equal ranges keep channel order (topk gives no such promise).
+    idx = torch.sort(r, dim=-1, descending=True, stable=True).indices[..., :n]
+    out = torch.zeros(r.shape, dtype=torch.bool)
+    return out.scatter_(-1, idx, True)
+
+
 def expand_groups(t: Tensor, dim: int, group_size: int) -> Tensor:
     """Repeat per-group values so they line up with the elements along `dim`."""
     return t.repeat_interleave(group_size, dim=dim)

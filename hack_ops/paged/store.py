@@ -62,6 +62,9 @@ class HackKVStore:
     ) -> None:
         if num_layers <= 0 or num_pages <= 0 or num_rows <= 0:
             raise ValueError(f"num_layers, num_pages and num_rows must be positive, got {num_layers}, {num_pages}, {num_rows}")
+        if config.reference_only():
+            raise ValueError(f"{', '.join(config.reference_only())} of {config.label()} is implemented in the dense "
+                             "reference (hack_ops.attention) only; no paged path stores or reads it")
         self.config = config
         self.layout: PageLayout = page_layout(config, num_heads, head_dim)
         self.num_layers = num_layers
