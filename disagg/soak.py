@@ -388,7 +388,12 @@ class Soak:
                 continue
             later = sorted((r for r in gen if r["t_send"] > ev["t"]), key=lambda r: r["t_send"])
             ev["sent_after"] = len(later)
-            ev["failed_after"] = sum(not r["ok"] for r in later)
+            # Failures a later fault explains (in flight at a later kill, the damaged transfer)
+            # are that fault's; what is left is this death's, routed to a dead server.
+            ev["failed_after"] = sum(r.get("failure") == FailureClass.DEFECT.value for r in later)
+            ev["failed_after_any"] = sum(not r["ok"] for r in later)
+            failed = [r for r in later if r.get("failure") == FailureClass.DEFECT.value]
+            ev["failed_after_within_s"] = round(max(r["t_send"] for r in failed) - ev["t"], 2) if failed else None
             first_ok = next((r for r in later if r["ok"]), None)
             ev["first_served_after_s"] = round(first_ok["t_end"] - ev["t"], 2) if first_ok else None
         rss = {}

@@ -70,7 +70,7 @@ def _print(report: dict) -> None:
               f"TTFT p50/p99 {fmt(t)} s")
     for ev in report["faults"]:
         print(f"  fault {ev['fault']} {ev['server']}: " + ", ".join(
-            f"{k}={ev[k]}" for k in ("sent_after", "failed_after", "first_served_after_s",
+            f"{k}={ev[k]}" for k in ("sent_after", "failed_after", "failed_after_within_s", "first_served_after_s",
                                      "router_dropped_after_s", "router_view", "consumed") if k in ev))
     for name, x in report["rss"].items():
         print(f"  {name}: RSS {x['start_mb']} -> {x['at_100_mb']} (100th) -> {x['end_mb']} MB"
