@@ -24,7 +24,7 @@ from engine.launcher import free_port
 from hack_metrics import rundir
 
 from . import netns, procs
-from .router import RouterOptions, router_command
+from .router import RouterOptions, router_command, wait_ready
 from .server_cmd import METHODS, server_command
 
 
@@ -215,6 +215,8 @@ def up(spec: ClusterSpec, log=print) -> dict:
         save()
         rundir.update_run(run_dir, router=state["router_url"])
         wait_healthy([state["router_url"] + "/health"], [rpid], spec.health_timeout_s, [rlog])
+        wait_ready(state["router_url"], spec.prefill + spec.decode, spec.health_timeout_s,
+                   lambda: procs.alive(rpid))
         state["ready"] = time.time()
         save()
         (run_dir / "cluster.json").write_text(json.dumps(state, indent=1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
 
@@ -82,7 +83,10 @@ def router_command(port: int, prefill: list[tuple[str, int | None]], decode: lis
                         ("--decode-policy", opts.decode_policy)):
         if value is not None:
             cmd += [flag, value]
-    cmd += ["--health-check-interval-secs", str(opts.health_check_interval_s),
+    # Workers are registered asynchronously after the router starts, each once its health
+    # check passes (upstream checks every 30 s): 1 s here, and `wait_ready` waits for all.
+    cmd += ["--worker-startup-check-interval", "1",
+            "--health-check-interval-secs", str(opts.health_check_interval_s),
             "--health-failure-threshold", str(opts.health_failure_threshold),
             "--health-check-timeout-secs", str(opts.health_check_timeout_s),
             "--request-timeout-secs", str(opts.request_timeout_s)]
@@ -90,3 +94,41 @@ def router_command(port: int, prefill: list[tuple[str, int | None]], decode: lis
     if prometheus_port is not None:
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
     return cmd + list(opts.extra)
+
+
+def ready_workers(router_url: str, timeout: float = 3.0) -> int | None:
+    """How many workers the Rust router counts healthy (its /readiness); None when the router
+    does not say (mini-lb has no such endpoint, it knows its workers from the command line)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(router_url + "/readiness", timeout=timeout) as r:
+            return int(json.loads(r.read() or b"{}").get("healthy_workers", 0))
+    except urllib.error.HTTPError as exc:
+        if exc.code == 404:
+            return None
+        try:  # 503 while not ready, with the same counts
+            return int(json.loads(exc.read() or b"{}").get("healthy_workers", 0))
+        except (ValueError, AttributeError):
+            return 0
+    except Exception:  # noqa: BLE001 - not answering yet
+        return 0
+
+
+def wait_ready(router_url: str, workers: int, timeout_s: float, alive: Callable[[], bool]) -> None:
+    """Until the router routes to all `workers` (a request sent before would get a 503: the
+    router's own /health answers before it has registered any worker)."""
+    import time
+
+    deadline = time.time() + timeout_s
+    while True:
+        n = ready_workers(router_url)
+        if n is None or n >= workers:
+            return
+        if not alive():
+            raise RuntimeError("the router exited while registering its workers")
+        if time.time() > deadline:
+            raise RuntimeError(f"the router counts {n} of {workers} workers healthy after {timeout_s:.0f}s")
+        time.sleep(0.5)

@@ -84,3 +84,43 @@ def test_state_links_reads_new_and_old_states() -> None:
     assert cluster.state_links({"links": [one, two], "link": one}) == [one, two]
     assert cluster.state_links({"link": one}) == [one]  # written before one link per prefill
     assert cluster.state_links({"link": None}) == []
+
+
+def test_wait_ready_waits_for_every_worker_and_knows_mini_lb_has_no_readiness() -> None:
+    import http.server
+    import json
+    import threading
+
+    from disagg.router import ready_workers, wait_ready
+
+    counts = iter([0, 1, 2, 3, 3, 3, 3, 3, 3, 3])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # the Rust router: 503 with the counts until all are healthy
+            if self.path != "/readiness":
+                self.send_response(404)
+                self.end_headers()
+                return
+            n = next(counts)
+            body = json.dumps({"status": "ready" if n == 3 else "not ready", "healthy_workers": n,
+                               "total_workers": 3}).encode()
+            self.send_response(200 if n == 3 else 503)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a) -> None:
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}"
+    try:
+        wait_ready(url, 3, timeout_s=30, alive=lambda: True)
+        assert ready_workers(url) == 3
+        with pytest.raises(RuntimeError, match="the router exited"):
+            counts = iter([1] * 10)
+            wait_ready(url, 3, timeout_s=30, alive=lambda: False)
+    finally:
+        srv.shutdown()
+    assert ready_workers("http://127.0.0.1:9") == 0  # nothing listening: not ready yet
