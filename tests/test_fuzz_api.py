@@ -114,18 +114,20 @@ def _still_generates(url: str) -> None:
 
 # ---------------------------------------------------------------- one colocated HACK server
 
-class TestColocated:
-    @pytest.fixture(scope="class")
-    def server(self, model_path, tmp_path_factory):
-        log = tmp_path_factory.mktemp("fuzz") / "hack.log"
-        srv = SGLangServer(model_path, SERVER_ARGS, log_path=log)
-        try:
-            srv.start()
-            srv.wait_ready()
-            yield srv
-        finally:
-            srv.stop()
+@pytest.fixture(scope="class")
+def server(model_path, tmp_path_factory):
+    """Class scope: stopped before the cluster of the next class starts (memory)."""
+    log = tmp_path_factory.mktemp("fuzz") / "hack.log"
+    srv = SGLangServer(model_path, SERVER_ARGS, log_path=log)
+    try:
+        srv.start()
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
+
+class TestColocated:
     def _check_after(self, srv: SGLangServer) -> None:
         _assert_serving_and_idle(srv.url, lambda: srv.proc.poll() is None, "the HACK server")
         _still_generates(srv.url)
@@ -194,17 +196,18 @@ def _router_kind(state: dict) -> str:
     return "mini-lb" if b"--mini-lb" in argv else "router"
 
 
-class TestRouter:
-    @pytest.fixture(scope="class")
-    def pd(self, model_path):
-        spec = cluster.ClusterSpec(model_path=model_path, kv="hack", max_total_tokens=16384,
-                                   waiting_timeout_s=60, extra_server_args=["--sleep-on-idle"])
-        state = cluster.up(spec, log=lambda m: None)
-        try:
-            yield state
-        finally:
-            cluster.down(state)
+@pytest.fixture(scope="class")
+def pd(model_path):
+    spec = cluster.ClusterSpec(model_path=model_path, kv="hack", max_total_tokens=16384,
+                               waiting_timeout_s=60, extra_server_args=["--sleep-on-idle"])
+    state = cluster.up(spec, log=lambda m: None)
+    try:
+        yield state
+    finally:
+        cluster.down(state)
 
+
+class TestRouter:
     def _check_after(self, state: dict) -> None:
         for s in state["servers"]:
             if s["role"] in ("prefill", "decode"):
