@@ -187,13 +187,15 @@ def _mini_lb_answers_itself(path: str, raw: bytes) -> bool:
 
 
 def _router_kind(state: dict) -> str:
-    """"mini-lb" when the cluster's router runs with --mini-lb, else "router"."""
-    pid = next(int(s["pid"]) for s in state["servers"] if s["role"] == "router")
+    """"mini-lb" when the cluster's router is SGLang's mini-lb, else "router". launch_router
+    retitles its process (setproctitle), so its command line cannot tell; the mini-lb announces
+    itself at the top of its log."""
+    router = next(s for s in state["servers"] if s["role"] == "router")
     try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
+        head = Path(router["log"]).read_text(errors="replace")[:4000]
+    except (OSError, KeyError):
         return "router"
-    return "mini-lb" if b"--mini-lb" in argv else "router"
+    return "mini-lb" if "[MiniLB]" in head else "router"
 
 
 @pytest.fixture(scope="class")
