@@ -256,7 +256,12 @@ def _after_process_batch_result_prebuilt(result: Any, self: Any, batch: Any, *ar
 def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
     from sglang.srt.entrypoints import http_server
 
+    from .http_guard import install as install_guard
     from .metrics.http_api import install_routes
+
+    # Before the metrics routes, and not inside their try: a server without the guard would
+    # answer some malformed requests with a 500, so a failure here stops the server.
+    install_guard(http_server.app)
 
     try:
         if install_routes(http_server.app):
@@ -309,7 +314,8 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
          "metrics, PD decode: finish of a request whose only token came from prefill"),
     Hook("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "BEFORE",
          _before_setup_and_run_http_server,
-         "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app"),
+         "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app; "
+         "the JSON-object guard on the generation endpoints (engine.http_guard)"),
 )
 
 

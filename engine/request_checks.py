@@ -32,3 +32,20 @@ def check_top_logprobs_num(vocab_size: int, top_logprobs_num: Any) -> None:
         if isinstance(k, int) and not isinstance(k, bool) and k > vocab_size:
             raise ValueError(f"top_logprobs_num (OpenAI: logprobs / top_logprobs) is {k}; "
                              f"at most the vocabulary size {vocab_size} can be returned")
+
+
+# The generation endpoints whose body must be one JSON object (engine.http_guard checks it).
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+_JSON_WHITESPACE = b" \t\r\n"
+
+
+def body_shape_error(body: bytes) -> str | None:
+    """Why a generation request's body cannot be a request, or None. SGLang's chat request
+    model reads a body that is JSON but not an object (an array, a string, a number, null) in a
+    validator that assumes a dict and answers 500; every generation endpoint gets the same 400
+    here. Only the first byte is looked at: an object that is not valid JSON is SGLang's to
+    refuse (it answers 400), and an empty body too."""
+    head = body.lstrip(_JSON_WHITESPACE)[:1]
+    if not head or head == b"{":
+        return None
+    return "the request body must be a JSON object ({...})"

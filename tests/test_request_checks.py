@@ -50,3 +50,88 @@ def test_the_hook_applies_both_checks():
         _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0), [VOCAB])
     with pytest.raises(ValueError, match="top_logprobs_num"):
         _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=10**6), [1])
+
+
+# ---------------------------------------------------------------- the JSON-object guard (HTTP)
+
+@pytest.mark.parametrize("body, refused", [
+    (b'{"messages": []}', False),
+    (b'  \n{"text": "hi"}', False),
+    (b"", False),  # SGLang answers an empty body with its own 400
+    (b"{not json", False),  # SGLang answers invalid JSON with its own 400
+    (b"[]", True),
+    (b"[1, 2]", True),
+    (b'"hello"', True),
+    (b"null", True),
+    (b" 42", True),
+])
+def test_body_shape(body, refused):
+    from engine.request_checks import body_shape_error
+
+    assert (body_shape_error(body) is not None) == refused
+
+
+def _drive(path: str, chunks: list[bytes], method: str = "POST") -> tuple[list[dict], list[bytes] | None]:
+    """Run the guard over a fake app; returns what was sent and the body the app read (None:
+    the app was not called)."""
+    import asyncio
+
+    from engine.http_guard import JsonObjectGuard
+
+    seen: dict = {}
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            m = await receive()
+            body += m.get("body", b"")
+            if not m.get("more_body"):
+                break
+        seen["body"] = body
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    incoming = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1}
+                for i, c in enumerate(chunks)]
+    sent: list[dict] = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": method, "path": path}
+    asyncio.run(JsonObjectGuard(app)(scope, receive, send))
+    return sent, seen.get("body")
+
+
+def test_guard_refuses_a_non_object_body_with_sglangs_error_shape():
+    import json
+
+    sent, body = _drive("/v1/chat/completions", [b"[", b"1]"])
+    assert body is None
+    assert sent[0]["status"] == 400
+    err = json.loads(sent[1]["body"])
+    assert err["code"] == 400 and "JSON object" in err["message"]
+
+
+def test_guard_replays_an_object_body_in_one_piece():
+    sent, body = _drive("/generate", [b'{"text": ', b'"hi"}'])
+    assert body == b'{"text": "hi"}' and sent[0]["status"] == 200
+
+
+@pytest.mark.parametrize("path, method", [("/health", "POST"), ("/generate", "GET"), ("/v1/models", "POST")])
+def test_guard_leaves_other_requests_alone(path, method):
+    sent, body = _drive(path, [b"[1]"], method=method)
+    assert body == b"[1]" and sent[0]["status"] == 200
+
+
+def test_guard_installs_once():
+    from fastapi import FastAPI
+
+    from engine.http_guard import install
+
+    app = FastAPI()
+    assert install(app) is True
+    assert install(app) is False
