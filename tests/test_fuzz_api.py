@@ -187,15 +187,9 @@ def _mini_lb_answers_itself(path: str, raw: bytes) -> bool:
 
 
 def _router_kind(state: dict) -> str:
-    """"mini-lb" when the cluster's router is SGLang's mini-lb, else "router". launch_router
-    retitles its process (setproctitle), so its command line cannot tell; the mini-lb announces
-    itself at the top of its log."""
-    router = next(s for s in state["servers"] if s["role"] == "router")
-    try:
-        head = Path(router["log"]).read_text(errors="replace")[:4000]
-    except (OSError, KeyError):
-        return "router"
-    return "mini-lb" if "[MiniLB]" in head else "router"
+    """"mini-lb" when the cluster's router is SGLang's mini-lb (`hack up --router mini-lb`),
+    else "router" (the Rust router, `hack up`'s default), as the cluster state records it."""
+    return "mini-lb" if state.get("router") == "mini-lb" else "router"
 
 
 @pytest.fixture(scope="class")
