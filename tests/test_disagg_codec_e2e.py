@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from disagg import cluster, procs
+from damaged_transfer import check_damaged_request, decode_mismatches
 from disagg.replay import generate
 from disagg.server_cmd import server_command
 from disagg.wire_meter import read_log
@@ -106,12 +107,12 @@ def test_lossless_pair_gives_the_bf16_tokens_with_fewer_bytes(lossless_pd, reque
 def test_corrupted_coded_bytes_fail_the_request_and_free_its_pages(lossless_pd):
     trigger = Path(lossless_pd["run_dir"]) / "fault-trigger-decode-0"
     prompt = _prompt(150, 3000)
+    before = decode_mismatches(lossless_pd)
     trigger.write_text("corrupt")
     bad = generate(lossless_pd["router_url"], prompt, 4, stream=False)
     assert not trigger.exists(), "the decode server never consumed the fault trigger"
-    assert not bad.ok and "checksum" in (bad.error or "").lower(), bad.error
     good = generate(lossless_pd["router_url"], prompt, 4, stream=False)
-    assert good.ok, good.error
+    check_damaged_request(lossless_pd, bad, good, before)
     usage = _decode_usage(lossless_pd)
     assert usage["request_rows_in_use"] == 0 and usage["used_tokens"] == (usage["radix_cached_tokens"] or 0)
 
