@@ -2,8 +2,9 @@
 
 Given a server URL (one that serves /hack/streams) it follows that server. Given a router
 URL it follows the servers it is told about (`servers=`: `hack dashboard` passes those of the
-cluster state that `hack up` wrote, since SGLang's PD router `--mini-lb` lists no workers), or
-else asks the router for its workers (`GET /workers`, sglang-router's regular mode).
+cluster state that `hack up` wrote, which names each server's role and index; the mini-lb,
+`hack up --router mini-lb`, lists no workers at all), or else asks the router for its workers
+(`GET /workers`).
 """
 from __future__ import annotations
 
