@@ -183,6 +183,29 @@ def _chat_items() -> list[BadRequest]:
     return items + [BadRequest(f"chat-{k}", h, _json(v)) for k, v in bodies.items()]
 
 
+# What each PD router answers itself for some catalogue items, by router kind (the values of
+# disagg.router.RouterKind), with the status it gives; everything else must be a 4xx through
+# the router too. Documented in docs/reliability.md ("Bad input"); the fuzz test asserts these
+# answers are still what the router gives, and `hack bench soak` accepts them.
+ROUTER_ANSWERS: dict[str, dict[str, int]] = {
+    # The Rust router parses a request into its own typed struct and sends that on: an unknown
+    # sampling_params key is dropped, and the servers see (and serve) a valid request.
+    "rust": {"generate-sampling-params-unknown-key": 200},
+    # SGLang's Python mini-lb fails on these in its own request handling before any server sees
+    # them (sglang_router/mini_lb.py, _get_request_batch_size); not fixable on our side.
+    "mini-lb": {
+        "generate-text-not-string": 500,  # len(123): TypeError
+        "generate-input-ids-empty": 500,  # input_ids[0]: IndexError
+        "generate-stream-not-bool": 200,  # "yes" is truthy: its streaming path answers 200 first
+    },
+}
+
+
+def router_answer(router: str | None, name: str) -> int | None:
+    """The status router kind `router` gives catalogue item `name` itself, if it is one of those."""
+    return ROUTER_ANSWERS.get(router or "", {}).get(name)
+
+
 def bad_requests() -> list[BadRequest]:
     """The whole catalogue (names unique); every item must get a 4xx.
 

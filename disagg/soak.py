@@ -14,7 +14,8 @@ Every failure is classified: `in-flight-at-kill` (sent before a kill and still r
 it: the request may have been on the killed server; expected), `corrupted-transfer` (the one
 request whose KV was damaged; expected), or `defect` (anything else, including every failure
 of a request sent after a server died: the router must route around the dead). A malformed
-request must be answered 4xx; a 5xx or a dropped connection is a defect too.
+request must be answered 4xx (or what the router documentedly answers itself:
+disagg.malformed.ROUTER_ANSWERS); a 5xx or a dropped connection is a defect too.
 
 Around the load: per-server RSS (its whole process group) sampled once a second, HACK pool
 usage of every live server before and after (back to idle: no request row held, used tokens
@@ -39,7 +40,7 @@ from typing import Any, Callable
 import requests
 
 from . import procs
-from .malformed import bad_requests, send
+from .malformed import bad_requests, router_answer, send
 from .replay import Result, generate
 
 
@@ -295,8 +296,10 @@ class Soak:
         t_send = time.time()
         if job.kind == "bad":
             status = send(self.router, job.bad, timeout=60.0)
+            # A 4xx, or what the router documentedly answers itself (disagg.malformed.ROUTER_ANSWERS).
+            ok = 400 <= status < 500 or status == router_answer(self.state.get("router"), job.bad.name)
             rec = {"kind": "bad", "name": job.bad.name, "status": status, "t_send": t_send,
-                   "t_end": time.time(), "ok": 400 <= status < 500}
+                   "t_end": time.time(), "ok": ok}
         else:
             r: Result = generate(self.router, job.input_ids, job.max_new_tokens, self.spec.timeout_s)
             rec = {"kind": job.kind, "prompt_tokens": len(job.input_ids), "ok": r.ok, "status": r.status,

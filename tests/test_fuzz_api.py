@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from disagg import cluster, procs
 from disagg.fuzz_bodies import request_bodies
-from disagg.malformed import BadRequest, Endpoint, bad_requests, send
+from disagg.malformed import ROUTER_ANSWERS, BadRequest, Endpoint, bad_requests, send
 from engine.launcher import SGLangServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -148,17 +148,7 @@ class TestColocated:
 
 # ---------------------------------------------------------------- a 1P1D cluster's router
 
-# What SGLang's Python mini load balancer (`--mini-lb`) answers itself, before any server sees
-# the request, for catalogue items it cannot parse: an uncaught exception in its own request
-# handling (sglang_router/mini_lb.py, _get_request_batch_size), so a 500 from the balancer.
-# Not fixable on our side (the balancer is SGLang's process, our plugin does not run in it);
-# `hack up` moves to the production router, which is held to the full catalogue.
-MINI_LB_ANSWERS: dict[str, int] = {
-    "generate-text-not-string": 500,  # len(123): TypeError in _get_request_batch_size
-    "generate-input-ids-empty": 500,  # input_ids[0]: IndexError in _get_request_batch_size
-    "generate-stream-not-bool": 200,  # "yes" is truthy: its streaming path answers 200 first
-}
-
+# What each router answers itself for some catalogue items: disagg.malformed.ROUTER_ANSWERS.
 
 def _mini_lb_answers_itself(path: str, raw: bytes) -> bool:
     """Fuzz bodies the mini-lb fails on before a server sees them (same causes as above): a
@@ -212,12 +202,12 @@ class TestRouter:
 
     def test_catalogue_gets_4xx(self, pd):
         url = pd["router_url"]
-        known = MINI_LB_ANSWERS if _router_kind(pd) == "mini-lb" else {}
+        known = ROUTER_ANSWERS[pd["router"]]
         failures = _catalogue_failures(url, skip=set(known))
         assert not failures, "not a 4xx through the router:\n" + "\n".join(failures)
         by_name = {r.name: r for r in bad_requests()}
         got = {name: send(url, by_name[name], timeout=REQUEST_TIMEOUT_S) for name in known}
-        assert got == known, f"the mini-lb's documented answers changed: {got} (documented {known})"
+        assert got == known, f"the router's documented answers changed: {got} (documented {known})"
         self._check_after(pd)
 
     @pytest.mark.parametrize("endpoint", list(Endpoint), ids=lambda e: e.name.lower())
