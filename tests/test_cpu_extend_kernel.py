@@ -23,7 +23,7 @@ import torch
 
 from hack_ops.paged import cpu_extend, cpu_kernel
 from hack_ops.paged.attention import _fp16_windows
-from test_paged_attention import FLIP_TOL, Case, make_cfg
+from test_paged_attention import FLIP_TOL, ROUNDOFF_TOL, Case, make_cfg
 
 
 @pytest.fixture(autouse=True)
@@ -122,26 +122,34 @@ def test_blocks_threads_and_builds_agree():
     assert float((base - ref).abs().amax(-1).max()) <= FLIP_TOL
 
 
-@pytest.mark.parametrize("prefill", ["homomorphic", "exact"])
-def test_paths_agree(prefill, monkeypatch):
-    """Tiled, per-query and torch extend over a cached unaligned prefix read the same cache."""
-    cfg = make_cfg(partition_size=32, sink_tokens=1)
+def assert_extend_paths_agree(new_case, prefix_lens: list[int], prefill: str, monkeypatch) -> None:
+    """Tiled, per-query and torch extend over a cached prefix of `prefix_lens` tokens (each path
+    on its own fresh `new_case()`) agree within FLIP_TOL per row and round-off for 90% of rows;
+    with 'homomorphic' prefill each also matches the dense reference ('exact' has none over a
+    prefix)."""
     outs = {}
     for path in ("tiled", "per-query", "torch"):
         if path == "per-query":
             monkeypatch.setenv("HACK_EXTEND_KERNEL", "per-query")
         else:
             monkeypatch.delenv("HACK_EXTEND_KERNEL", raising=False)
-        case = Case(cfg, lens=[140, 50], seed=24)
-        case.extend([45, 20], backend="torch")
-        outs[path] = case.extend([140, 50], prefill=prefill, backend="torch" if path == "torch" else "cpu")
+        case = new_case()
+        case.extend(prefix_lens, backend="torch")
+        outs[path] = case.extend(case.lens, prefill=prefill, backend="torch" if path == "torch" else "cpu")
         if prefill == "homomorphic":
             case.check(outs[path], path)
-    for i in (0, 1):
+    for i in range(len(prefix_lens)):
         for path in ("per-query", "torch"):
             err = (outs["tiled"][i] - outs[path][i]).abs().amax(-1)
             assert float(err.max()) <= FLIP_TOL, (path, i, float(err.max()))
-            assert float((err <= 5e-5).float().mean()) >= 0.9, (path, i)
+            assert float((err <= ROUNDOFF_TOL).float().mean()) >= 0.9, (path, i)
+
+
+@pytest.mark.parametrize("prefill", ["homomorphic", "exact"])
+def test_paths_agree(prefill, monkeypatch):
+    """Tiled, per-query and torch extend over a cached unaligned prefix read the same cache."""
+    cfg = make_cfg(partition_size=32, sink_tokens=1)
+    assert_extend_paths_agree(lambda: Case(cfg, lens=[140, 50], seed=24), [45, 20], prefill, monkeypatch)
 
 
 def test_path_choice_and_reasons(monkeypatch):

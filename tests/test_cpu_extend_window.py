@@ -20,6 +20,7 @@ import torch
 from hack_ops.paged import cpu_extend, cpu_kernel
 from hack_ops.paged.attention import _fp16_windows
 from hack_ops.paged.torch_attention import first_page
+from test_cpu_extend_kernel import assert_extend_paths_agree
 from test_paged_attention import FLIP_TOL, ROUNDOFF_TOL, Case, make_cfg
 
 P = 32
@@ -80,22 +81,9 @@ def test_paths_agree(prefill, monkeypatch):
     """Tiled, per-query and torch extend over a cached unaligned prefix read the same cache with
     the same window and cap ('exact' too, which has no dense reference over a prefix)."""
     cfg = make_cfg(partition_size=P, sink_tokens=1)
-    outs = {}
-    for path in ("tiled", "per-query", "torch"):
-        if path == "per-query":
-            monkeypatch.setenv("HACK_EXTEND_KERNEL", "per-query")
-        else:
-            monkeypatch.delenv("HACK_EXTEND_KERNEL", raising=False)
-        case = Case(cfg, lens=[160, 50], seed=33, window=45, logit_cap=4.0, scale=0.2)
-        case.extend([45, 20], backend="torch")
-        outs[path] = case.extend([160, 50], prefill=prefill, backend="torch" if path == "torch" else "cpu")
-        if prefill == "homomorphic":
-            case.check(outs[path], path)
-    for i in (0, 1):
-        for path in ("per-query", "torch"):
-            err = (outs["tiled"][i] - outs[path][i]).abs().amax(-1)
-            assert float(err.max()) <= FLIP_TOL, (path, i, float(err.max()))
-            assert float((err <= ROUNDOFF_TOL).float().mean()) >= 0.9, (path, i)
+    assert_extend_paths_agree(
+        lambda: Case(cfg, lens=[160, 50], seed=33, window=45, logit_cap=4.0, scale=0.2),
+        [45, 20], prefill, monkeypatch)
 
 
 def _written(window: int, seed: int) -> tuple[Case, object]:
