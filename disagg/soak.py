@@ -39,6 +39,8 @@ from typing import Any, Callable
 
 import requests
 
+from engine.usage import is_idle
+
 from . import procs
 from .malformed import bad_requests, router_answer, send
 from .replay import Result, generate
@@ -176,13 +178,6 @@ def kv_usage(url: str) -> dict | None:
         return info["internal_states"][0]["hack_kv"]
     except Exception:  # noqa: BLE001 - a dead or busy server: reported as unknown
         return None
-
-
-def is_idle(usage: dict | None) -> bool:
-    if not usage:
-        return False
-    cached = usage.get("radix_cached_tokens")
-    return usage.get("request_rows_in_use") == 0 and (cached is None or usage.get("used_tokens") == cached)
 
 
 RETRACT_RE = re.compile(r"KV cache pool is full\. Retract requests\. #retracted_reqs: (\d+)")

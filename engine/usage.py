@@ -79,6 +79,15 @@ def kv_usage(scheduler: Any) -> dict:
     return out
 
 
+def is_idle(usage: dict | None) -> bool:
+    """Whether a `kv_usage` report (as /server_info serves it) shows a server at rest: no
+    request row held and no KV slot used beyond what the radix cache keeps (nothing at all
+    without a radix cache). Anything else with no request running is leaked memory."""
+    if not usage:
+        return False
+    return usage.get("request_rows_in_use") == 0 and usage.get("used_tokens") == (usage.get("radix_cached_tokens") or 0)
+
+
 def memory_sample(scheduler: Any) -> dict:
     """One metrics sample (engine.metrics.sample fields) of the scheduler's KV memory."""
     from .pool import HackKVPool

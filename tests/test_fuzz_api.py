@@ -23,6 +23,7 @@ from disagg import cluster, procs
 from disagg.fuzz_bodies import request_bodies
 from disagg.malformed import ROUTER_ANSWERS, BadRequest, Endpoint, bad_requests, send
 from engine.launcher import SGLangServer
+from engine.usage import is_idle
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -98,7 +99,7 @@ def _assert_serving_and_idle(url: str, alive: Callable[[], bool], name: str) -> 
     usage = _kv_usage(url)
     while time.monotonic() < deadline:
         usage = _kv_usage(url)
-        if usage["request_rows_in_use"] == 0 and usage["used_tokens"] == usage["radix_cached_tokens"]:
+        if is_idle(usage):
             assert usage["hack"] is not None, f"{name} has no HACK pool"
             return
         time.sleep(0.5)

@@ -99,3 +99,5 @@ def test_idle_means_no_row_and_nothing_beyond_the_radix_cache() -> None:
     assert not is_idle({"request_rows_in_use": 1, "used_tokens": 128, "radix_cached_tokens": 128})
     assert not is_idle({"request_rows_in_use": 0, "used_tokens": 192, "radix_cached_tokens": 128})
     assert not is_idle(None)
+    assert is_idle({"request_rows_in_use": 0, "used_tokens": 0, "radix_cached_tokens": None})
+    assert not is_idle({"request_rows_in_use": 0, "used_tokens": 64, "radix_cached_tokens": None})
