@@ -13,8 +13,20 @@ seconds, not a minute; a dead one refuses the connection, so two checks take it 
 timeout is 30 s instead of 5 s (SGLang's /health generates one token and answers only when the
 scheduler returns something, after up to its own 20 s: on a CPU one forward of a long prompt
 takes longer than 5 s, and with the upstream timeout a busy, healthy prefill server was taken
-out of rotation mid-soak and every request got a 503), and the router's Prometheus endpoint
-gets a free port (upstream's fixed 29000 would collide when two clusters run on one machine).
+out of rotation mid-soak and every request got a 503), retries wait 1, 2, 4, 8, 8 s instead of
+upstream's 50, 75, 112 ms (see `RouterOptions.retry_window_s`), and the router's Prometheus
+endpoint gets a free port (upstream's fixed 29000 would collide when two clusters run on one
+machine).
+
+Why the retries must outlast detection: until the health checker takes a dead server out of
+rotation, the policy may pick it again for every retry (a dead server holds no load, so the
+load-aware policies favour it, and cache_aware keeps a prefix on the server that cached it).
+Upstream's three quick retries all landed on a killed prefill in CI and the client got a 502
+while a healthy prefill was idle. A retry window longer than the detection time lets the
+retries after detection reach a live server. Detection is not fast here: one round of health
+checks waits for the slowest /health, and SGLang's /health takes at least a second (it waits
+for the scheduler to answer a one-token generation), several under load: measured 1.5 to
+9.3 s for a killed prefill with a 2 s interval.
 """
 from __future__ import annotations
 
@@ -24,6 +36,12 @@ from enum import Enum
 from typing import Callable
 
 POLICIES = ("random", "round_robin", "cache_aware", "power_of_two")
+
+# How long one round of health checks may take beyond its interval: SGLang's /health answers
+# after >= 1 s (a one-token generation), several seconds under load, and a round waits for the
+# slowest server (measured: a killed prefill left rotation 9.3 s after the kill with a 2 s
+# interval on a loaded 2-core host).
+HEALTH_ROUND_ALLOWANCE_S = 5.0
 
 
 class RouterKind(str, Enum):
@@ -42,7 +60,9 @@ class RouterOptions:
     health_check_interval_s: int = 2
     health_failure_threshold: int = 2
     health_check_timeout_s: int = 30  # above SGLang's own 20 s health-generation timeout
-    retries: int = 3
+    retries: int = 5  # after the first attempt
+    retry_backoff_ms: int = 1000  # the first wait; doubles up to retry_max_backoff_ms
+    retry_max_backoff_ms: int = 8000
     request_timeout_s: int = 1800
     extra: tuple[str, ...] = field(default_factory=tuple)  # more launch_router flags, verbatim
 
@@ -63,6 +83,33 @@ class RouterOptions:
             raise ValueError("router health checks need an interval, a timeout and a failure threshold >= 1")
         if self.retries < 0:
             raise ValueError(f"router retries must be >= 0, got {self.retries}")
+        if not 0 < self.retry_backoff_ms <= self.retry_max_backoff_ms:
+            raise ValueError("router retry backoff must be > 0 ms and at most the largest backoff "
+                             f"({self.retry_max_backoff_ms} ms), got {self.retry_backoff_ms}")
+
+    def retry_window_s(self) -> float:
+        """How long the router keeps retrying a request that keeps failing: the sum of its
+        waits (upstream adds up to 20% jitter on top, and each attempt's own time)."""
+        waits = [min(self.retry_backoff_ms * 2 ** i, self.retry_max_backoff_ms)
+                 for i in range(self.retries)]
+        return sum(waits) / 1000
+
+    def detection_time_s(self) -> float:
+        """A bound on how long a killed server stays in rotation: `health_failure_threshold`
+        failed rounds of health checks, each its interval plus the slowest /health."""
+        return self.health_failure_threshold * (self.health_check_interval_s + HEALTH_ROUND_ALLOWANCE_S)
+
+    def warnings(self) -> list[str]:
+        """Sentences for the operator about settings that lose requests a dead server takes."""
+        if self.kind is RouterKind.MINI_LB:
+            return ["mini-lb has no health checks or retries: requests sent to a dead server fail "
+                    "until the cluster is restarted"]
+        if self.retry_window_s() < self.detection_time_s():
+            return [f"router retries span {self.retry_window_s():.0f} s, less than the "
+                    f"{self.detection_time_s():.0f} s a dead server can stay in rotation: requests "
+                    "routed to it in between can fail (raise --router-retries or "
+                    "--router-retry-backoff-ms, or lower --router-health-interval)"]
+        return []
 
 
 def router_command(port: int, prefill: list[tuple[str, int | None]], decode: list[str],
@@ -90,7 +137,13 @@ def router_command(port: int, prefill: list[tuple[str, int | None]], decode: lis
             "--health-failure-threshold", str(opts.health_failure_threshold),
             "--health-check-timeout-secs", str(opts.health_check_timeout_s),
             "--request-timeout-secs", str(opts.request_timeout_s)]
-    cmd += ["--retry-max-retries", str(opts.retries)] if opts.retries else ["--disable-retries"]
+    if opts.retries:  # upstream counts the first attempt among its "max retries"
+        cmd += ["--retry-max-retries", str(opts.retries + 1),
+                "--retry-initial-backoff-ms", str(opts.retry_backoff_ms),
+                "--retry-max-backoff-ms", str(opts.retry_max_backoff_ms),
+                "--retry-backoff-multiplier", "2"]
+    else:
+        cmd += ["--disable-retries"]
     if prometheus_port is not None:
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus_port)]
     return cmd + list(opts.extra)

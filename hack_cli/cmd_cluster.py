@@ -89,8 +89,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="routing policy of the decode servers")
     g.add_argument("--router-health-interval", type=int, default=2, metavar="S",
                    help="seconds between the router's health checks of each server (default 2)")
-    g.add_argument("--router-retries", type=int, default=3,
-                   help="retries of a failed request on another server (0: none; default 3)")
+    g.add_argument("--router-retries", type=int, default=5,
+                   help="retries of a failed request, each routed anew (0: none; default 5)")
+    g.add_argument("--router-retry-backoff-ms", type=int, default=1000, metavar="MS",
+                   help="wait before the first retry; doubles, up to 8 s (default 1000: five "
+                        "retries span 23 s, longer than a dead server stays in rotation)")
     g.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="one more flag for sglang_router.launch_router, verbatim (repeatable; "
                         "use --router-arg=--flag=value)")
@@ -103,8 +106,13 @@ def router_options_from_args(args: argparse.Namespace) -> "RouterOptions":
                          prefill_policy=args.router_prefill_policy,
                          decode_policy=args.router_decode_policy,
                          health_check_interval_s=args.router_health_interval,
-                         retries=args.router_retries, extra=tuple(args.router_arg))
+                         retries=args.router_retries,
+                         retry_backoff_ms=args.router_retry_backoff_ms,
+                         retry_max_backoff_ms=max(8000, args.router_retry_backoff_ms),
+                         extra=tuple(args.router_arg))
     opts.validate()
+    for warning in opts.warnings():
+        print(f"warning: {warning}", file=sys.stderr)
     return opts
 
 

@@ -28,7 +28,10 @@ def test_rust_router_is_the_default_with_health_checks_retries_and_breaker() -> 
     assert parsed.prefill_urls == PREFILL and parsed.decode_urls == DECODE
     assert parsed.health_check_interval_secs == 2 and parsed.health_failure_threshold == 2
     assert parsed.health_check_timeout_secs == 30  # above SGLang's 20 s health generation
-    assert parsed.retry_max_retries == 3 and not parsed.disable_retries
+    # five retries after the first attempt (upstream counts the attempt), waits 1, 2, 4, 8, 8 s
+    assert parsed.retry_max_retries == 6 and not parsed.disable_retries
+    assert parsed.retry_initial_backoff_ms == 1000 and parsed.retry_max_backoff_ms == 8000
+    assert parsed.retry_backoff_multiplier == 2
     assert not parsed.disable_circuit_breaker and not parsed.disable_health_check
     assert parsed.prometheus_port == 29123 and parsed.host == "127.0.0.1" and parsed.port == 8000
     assert parsed.policy == "cache_aware"  # upstream's default when none is asked for
@@ -53,6 +56,21 @@ def test_mini_lb_only_when_asked_and_without_routing_options() -> None:
         RouterOptions(policy="fastest").validate()
     with pytest.raises(ValueError, match="retries"):
         RouterOptions(retries=-1).validate()
+    with pytest.raises(ValueError, match="backoff"):
+        RouterOptions(retry_backoff_ms=0).validate()
+
+
+def test_retries_outlast_the_time_a_dead_server_stays_in_rotation() -> None:
+    opts = RouterOptions()
+    assert opts.retry_window_s() == pytest.approx(1 + 2 + 4 + 8 + 8)
+    # 2 failed rounds of (2 s interval + 5 s for the slowest /health): 14 s < 23 s
+    assert opts.detection_time_s() == pytest.approx(14.0)
+    assert opts.warnings() == []
+    # upstream's schedule (3 attempts, 50 ms doubling) is over in 0.15 s: the operator is told
+    quick = RouterOptions(retries=2, retry_backoff_ms=50)
+    assert quick.retry_window_s() == pytest.approx(0.15)
+    assert "less than the 14 s a dead server can stay in rotation" in quick.warnings()[0]
+    assert "no health checks" in RouterOptions(kind=RouterKind.MINI_LB).warnings()[0]
 
 
 def test_hack_up_flags_build_the_options_and_refuse_bad_combinations() -> None:
@@ -61,9 +79,11 @@ def test_hack_up_flags_build_the_options_and_refuse_bad_combinations() -> None:
 
     parser = build_parser()
     args = parser.parse_args(["up", "--router-policy", "random", "--router-retries", "1",
+                              "--router-retry-backoff-ms", "20000",
                               "--router-arg=--cb-failure-threshold=4"])
     opts = router_options_from_args(args)
     assert opts.kind is RouterKind.RUST and opts.policy == "random" and opts.retries == 1
+    assert opts.retry_backoff_ms == 20000 and opts.retry_max_backoff_ms == 20000
     assert opts.extra == ("--cb-failure-threshold=4",)
     args = parser.parse_args(["up", "--router", "mini-lb", "--router-policy", "random"])
     with pytest.raises(ValueError, match="mini-lb takes no routing options"):
