@@ -243,6 +243,9 @@ class Soak:
         self.rss: dict[str, list[tuple[float, int]]] = {self._name(s): [] for s in self.servers}
         self.done_count = 0
         self.rss_at_100: dict[str, int] = {}
+        # RSS at each tenth of the load: growth to a plateau and steady growth (a leak) look the
+        # same in start/end numbers and different here.
+        self.rss_tenths: dict[str, list[int]] = {name: [] for name in self.rss}
         self._lock = threading.Lock()
         self._stop = threading.Event()
 
@@ -306,6 +309,11 @@ class Soak:
                 self.done_count += 1
                 if self.done_count == min(100, self.spec.requests):
                     self.rss_at_100 = {k: v[-1][1] for k, v in self.rss.items() if v}
+                tenth = max(1, self.spec.requests // 10)
+                if self.done_count % tenth == 0:
+                    for name, samples in self.rss.items():
+                        if samples and name not in self.dead:
+                            self.rss_tenths[name].append(samples[-1][1])
 
     def _sample(self) -> None:
         while not self._stop.is_set():
@@ -402,7 +410,9 @@ class Soak:
             at100 = self.rss_at_100.get(name)
             rss[name] = {"start_mb": round(start / 2**20, 1), "at_100_mb": round(at100 / 2**20, 1) if at100 else None,
                          "end_mb": round(end / 2**20, 1), "dead": name in self.dead,
-                         "growth_from_100": round(end / at100 - 1.0, 4) if at100 else None}
+                         "growth_from_100": round(end / at100 - 1.0, 4) if at100 else None,
+                         "peak_mb": round(max(v for _, v in samples) / 2**20, 1),
+                         "by_tenth_mb": [round(v / 2**20, 1) for v in self.rss_tenths[name]]}
         logs = {self._name(s): Path(s["log"]) for s in self.servers}
         expected_fail = classes[FailureClass.IN_FLIGHT_AT_KILL.value] + classes[FailureClass.CORRUPTED_TRANSFER.value]
         return {

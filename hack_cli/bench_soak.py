@@ -74,7 +74,8 @@ def _print(report: dict) -> None:
                                      "router_dropped_after_s", "router_view", "consumed") if k in ev))
     for name, x in report["rss"].items():
         print(f"  {name}: RSS {x['start_mb']} -> {x['at_100_mb']} (100th) -> {x['end_mb']} MB"
-              f"{' (killed)' if x['dead'] else ''}")
+              f"{' (killed)' if x['dead'] else ''}; at each tenth of the load: "
+              f"{', '.join(f'{v:.0f}' for v in x.get('by_tenth_mb', []))}")
     print(f"  pools idle after: {report['pools']['idle_after']}; retractions: {report['retractions']}")
 
 
