@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import requests
 
+from engine import allocator
 from engine.usage import is_idle
 
 from . import procs
@@ -188,6 +189,30 @@ def retractions(log: Path) -> int:
         return sum(int(m) for m in RETRACT_RE.findall(log.read_text(errors="replace")))
     except OSError:
         return 0
+
+
+# SGLang's periodic decode log line: requests running, KV usage, and requests in the prealloc
+# queue (#prealloc-req: waiting for KV room or a request row before their transfer may start),
+# which is where a small pool shows in PD mode: a decode server admits a transfer only when its
+# KV fits, so it queues before it retracts.
+DECODE_BATCH_RE = re.compile(r"Decode batch, #running-req: (\d+), #token: \d+, token usage: ([\d.]+), "
+                             r"pre-allocated usage: [\d.]+, #prealloc-req: (\d+)")
+
+
+def decode_pressure(log: Path) -> dict | None:
+    """Mean and max of running and prealloc-queued requests and the peak KV usage over a
+    decode server's logged batches; None when it logged none."""
+    try:
+        rows = [tuple(float(x) for x in m) for m in DECODE_BATCH_RE.findall(log.read_text(errors="replace"))]
+    except OSError:
+        return None
+    if not rows:
+        return None
+    n = len(rows)
+    return {"batches_logged": n,
+            "running_mean": round(sum(r[0] for r in rows) / n, 2), "running_max": int(max(r[0] for r in rows)),
+            "prealloc_queue_mean": round(sum(r[2] for r in rows) / n, 2),
+            "prealloc_queue_max": int(max(r[2] for r in rows)), "kv_usage_max": max(r[1] for r in rows)}
 
 
 def _stats(vals: list[float]) -> dict:
@@ -421,6 +446,7 @@ class Soak:
                         "prefill": sum(s["role"] == "prefill" for s in self.servers),
                         "decode": sum(s["role"] == "decode" for s in self.servers)},
             "wall_s": round(wall, 1),
+            "server_allocator": allocator.describe(dict(os.environ)),
             "requests": {"sent": len(gen), "ok": sum(r["ok"] for r in gen),
                          "failed": sum(not r["ok"] for r in gen), "expected_failures": expected_fail},
             "malformed": {"sent": len(bad), "answered_4xx": sum(r["ok"] for r in bad),
@@ -431,6 +457,7 @@ class Soak:
                       "idle_after": {k: is_idle(v) for k, v in after.items()}},
             "rss": rss,
             "retractions": {name: retractions(p) for name, p in logs.items() if name.startswith("decode")},
+            "decode_pressure": {name: decode_pressure(p) for name, p in logs.items() if name.startswith("decode")},
         }
 
 

@@ -33,6 +33,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
 
 # Python 3.11 (the project's interpreter) is not in Ubuntu 24.04's archive: deadsnakes has it.
 # libibverbs1/librdmacm1/ibverbs-providers: mooncake's transfer engine links them even over TCP.
+# libtcmalloc-minimal4: the servers' allocator (engine/allocator.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends software-properties-common gnupg \
@@ -40,7 +41,7 @@ RUN apt-get update \
  && apt-get update \
  && apt-get install -y --no-install-recommends \
       "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-venv" "python${PYTHON_VERSION}-dev" \
-      ca-certificates curl libibverbs1 librdmacm1 ibverbs-providers libnuma1 \
+      ca-certificates curl libibverbs1 librdmacm1 ibverbs-providers libnuma1 libtcmalloc-minimal4 \
  && apt-get purge -y --auto-remove software-properties-common gnupg \
  && rm -rf /var/lib/apt/lists/*
 

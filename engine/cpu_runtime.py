@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from . import allocator
+
 logger = logging.getLogger(__name__)
 
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
@@ -72,10 +74,22 @@ def prepare() -> None:
 # decode step of SmolLM2 took ~1 s spinning and ~50 ms with passive waiting.
 SHARED_HOST_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
+# Torch runs a BF16 linear through a oneDNN matmul built for its exact shape and keeps the built
+# primitive in two caches, oneDNN's and ideep's, 1024 entries each by default; each entry costs
+# ~1.3 MB of JIT code and buffers. A prefill server meets a new token count with almost every
+# batch, so those caches grew its resident memory by ~470 MB over a 500-request soak
+# (docs/reliability.md). 64 entries hold every shape of a decode step many times over (one per
+# projection and batch size), so decode keeps hitting, and a prefill batch's new shape was a miss
+# either way; a miss costs ~0.5 ms per projection.
+PRIMITIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
+
 
 def shared_host_env(env: dict[str, str]) -> dict[str, str]:
     """`env` for a server that shares this host's cores with other servers: OpenMP workers
-    sleep instead of spinning, unless the caller chose a policy. Returns `env` (updated)."""
-    for key, value in SHARED_HOST_ENV.items():
+    sleep instead of spinning, unless the caller chose a policy; oneDNN's per-shape caches are
+    bounded; and the server's allocator is preloaded (engine/allocator.py). A value the caller
+    set is kept. Returns `env` (updated)."""
+    for key, value in {**SHARED_HOST_ENV, **PRIMITIVE_CACHE_ENV}.items():
         env.setdefault(key, value)
+    allocator.apply(env)
     return env

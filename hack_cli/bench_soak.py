@@ -72,11 +72,18 @@ def _print(report: dict) -> None:
         print(f"  fault {ev['fault']} {ev['server']}: " + ", ".join(
             f"{k}={ev[k]}" for k in ("sent_after", "failed_after", "failed_after_within_s", "first_served_after_s",
                                      "router_dropped_after_s", "router_view", "consumed") if k in ev))
+    if report.get("server_allocator"):
+        print(f"  servers' allocator: {report['server_allocator']}")
     for name, x in report["rss"].items():
         print(f"  {name}: RSS {x['start_mb']} -> {x['at_100_mb']} (100th) -> {x['end_mb']} MB"
               f"{' (killed)' if x['dead'] else ''}; at each tenth of the load: "
               f"{', '.join(f'{v:.0f}' for v in x.get('by_tenth_mb', []))}")
     print(f"  pools idle after: {report['pools']['idle_after']}; retractions: {report['retractions']}")
+    for name, d in (report.get("decode_pressure") or {}).items():
+        if d:
+            print(f"  {name}: running mean/max {d['running_mean']}/{d['running_max']}, waiting for admission "
+                  f"(prealloc queue) mean/max {d['prealloc_queue_mean']}/{d['prealloc_queue_max']}, peak KV usage "
+                  f"{d['kv_usage_max']:.2f} ({d['batches_logged']} logged batches)")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from disagg.soak import (FailureClass, FaultEvent, FaultKind, Soak, SoakSpec, fault_schedule, is_idle,
-                         group_rss_bytes, passed, retractions)
+                         decode_pressure, group_rss_bytes, passed, retractions)
 
 
 def test_fault_schedule_parses_and_refuses_with_a_sentence() -> None:
@@ -86,6 +86,19 @@ def test_retractions_sum_sglang_log_lines(tmp_path: Path) -> None:
                    "Testing retraction. #retracted_reqs: 9\n")
     assert retractions(log) == 5
     assert retractions(tmp_path / "missing.log") == 0
+
+
+def test_decode_pressure_reads_sglangs_decode_batch_lines(tmp_path: Path) -> None:
+    line = ("[2026-11-24 15:45:28] Decode batch, #running-req: {r}, #token: 896, token usage: {u}, pre-allocated "
+            "usage: 0.03, #prealloc-req: {p}, #transfer-req: 3, #retracted-req: 0, cpu graph: False, gen "
+            "throughput (token/s): 3.20, #queue-req: 0\n")
+    log = tmp_path / "decode-0.log"
+    log.write_text("noise\n" + line.format(r=1, u=0.06, p=2) + line.format(r=3, u=0.73, p=10))
+    assert decode_pressure(log) == {"batches_logged": 2, "running_mean": 2.0, "running_max": 3,
+                                    "prealloc_queue_mean": 6.0, "prealloc_queue_max": 10, "kv_usage_max": 0.73}
+    (tmp_path / "quiet.log").write_text("no batches\n")
+    assert decode_pressure(tmp_path / "quiet.log") is None
+    assert decode_pressure(tmp_path / "missing.log") is None
 
 
 def test_group_rss_counts_this_process_group() -> None:
