@@ -1,4 +1,4 @@
-"""`hack eval size` and `hack eval accuracy`."""
+"""`hack eval size`, `hack eval accuracy` and `hack eval retrieval`."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="raw results ('' = none; default docs/accuracy.json, docs/accuracy-MODEL.json)")
     acc.set_defaults(func=_accuracy)
 
+    ret = esub.add_parser("retrieval", help="passkey retrieval from long essay documents: exact match "
+                                            "of exact, hack and dequant on the same items")
+    ret.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
+    ret.add_argument("--contexts", default="4096,8192",
+                     help="comma-separated prompt lengths in tokens (default 4096,8192)")
+    ret.add_argument("--items", type=int, default=50, help="items per context (default 50)")
+    ret.add_argument("--seed", type=int, default=0, help="seed of keys and haystacks (default 0)")
+    ret.add_argument("--variants", default="=default", metavar="PATTERNS",
+                     help="rows of the accuracy study to score besides exact, as for `hack eval accuracy "
+                          "--variants` (default '=default': the default format, hack and dequant)")
+    ret.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ret.add_argument("--out", default=None,
+                     help="markdown report ('' = none; default docs/retrieval.md, docs/retrieval-MODEL.md "
+                          "for another model than smollm2)")
+    ret.add_argument("--json-out", default=None,
+                     help="raw results ('' = none; default docs/retrieval.json, docs/retrieval-MODEL.json)")
+    ret.set_defaults(func=_retrieval)
+
 
 def _size(args: argparse.Namespace) -> int:
     from hack_eval.size import size_table
@@ -72,7 +90,18 @@ def _accuracy(args: argparse.Namespace) -> int:
         args.out = f"docs/accuracy{suffix}.md"
     if args.json_out is None:
         args.json_out = f"docs/accuracy{suffix}.json"
-    # The command to rerun, without where this run wrote its files.
+    text = render(res, _rerun_command("accuracy"))
+    if args.json_out:
+        save(res, Path(args.json_out))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+    print(text)
+    return 0
+
+
+def _rerun_command(what: str) -> str:
+    """The command to rerun, without where this run wrote its files."""
     argv, shown, skip = sys.argv[3:], [], False
     for a in argv:
         if skip:
@@ -81,12 +110,27 @@ def _accuracy(args: argparse.Namespace) -> int:
             skip = True
         elif not a.startswith(("--out=", "--json-out=")):
             shown.append(a)
-    command = "hack eval accuracy " + " ".join(shlex.quote(a) for a in shown)
-    text = render(res, command.strip())
-    if args.json_out:
-        save(res, Path(args.json_out))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
+    return (f"hack eval {what} " + " ".join(shlex.quote(a) for a in shown)).strip()
+
+
+def _retrieval(args: argparse.Namespace) -> int:
+    from hack_eval.retrieval import render_retrieval, run_study_retrieval
+
+    contexts = [int(c) for c in args.contexts.split(",") if c.strip()]
+    if not contexts or min(contexts) < 64 or args.items < 1:
+        raise ValueError("need contexts of at least 64 tokens and at least one item per context")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
+                              variant_patterns=args.variants.split(","), threads=args.threads, log=log)
+    suffix = "" if args.model == "smollm2" else f"-{args.model}"
+    out = f"docs/retrieval{suffix}.md" if args.out is None else args.out
+    json_out = f"docs/retrieval{suffix}.json" if args.json_out is None else args.json_out
+    text = render_retrieval(res, _rerun_command("retrieval"))
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(res, indent=1))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
     print(text)
     return 0

@@ -53,7 +53,7 @@ def essay_ids(model_path: str | Path, length: int, index: int = 0) -> list[int]:
         return wins[index]
     # Too few essays are this long in this tokenizer (Gemma-3's 262K vocabulary packs an essay
     # into fewer tokens): cut the window out of the essays joined in order instead.
-    ids = _essay_stream(tok, (index + 1) * length)
+    ids = essay_stream(tok, (index + 1) * length)
     if len(ids) < (index + 1) * length:
         raise ValueError(f"the essays hold {len(ids)} tokens, fewer than {index + 1} windows of {length}")
     return ids[index * length:(index + 1) * length]
@@ -88,7 +88,7 @@ def _encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
-def _essay_stream(tok: Any, n_tokens: int) -> list[int]:
+def essay_stream(tok: Any, n_tokens: int) -> list[int]:
     """The essays' tokens in order, each followed by a blank line, until `n_tokens` (or all)."""
     from .texts import essay_files
 
@@ -105,7 +105,7 @@ def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list
     body_len = length - len(tail)
     if body_len <= 0:
         raise ValueError(f"prompt_tokens {length} is shorter than the instruction")
-    ids = _essay_stream(tok, n * body_len)  # one long token stream over all essays, cut into documents
+    ids = essay_stream(tok, n * body_len)  # one long token stream over all essays, cut into documents
     if len(ids) < body_len:
         raise ValueError(f"the essays hold {len(ids)} tokens, fewer than one {length}-token prompt")
     out = []

@@ -1,5 +1,5 @@
 """`--model gemma3` reaches what each command runs: `hack up`, `hack bench serve|disagg|attention`,
-`hack eval accuracy|size`. No server starts: the real parser and command functions run, and the
+`hack eval accuracy|retrieval|size`. No server starts: the real parser and command functions run, and the
 first step that would load or serve the model is replaced by a recorder that stops the command.
 Model preparation is replaced by a folder holding Gemma-3-270M's attention config, so the test
 needs neither the GGUF package nor a conversion."""
@@ -153,6 +153,20 @@ def test_eval_accuracy_studies_gemma3(prepared, monkeypatch):
     monkeypatch.setattr(hack_eval.accuracy, "run_study", fake_study)
     _run(["eval", "accuracy", "--model", "gemma3", "--core"])
     assert seen["model_name"] == "gemma3" and seen["core"] is True
+
+
+def test_eval_retrieval_loads_gemma3(prepared, monkeypatch):
+    import hack_eval.runner
+
+    seen = {}
+
+    def fake_load(path, threads=None):
+        seen["path"] = path
+        raise Reached
+
+    monkeypatch.setattr(hack_eval.runner, "load_model", fake_load)
+    _run(["eval", "retrieval", "--model", "gemma3", "--contexts", "512", "--items", "1"])
+    assert seen["path"] == prepared["folder"] and prepared["asked"] == ["gemma3"]
 
 
 def test_eval_size_reads_gemma3s_geometry(prepared, capsys):

@@ -1,0 +1,166 @@
+"""Passkey retrieval: a number hidden at a chosen depth of a long essay document, the model asked
+for it at the end. Where perplexity averages over every token, this task fails when one detail
+far back in the cache is lost, which is what a 2-bit cache risks.
+
+Scoring is exact match of greedy decoding, computed teacher-forced: greedy decoding reproduces
+the answer exactly when the argmax at every answer position is the next answer token given the
+answer so far, so one forward pass over prompt + answer decides it (instead of one pass per
+generated token), and only the answer positions' logits are computed.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .runner import Variant, use_variant
+from .workloads import essay_stream
+
+# The classic passkey prompt (Mohtashami & Jaggi, 2023): the fact is stated twice so a small
+# base model can copy it; what is measured is whether the cache still holds it.
+INTRO = ("There is an important pass key hidden inside a lot of irrelevant text. Find it and "
+         "memorize it. I will quiz you about it.\n\n")
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+ANSWER = " {key}"
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+HAYSTACK_OFFSETS = 20_000  # tokens of essay text beyond the longest prompt to draw haystacks from
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question: `ids` is prompt + answer; the answer is ids[answer_start:]."""
+
+    context: int
+    depth: float
+    key: str
+    ids: tuple[int, ...]
+    answer_start: int
+
+
+def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
+                depths: tuple[float, ...] = DEPTHS) -> list[Item]:
+    """`per_cell` items for each context length (prompt + answer tokens), spread over `depths`
+    in turn; keys are seeded 5-digit numbers."""
+    if per_cell < 1:
+        raise ValueError("need at least one item per context")
+    rng = random.Random(seed)
+    enc = lambda s: list(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    intro, question = enc(INTRO), enc(QUESTION)
+    # One token stream over the essays; each item's haystack starts at a seeded offset in it,
+    # so items differ in their text as well as their key.
+    stream = essay_stream(tok, max(contexts) + HAYSTACK_OFFSETS)
+    items: list[Item] = []
+    for context in contexts:
+        for i in range(per_cell):
+            key = str(rng.randrange(10_000, 100_000))
+            needle, answer = enc(NEEDLE.format(key=key)), enc(ANSWER.format(key=key))
+            n_fill = context - len(intro) - len(needle) - len(question) - len(answer)
+            if n_fill < 16:
+                raise ValueError(f"context {context} is too short for the passkey prompt")
+            depth = depths[i % len(depths)]
+            start = rng.randrange(0, max(1, len(stream) - n_fill))
+            fill = stream[start:start + n_fill]
+            if len(fill) < n_fill:
+                raise ValueError(f"the essays hold {len(stream)} tokens, fewer than a {context}-token prompt")
+            cut = int(round(depth * n_fill))
+            prompt = intro + fill[:cut] + needle + fill[cut:] + question
+            items.append(Item(context, depth, key, tuple(prompt + answer), len(prompt)))
+    return items
+
+
+@torch.inference_mode()
+def answered(model: Any, item: Item, variant: Variant) -> bool:
+    """Whether greedy decoding under `variant` would produce the item's answer exactly."""
+    n_answer = len(item.ids) - item.answer_start
+    with use_variant(variant):
+        x = torch.tensor([item.ids], dtype=torch.long)
+        # The logits at positions answer_start-1 .. len-2 predict the answer tokens.
+        logits = model(input_ids=x, use_cache=False, logits_to_keep=n_answer + 1).logits[0, :-1]
+    return bool(torch.equal(logits.argmax(-1), torch.tensor(item.ids[item.answer_start:])))
+
+
+def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[int], per_cell: int,
+                  seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+    """Exact-match accuracy of each variant per context (the same items for all), with the
+    accuracy at each depth."""
+    items = build_items(tok, contexts, per_cell, seed)
+    hits: dict[tuple[str, str, int], list[tuple[float, bool]]] = {}
+    seconds: dict[tuple[str, str, int], float] = {}
+    for n, item in enumerate(items):
+        for v in variants:
+            k = (v.name, str(v.mode), item.context)
+            t0 = time.time()
+            hits.setdefault(k, []).append((item.depth, answered(model, item, v)))
+            seconds[k] = seconds.get(k, 0.0) + time.time() - t0
+        log(f"retrieval item {n + 1}/{len(items)} (context {item.context}, depth {item.depth}) done")
+    rows = []
+    for v in variants:
+        for context in contexts:
+            k = (v.name, str(v.mode), context)
+            got = hits[k]
+            by_depth = {}
+            for d in sorted({d for d, _ in got}):
+                at = [ok for dd, ok in got if dd == d]
+                by_depth[str(d)] = sum(at) / len(at)
+            rows.append({
+                "variant": v.name, "mode": str(v.mode),
+                "config": None if v.config is None else v.config.label(),
+                "context": context, "items": len(got), "accuracy": sum(ok for _, ok in got) / len(got),
+                "by_depth": by_depth, "seconds": seconds[k],
+            })
+    return rows
+
+
+def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, seed: int = 0,
+                        variant_patterns: list[str] | None = None, threads: int | None = None,
+                        log: Callable[[str], None] = print) -> dict:
+    """`hack eval retrieval`: load the model, score exact plus the selected study rows."""
+    from .accuracy import MODEL_TITLES
+    from .models import prepare
+    from .runner import load_model
+    from .variants import select_variants, study_variants
+
+    variants = select_variants(study_variants(), variant_patterns or ["=default"])  # fails before loading
+    torch.manual_seed(seed)  # stochastic-rounding variants draw from the global generator
+    model, tok = load_model(prepare(model_name, log=log), threads=threads)
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
+    if limit and max(contexts) > limit:
+        raise ValueError(f"context {max(contexts)} is beyond the model's {limit} positions")
+    rows = run_retrieval(model, tok, variants, contexts, per_cell, seed=seed, log=log)
+    return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
+            "seed": seed, "depths": list(DEPTHS), "prompt": {"intro": INTRO, "needle": NEEDLE,
+                                                             "question": QUESTION, "answer": ANSWER},
+            "rows": rows}
+
+
+def render_retrieval(results: dict, command: str) -> str:
+    """The markdown report of a retrieval run."""
+    depths = [str(d) for d in results["depths"]]
+    lines = [
+        "# Passkey retrieval",
+        "",
+        f"Model: {results['model']}. {results['items_per_context']} items per context, seed "
+        f"{results['seed']}: a 5-digit pass key stated twice at depth "
+        f"{', '.join(depths)} (in turn) of a Paul Graham essay haystack, then asked for; exact match "
+        "of greedy decoding (scored teacher-forced: one pass over prompt and answer). Zero-shot; "
+        "the prompt is in the JSON next to this file.",
+        "",
+        "Produced by:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        "| variant | mode | config | context | exact match | " + " | ".join(f"depth {d}" for d in depths)
+        + " | seconds |",
+        "|---|---|---|---|---|" + "---|" * len(depths) + "---|",
+    ]
+    for r in results["rows"]:
+        cells = [f"{r['by_depth'][d] * 100:.0f}%" if d in r["by_depth"] else "—" for d in depths]
+        lines.append(f"| {r['variant']} | {r['mode']} | {r['config'] or '—'} | {r['context']} | "
+                     f"{r['accuracy'] * 100:.1f}% ({r['items']}) | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
