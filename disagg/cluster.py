@@ -97,14 +97,23 @@ def _get(url: str, timeout: float = 3.0) -> int:
         return 0
 
 
+BIND_FAILED = "error while attempting to bind on address"
+
+
 def wait_healthy(urls: list[str], pids: list[int], timeout_s: float, logs: list[Path]) -> None:
     deadline = time.time() + timeout_s
     pending = list(urls)
     while pending:
         for pid, log in zip(pids, logs):
+            text = log.read_text(errors="replace") if log.exists() else ""
             if not procs.alive(pid):
-                tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
-                raise RuntimeError(f"a server exited during startup (log {log}):\n" + "\n".join(tail))
+                raise RuntimeError(f"a server exited during startup (log {log}):\n"
+                                   + "\n".join(text.splitlines()[-15:]))
+            if BIND_FAILED in text:
+                # SGLang's HTTP server gives up on the port but the process stays up: it would
+                # never answer, so waiting out the timeout only hides the cause.
+                line = next(ln for ln in text.splitlines() if BIND_FAILED in ln)
+                raise RuntimeError(f"a server could not listen on its port (log {log}): {line.strip()}")
         pending = [u for u in pending if _get(u) != 200]
         if not pending:
             return

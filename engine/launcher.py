@@ -23,11 +23,45 @@ from .generate_stream import stream_chunks
 STARTUP_TIMEOUT_S = 240.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` right now (the OS picks it)."""
+# A server binds its port ~30 s after we pick it. A port from the kernel's ephemeral range can be
+# handed to anyone's bind(0) or outgoing connection meanwhile (a CI run lost a decode server to
+# "address already in use" that way), so ports come from below that range, above the one SGLang
+# uses for its own late-bound ports (22000-29999, sglang.srt.utils.network).
+PORT_RANGE_LOW = 30000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
+    """A TCP port free on `host` now, for a process that binds it later: outside the ephemeral
+    range when there is room, never one this process handed out before."""
+    import random
+
+    candidates = [p for p in range(PORT_RANGE_LOW, _ephemeral_low()) if p not in _handed_out]
+    for port in random.sample(candidates, min(attempts, len(candidates))):
+        if _bindable(host, port):
+            _handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room: the OS picks
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
 
 
 class ServerStartError(RuntimeError):
