@@ -6,6 +6,7 @@ that stopping it (by the pid we started) also ends its scheduler and detokenizer
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -50,8 +51,6 @@ def _bindable(host: str, port: int) -> bool:
 def free_port(host: str = "127.0.0.1", attempts: int = 64) -> int:
     """A TCP port free on `host` now, for a process that binds it later: outside the ephemeral
     range when there is room, never one this process handed out before."""
-    import random
-
     candidates = [p for p in range(PORT_RANGE_LOW, _ephemeral_low()) if p not in _handed_out]
     for port in random.sample(candidates, min(attempts, len(candidates))):
         if _bindable(host, port):
