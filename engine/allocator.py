@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -51,14 +50,22 @@ def find_tcmalloc(dirs: tuple[str, ...] = LIB_DIRS) -> Path | None:
 _warned: list[bool] = []
 
 
+def _preloaded(env: dict[str, str]) -> list[str]:
+    return [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
+
+
+def _preloaded_allocator(preload: list[str]) -> str | None:
+    return next((p for p in preload if "tcmalloc" in Path(p).name or "jemalloc" in Path(p).name), None)
+
+
 def apply(env: dict[str, str], dirs: tuple[str, ...] = LIB_DIRS) -> dict[str, str]:
     """Add the chosen allocator to a server's environment (LD_PRELOAD, ahead of anything the
     caller preloads). Returns `env` (updated). A missing tcmalloc is a warning, not an error:
     the server runs, with glibc's malloc."""
     if chosen(env) is ServerAllocator.SYSTEM:
         return env
-    preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p]
-    if any("tcmalloc" in Path(p).name or "jemalloc" in Path(p).name for p in preload):
+    preload = _preloaded(env)
+    if _preloaded_allocator(preload):
         return env  # the caller chose an allocator already
     lib = find_tcmalloc(dirs)
     if lib is None:
@@ -76,9 +83,7 @@ def apply(env: dict[str, str], dirs: tuple[str, ...] = LIB_DIRS) -> dict[str, st
 
 def describe(env: dict[str, str], dirs: tuple[str, ...] = LIB_DIRS) -> str:
     """What `apply` gives a server started with `env`, in words (benchmark reports quote it)."""
-    out = apply(dict(env), dirs)
-    preload = [p for p in out.get("LD_PRELOAD", "").replace(":", " ").split() if p]
-    chosen_lib = next((p for p in preload if "tcmalloc" in Path(p).name or "jemalloc" in Path(p).name), None)
+    chosen_lib = _preloaded_allocator(_preloaded(apply(dict(env), dirs)))
     if chosen_lib:
         return Path(chosen_lib).name
     if chosen(env) is ServerAllocator.SYSTEM:

@@ -78,9 +78,10 @@ SHARED_HOST_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 # primitive in two caches, oneDNN's and ideep's, 1024 entries each by default; each entry costs
 # ~1.3 MB of JIT code and buffers. A prefill server meets a new token count with almost every
 # batch: in a 500-request soak it grew ~470 MB from the 100th request with the default caches
-# and ~110 MB, flat from the 40% mark, with these (docs/reliability.md). 64 entries hold every shape of a decode step many times over (one per
-# projection and batch size), so decode keeps hitting, and a prefill batch's new shape was a miss
-# either way; a miss costs ~0.5 ms per projection.
+# and ~110 MB, flat from the 40% mark, with these (docs/reliability.md). 64 entries hold every
+# shape of a decode step many times over (one per projection and batch size), so decode keeps
+# hitting, and a prefill batch's new shape was a miss either way; a miss costs ~0.5 ms per
+# projection.
 PRIMITIVE_CACHE_ENV = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "64"}
 
 

@@ -34,12 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="comma-separated patterns: instead of --quick/--core, the rows of the full "
                           "study whose name or config label contains one (plus the exact baseline); "
                           "'=NAME' matches a whole name; e.g. --variants rotation,=default")
-    acc.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    acc.add_argument("--out", default=None,
-                     help="markdown report to write ('' = none; default docs/accuracy.md, "
-                          "docs/accuracy-MODEL.md for another model than smollm2)")
-    acc.add_argument("--json-out", default=None,
-                     help="raw results ('' = none; default docs/accuracy.json, docs/accuracy-MODEL.json)")
+    _add_report_flags(acc, "accuracy")
     acc.set_defaults(func=_accuracy)
 
     ret = esub.add_parser("retrieval", help="passkey retrieval from long essay documents: exact match "
@@ -52,13 +47,34 @@ def register(sub: argparse._SubParsersAction) -> None:
     ret.add_argument("--variants", default="=default", metavar="PATTERNS",
                      help="rows of the accuracy study to score besides exact, as for `hack eval accuracy "
                           "--variants` (default '=default': the default format, hack and dequant)")
-    ret.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ret.add_argument("--out", default=None,
-                     help="markdown report ('' = none; default docs/retrieval.md, docs/retrieval-MODEL.md "
-                          "for another model than smollm2)")
-    ret.add_argument("--json-out", default=None,
-                     help="raw results ('' = none; default docs/retrieval.json, docs/retrieval-MODEL.json)")
+    _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
+
+
+def _add_report_flags(parser: argparse.ArgumentParser, stem: str) -> None:
+    """--threads and where a study writes its report (docs/STEM.md) and raw results (docs/STEM.json)."""
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--out", default=None,
+                        help=f"markdown report to write ('' = none; default docs/{stem}.md, "
+                             f"docs/{stem}-MODEL.md for another model than smollm2)")
+    parser.add_argument("--json-out", default=None,
+                        help=f"raw results ('' = none; default docs/{stem}.json, docs/{stem}-MODEL.json)")
+
+
+def _write_reports(args: argparse.Namespace, stem: str, results: dict, text: str) -> None:
+    """Write the report and the raw results where --out/--json-out say (defaults under docs/,
+    suffixed with the model unless it is smollm2; '' writes none), then print the report."""
+    from hack_eval.accuracy import save
+
+    suffix = "" if args.model == "smollm2" else f"-{args.model}"
+    out = f"docs/{stem}{suffix}.md" if args.out is None else args.out
+    json_out = f"docs/{stem}{suffix}.json" if args.json_out is None else args.json_out
+    if json_out:
+        save(results, Path(json_out))
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+    print(text)
 
 
 def _size(args: argparse.Namespace) -> int:
@@ -75,7 +91,7 @@ def _size(args: argparse.Namespace) -> int:
 
 
 def _accuracy(args: argparse.Namespace) -> int:
-    from hack_eval.accuracy import run_study, save
+    from hack_eval.accuracy import run_study
     from hack_eval.report import render
 
     if args.context < 2 or args.essays < 0 or args.plays < 0 or args.essays + args.plays == 0:
@@ -85,18 +101,7 @@ def _accuracy(args: argparse.Namespace) -> int:
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=None if args.variants is None else args.variants.split(","))
-    suffix = "" if args.model == "smollm2" else f"-{args.model}"
-    if args.out is None:
-        args.out = f"docs/accuracy{suffix}.md"
-    if args.json_out is None:
-        args.json_out = f"docs/accuracy{suffix}.json"
-    text = render(res, _rerun_command("accuracy"))
-    if args.json_out:
-        save(res, Path(args.json_out))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    print(text)
+    _write_reports(args, "accuracy", res, render(res, _rerun_command("accuracy")))
     return 0
 
 
@@ -122,15 +127,5 @@ def _retrieval(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=args.variants.split(","), threads=args.threads, log=log)
-    suffix = "" if args.model == "smollm2" else f"-{args.model}"
-    out = f"docs/retrieval{suffix}.md" if args.out is None else args.out
-    json_out = f"docs/retrieval{suffix}.json" if args.json_out is None else args.json_out
-    text = render_retrieval(res, _rerun_command("retrieval"))
-    if json_out:
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps(res, indent=1))
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
-    print(text)
+    _write_reports(args, "retrieval", res, render_retrieval(res, _rerun_command("retrieval")))
     return 0

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .runner import Variant, use_variant
-from .workloads import essay_stream
+from .workloads import encode, essay_stream
 
 # The classic passkey prompt (Mohtashami & Jaggi, 2023): the fact is stated twice so a small
 # base model can copy it; what is measured is whether the cache still holds it.
@@ -48,7 +48,7 @@ def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
     if per_cell < 1:
         raise ValueError("need at least one item per context")
     rng = random.Random(seed)
-    enc = lambda s: list(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    enc = lambda text: encode(tok, text)  # noqa: E731
     intro, question = enc(INTRO), enc(QUESTION)
     # One token stream over the essays; each item's haystack starts at a seeded offset in it,
     # so items differ in their text as well as their key.

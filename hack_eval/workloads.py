@@ -84,7 +84,7 @@ def definitions() -> dict[str, dict]:
     return {k: v for k, v in data.items() if not k.startswith("_")}
 
 
-def _encode(tok: Any, text: str) -> list[int]:
+def encode(tok: Any, text: str) -> list[int]:
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -94,14 +94,14 @@ def essay_stream(tok: Any, n_tokens: int) -> list[int]:
 
     ids: list[int] = []
     for path in essay_files():
-        ids += _encode(tok, path.read_text(encoding="utf-8", errors="replace") + "\n\n")
+        ids += encode(tok, path.read_text(encoding="utf-8", errors="replace") + "\n\n")
         if len(ids) >= n_tokens:
             break
     return ids
 
 
 def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list[int]]:
-    tail = _encode(tok, instruction)
+    tail = encode(tok, instruction)
     body_len = length - len(tail)
     if body_len <= 0:
         raise ValueError(f"prompt_tokens {length} is shorter than the instruction")
@@ -167,10 +167,10 @@ def build(name: str, tok: Any, n: int, rps: float | None, seed: int = 0,
         lo, hi = int(d.get("min_prompt", 1)), int(d.get("max_prompt", 1 << 30))
         prompts, outs = [], []
         for q, a in _pairs(d["source"], limit=max(4 * n, 64)):
-            ids = _encode(tok, q)
+            ids = encode(tok, q)
             if lo <= len(ids) <= hi:
                 prompts.append(ids)
-                outs.append(max(1, min(max_out, len(_encode(tok, a)))))
+                outs.append(max(1, min(max_out, len(encode(tok, a)))))
         if len(prompts) < n:
             raise ValueError(f"workload {name}: only {len(prompts)} prompts fit {lo}..{hi} tokens")
         order = rng.sample(range(len(prompts)), n)
