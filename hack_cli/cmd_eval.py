@@ -9,6 +9,10 @@ from pathlib import Path
 
 from hack_eval.models import MODELS
 
+# hack_eval.attention_paths.AttentionPath's values (that module imports torch, which `hack --help`
+# should not wait for; tests/test_eval_attention_paths.py checks they agree).
+ATTENTION_PATHS = ("fast", "reference")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="bytes and accuracy of the KV formats on the real model")
@@ -34,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="comma-separated patterns: instead of --quick/--core, the rows of the full "
                           "study whose name or config label contains one (plus the exact baseline); "
                           "'=NAME' matches a whole name; e.g. --variants rotation,=default")
+    acc.add_argument("--modes", default=None, metavar="MODES",
+                     help="with --variants: keep only the rows in these attention modes (hack, dequant; "
+                          "comma-separated), e.g. --variants =default --modes hack")
     _add_report_flags(acc, "accuracy")
     acc.set_defaults(func=_accuracy)
 
@@ -47,13 +54,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     ret.add_argument("--variants", default="=default", metavar="PATTERNS",
                      help="rows of the accuracy study to score besides exact, as for `hack eval accuracy "
                           "--variants` (default '=default': the default format, hack and dequant)")
+    ret.add_argument("--modes", default=None, metavar="MODES",
+                     help="keep only the rows in these attention modes (hack, dequant; comma-separated)")
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
 
 
 def _add_report_flags(parser: argparse.ArgumentParser, stem: str) -> None:
-    """--threads and where a study writes its report (docs/STEM.md) and raw results (docs/STEM.json)."""
+    """--threads, --attention-path and where a study writes its report (docs/STEM.md) and raw
+    results (docs/STEM.json)."""
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--attention-path", choices=ATTENTION_PATHS, default="fast",
+                        help="where each layer's attention runs: 'fast' (default: exact and dequant in query "
+                             "blocks, hack on the serving store and extend kernel, all held to the reference "
+                             "by the tests) or 'reference' (hack_ops.attention on every query at once: minutes "
+                             "per 2K window, out of memory at 8K); rows the fast paths cannot compute run on "
+                             "the reference either way")
     parser.add_argument("--out", default=None,
                         help=f"markdown report to write ('' = none; default docs/{stem}.md, "
                              f"docs/{stem}-MODEL.md for another model than smollm2)")
@@ -100,7 +116,8 @@ def _accuracy(args: argparse.Namespace) -> int:
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
-                    variant_patterns=None if args.variants is None else args.variants.split(","))
+                    variant_patterns=None if args.variants is None else args.variants.split(","),
+                    modes=None if args.modes is None else args.modes.split(","), path=args.attention_path)
     _write_reports(args, "accuracy", res, render(res, _rerun_command("accuracy")))
     return 0
 
@@ -126,6 +143,7 @@ def _retrieval(args: argparse.Namespace) -> int:
         raise ValueError("need contexts of at least 64 tokens and at least one item per context")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
-                              variant_patterns=args.variants.split(","), threads=args.threads, log=log)
+                              variant_patterns=args.variants.split(","), threads=args.threads, log=log,
+                              modes=None if args.modes is None else args.modes.split(","), path=args.attention_path)
     _write_reports(args, "retrieval", res, render_retrieval(res, _rerun_command("retrieval")))
     return 0

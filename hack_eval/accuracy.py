@@ -21,7 +21,8 @@ MODEL_TITLES = {
     "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF weights, float32)",
     "gemma3": "Gemma-3-270M (Q4_K_M GGUF weights, float32; 5 of 6 layers with a 512-token window)",
 }
-from .runner import EXACT, Variant, greedy, load_model, logits_for
+from .attention_paths import AttentionPath, attention_path
+from .runner import EXACT, Variant, greedy, hidden_for, load_model, logits_from_hidden, row_path
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
 from .variants import byte_ratio, core_variants, generation_variants, quick_variants, select_variants, study_variants
 
@@ -57,20 +58,33 @@ def _key(v: Variant) -> str:
 SCORE_ROWS = 256  # positions scored at a time: [rows, vocab] temporaries instead of [context, vocab]
 
 
-def _score(tally: Tally, ref_logp: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> None:
-    nll_sum, kl, top1 = 0.0, 0.0, 0
-    for lo in range(0, targets.numel(), SCORE_ROWS):
-        hi = min(lo + SCORE_ROWS, targets.numel())
-        logp = torch.log_softmax(logits[lo:hi], -1)
-        ref = ref_logp[lo:hi]
-        nll_sum += -logp.gather(1, targets[lo:hi, None]).sum().item()
-        kl += (ref.exp() * (ref - logp)).sum().item()
-        top1 += (logp.argmax(-1) == ref.argmax(-1)).sum().item()
-    tally.nll += nll_sum
-    tally.tokens += targets.numel()
-    tally.seq_ppl.append(math.exp(nll_sum / targets.numel()))
-    tally.kl += kl
-    tally.top1 += top1
+@torch.inference_mode()
+def _score_window(model, hidden: dict[str, torch.Tensor], tallies: dict[str, Tally], targets: torch.Tensor) -> None:
+    """Score every variant's hidden states of one window against the exact model's (the first
+    entry of `hidden`), SCORE_ROWS positions at a time: each position's logits are computed
+    once per variant and [rows, vocab] is the largest temporary."""
+    keys = list(hidden)
+    sums = {k: [0.0, 0.0, 0] for k in keys}  # nll, kl, top-1
+    n = targets.numel()
+    for lo in range(0, n, SCORE_ROWS):
+        hi = min(lo + SCORE_ROWS, n)
+        ref = None
+        for k in keys:
+            t0 = time.time()
+            logp = torch.log_softmax(logits_from_hidden(model, hidden[k][lo:hi]), -1)
+            ref = logp if ref is None else ref  # the exact model comes first
+            acc = sums[k]
+            acc[0] += -logp.gather(1, targets[lo:hi, None]).sum().item()
+            acc[1] += (ref.exp() * (ref - logp)).sum().item()
+            acc[2] += int((logp.argmax(-1) == ref.argmax(-1)).sum().item())
+            tallies[k].seconds += time.time() - t0
+    for k, (nll_sum, kl, top1) in sums.items():
+        t = tallies[k]
+        t.nll += nll_sum
+        t.tokens += n
+        t.seq_ppl.append(math.exp(nll_sum / n))
+        t.kl += kl
+        t.top1 += top1
 
 
 def run_study(
@@ -85,13 +99,21 @@ def run_study(
     log=print,
     model_name: str = DEFAULT_MODEL,
     variant_patterns: list[str] | None = None,
+    path: AttentionPath | str = AttentionPath.FAST,
+    modes: list[str] | None = None,
 ) -> dict:
     """variant_patterns: instead of the quick/core/full set, the rows of the full study whose
-    name or config label contains one of these (plus the exact baseline)."""
+    name or config label contains one of these (plus the exact baseline). path: where the
+    attention runs (attention_paths.AttentionPath; rows the fast paths refuse run on the
+    reference either way, and each row records where it ran). modes: with variant_patterns,
+    only the rows in these AttentionModes."""
+    path = attention_path(path)
     if variant_patterns is not None:
         if quick or core:
             raise ValueError("--variants replaces --quick/--core (it selects from the full study); give one")
-        variants = select_variants(study_variants(), variant_patterns)  # before the model loads: fails fast
+        variants = select_variants(study_variants(), variant_patterns, modes)  # before the model loads: fails fast
+    elif modes is not None:
+        raise ValueError("--modes filters the rows --variants selects; give --variants too")
     else:
         variants = quick_variants() if quick else core_variants() if core else study_variants()
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
@@ -103,15 +125,12 @@ def run_study(
         raise RuntimeError(f"only {len(windows)} windows of {context} tokens found")
     tallies = {_key(v): Tally() for v in variants}
     for i, ids in enumerate(windows):
-        targets = torch.tensor(ids[1:])
-        ref_logp = None
-        for v in variants:
+        hidden = {}
+        for v in variants:  # EXACT first
             t0 = time.time()
-            logits = logits_for(model, ids, v)
-            if ref_logp is None:  # EXACT comes first
-                ref_logp = torch.log_softmax(logits[:-1], -1)
-            _score(tallies[_key(v)], ref_logp, logits, targets)
+            hidden[_key(v)] = hidden_for(model, ids[:-1], v, path)
             tallies[_key(v)].seconds += time.time() - t0
+        _score_window(model, hidden, tallies, torch.tensor(ids[1:]))
         log(f"window {i + 1}/{len(windows)} done")
     gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
     if variant_patterns is not None:  # generation for the selected homomorphic rows only
@@ -119,9 +138,9 @@ def run_study(
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
-        ref = tok.decode(greedy(model, ids, EXACT, gen_tokens))
+        ref = tok.decode(greedy(model, ids, EXACT, gen_tokens, path))
         for v in gen_vars[1:]:
-            out = tok.decode(greedy(model, ids, v, gen_tokens))
+            out = tok.decode(greedy(model, ids, v, gen_tokens, path))
             tallies.setdefault(_key(v), Tally()).edit_sim.append(edit_similarity(ref, out))
     log(f"generation on {len(prompts)} prompts done")
     base = tallies[_key(EXACT)]
@@ -141,13 +160,14 @@ def run_study(
             "kl": t.kl / t.tokens, "top1": t.top1 / t.tokens,
             "edit_similarity": (sum(t.edit_sim) / len(t.edit_sim)) if t.edit_sim else None,
             "seconds": t.seconds,
+            "attention_path": row_path(v, path).value,
         })
     return {
         "model": MODEL_TITLES.get(model_name, model_name),
         "context": context, "windows": {"essays": essays, "plays": plays},
         "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
         "variant_set": "selected" if variant_patterns is not None else "quick" if quick else "core" if core else "full",
-        "variant_patterns": variant_patterns, "rows": rows,
+        "variant_patterns": variant_patterns, "modes": modes, "attention_path": path.value, "rows": rows,
     }
 
 

@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import torch
 
-from .runner import Variant, use_variant
+from .attention_paths import AttentionPath, attention_path
+from .runner import Variant, row_path, use_variant
 from .workloads import encode, essay_stream
 
 # The classic passkey prompt (Mohtashami & Jaggi, 2023): the fact is stated twice so a small
@@ -73,10 +74,10 @@ def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
 
 
 @torch.inference_mode()
-def answered(model: Any, item: Item, variant: Variant) -> bool:
+def answered(model: Any, item: Item, variant: Variant, path: AttentionPath | str = AttentionPath.FAST) -> bool:
     """Whether greedy decoding under `variant` would produce the item's answer exactly."""
     n_answer = len(item.ids) - item.answer_start
-    with use_variant(variant):
+    with use_variant(variant, path):
         x = torch.tensor([item.ids], dtype=torch.long)
         # The logits at positions answer_start-1 .. len-2 predict the answer tokens.
         logits = model(input_ids=x, use_cache=False, logits_to_keep=n_answer + 1).logits[0, :-1]
@@ -84,9 +85,11 @@ def answered(model: Any, item: Item, variant: Variant) -> bool:
 
 
 def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[int], per_cell: int,
-                  seed: int = 0, log: Callable[[str], None] = print) -> list[dict]:
+                  seed: int = 0, log: Callable[[str], None] = print,
+                  path: AttentionPath | str = AttentionPath.FAST) -> list[dict]:
     """Exact-match accuracy of each variant per context (the same items for all), with the
-    accuracy at each depth."""
+    accuracy at each depth; `path` is where the attention runs (attention_paths)."""
+    path = attention_path(path)
     items = build_items(tok, contexts, per_cell, seed)
     hits: dict[tuple[str, str, int], list[tuple[float, bool]]] = {}
     seconds: dict[tuple[str, str, int], float] = {}
@@ -94,7 +97,7 @@ def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[
         for v in variants:
             k = (v.name, str(v.mode), item.context)
             t0 = time.time()
-            hits.setdefault(k, []).append((item.depth, answered(model, item, v)))
+            hits.setdefault(k, []).append((item.depth, answered(model, item, v, path)))
             seconds[k] = seconds.get(k, 0.0) + time.time() - t0
         log(f"retrieval item {n + 1}/{len(items)} (context {item.context}, depth {item.depth}) done")
     rows = []
@@ -110,30 +113,31 @@ def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[
                 "variant": v.name, "mode": str(v.mode),
                 "config": None if v.config is None else v.config.label(),
                 "context": context, "items": len(got), "accuracy": sum(ok for _, ok in got) / len(got),
-                "by_depth": by_depth, "seconds": seconds[k],
+                "by_depth": by_depth, "seconds": seconds[k], "attention_path": row_path(v, path).value,
             })
     return rows
 
 
 def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, seed: int = 0,
                         variant_patterns: list[str] | None = None, threads: int | None = None,
-                        log: Callable[[str], None] = print) -> dict:
+                        log: Callable[[str], None] = print, path: AttentionPath | str = AttentionPath.FAST,
+                        modes: list[str] | None = None) -> dict:
     """`hack eval retrieval`: load the model, score exact plus the selected study rows."""
     from .accuracy import MODEL_TITLES
     from .models import prepare
     from .runner import load_model
     from .variants import select_variants, study_variants
 
-    variants = select_variants(study_variants(), variant_patterns or ["=default"])  # fails before loading
+    variants = select_variants(study_variants(), variant_patterns or ["=default"], modes)  # fails before loading
     torch.manual_seed(seed)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if limit and max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} is beyond the model's {limit} positions")
-    rows = run_retrieval(model, tok, variants, contexts, per_cell, seed=seed, log=log)
+    rows = run_retrieval(model, tok, variants, contexts, per_cell, seed=seed, log=log, path=path)
     return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
-            "seed": seed, "depths": list(DEPTHS), "prompt": {"intro": INTRO, "needle": NEEDLE,
-                                                             "question": QUESTION, "answer": ANSWER},
+            "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
+            "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
             "rows": rows}
 
 

@@ -1,11 +1,12 @@
-"""Run a transformers model with its attention replaced by hack_ops.attention.
+"""Run a transformers model with its attention replaced by the study's (attention_paths.py).
 
 The model computes Q, K, V (post-RoPE) as usual; our function receives them and applies the
 chosen variant: 'exact' float32 attention, 'hack' (2-bit cache, homomorphic, INT8 Q/P) or
-'dequant'. With decode-time visibility in hack_ops.attention, a teacher-forced pass over a whole
-sequence sees exactly the cache that token-by-token generation would hold. A variant whose
-config has a rotation is rotated inside hack_ops.attention by hack_ops.rotation.rotate_qkv /
-restore_output, the functions the serving backend calls around its kernels.
+'dequant', on the dense reference hack_ops.attention or on the fast paths held to it. With
+decode-time visibility, a teacher-forced pass over a whole sequence sees exactly the cache that
+token-by-token generation would hold. A variant whose config has a rotation is rotated by
+hack_ops.rotation.rotate_qkv / restore_output, the functions the serving backend calls around
+its kernels.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from hack_ops import AttentionMode, HackConfig, attention
+from hack_ops import AttentionMode, HackConfig
 from hack_ops.modes import attention_mode
+
+from .attention_paths import AttentionPath, attention_path, fast_refusal, study_attention
 
 ATTN_NAME = "hack_reference"
 
@@ -34,7 +37,7 @@ class Variant:
 
 
 EXACT = Variant("exact", AttentionMode.EXACT, None)
-_current: list[Variant] = [EXACT]
+_current: list[tuple[Variant, AttentionPath]] = [(EXACT, AttentionPath.FAST)]
 
 
 def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -42,14 +45,14 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     if query.shape[0] != 1:
         # No padding support: every sequence of the study runs alone, so no mask is needed.
         raise ValueError("the study runs one sequence at a time (batch 1)")
-    var = _current[-1]
+    var, path = _current[-1]
     # HF's sliding_window counts the query itself (kv > q - w); hack_ops takes SGLang's w - 1.
     window = None if not sliding_window else int(sliding_window) - 1
     cfg = var.config
     if cfg is not None and cfg.per_layer:  # e.g. more bits for the first and last layer
         cfg = cfg.for_layer(int(module.layer_idx), int(module.config.num_hidden_layers))
-    out = attention(query, key, value, cfg, mode=var.mode, causal=True, scale=scaling, window=window,
-                    logit_cap=softcap or 0.0)
+    out = study_attention(query, key, value, cfg, var.mode, scale=scaling, window=window,
+                          logit_cap=softcap or 0.0, path=path)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
@@ -59,14 +62,25 @@ def _register() -> None:
     AttentionInterface.register(ATTN_NAME, _attention_fn)
 
 
-class use_variant:
-    """Context manager selecting the variant every attention layer applies."""
+def row_path(v: Variant, path: AttentionPath) -> AttentionPath:
+    """Where a variant's teacher-forced passes run when `path` is asked for (a per-layer config
+    reaches the attention resolved into one uniform config per layer, which is what is asked)."""
+    cfg = v.config
+    if cfg is not None and cfg.per_layer:
+        cfg = cfg.replace(edge_layer_bits=0)
+    return AttentionPath.REFERENCE if fast_refusal(cfg, v.mode) is not None else path
 
-    def __init__(self, variant: Variant):
+
+class use_variant:
+    """Context manager selecting the variant every attention layer applies, and where its
+    attention runs (attention_paths.AttentionPath: the fast paths by default)."""
+
+    def __init__(self, variant: Variant, path: AttentionPath | str = AttentionPath.FAST):
         self.variant = variant
+        self.path = attention_path(path)
 
     def __enter__(self) -> Variant:
-        _current.append(self.variant)
+        _current.append((self.variant, self.path))
         return self.variant
 
     def __exit__(self, *exc) -> None:
@@ -87,18 +101,31 @@ def load_model(path: Path, threads: int | None = None):
 
 
 @torch.inference_mode()
-def logits_for(model, ids: list[int], variant: Variant) -> torch.Tensor:
-    """Teacher-forced logits [len(ids), vocab] (float32) under `variant`."""
-    with use_variant(variant):
+def hidden_for(model, ids: list[int], variant: Variant, path: AttentionPath | str = AttentionPath.FAST) -> torch.Tensor:
+    """The last hidden states [len(ids), hidden] (after the final norm) under `variant`: the
+    logits of any positions follow with logits_from_hidden, so a study never holds
+    [len(ids), vocab] at once (Gemma-3's 262,144-token vocabulary at 8K is 8.6 GB)."""
+    with use_variant(variant, path):
         x = torch.tensor([ids], dtype=torch.long)
-        return model(input_ids=x, use_cache=False).logits[0].float()
+        return model.model(input_ids=x, use_cache=False).last_hidden_state[0]
 
 
 @torch.inference_mode()
-def greedy(model, ids: list[int], variant: Variant, max_new_tokens: int) -> list[int]:
+def logits_from_hidden(model, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits of the given hidden states, as the model's own forward computes them
+    (its output projection, then its final soft-cap when it has one)."""
+    logits = model.lm_head(hidden).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if not cap else torch.tanh(logits / cap) * cap
+
+
+@torch.inference_mode()
+def greedy(model, ids: list[int], variant: Variant, max_new_tokens: int,
+           path: AttentionPath | str = AttentionPath.FAST) -> list[int]:
     """Greedy continuation under `variant` (KV kept by transformers in float; our attention
-    quantizes it exactly as the serving cache would hold it)."""
-    with use_variant(variant):
+    quantizes it exactly as the serving cache would hold it). The prompt takes `path`; each
+    generated token is a step over transformers' cache, which runs on the reference."""
+    with use_variant(variant, path):
         x = torch.tensor([ids], dtype=torch.long)
         out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=model.config.eos_token_id)

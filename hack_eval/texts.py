@@ -61,6 +61,8 @@ def token_windows(tokenizer, files: list[Path], length: int, count: int, skip_ch
     """Up to `count` windows of exactly `length` tokens, one per file (files that are too short
     are skipped), taken after `skip_chars` characters (to pass Gutenberg headers)."""
     windows: list[list[int]] = []
+    if count <= 0:
+        return windows
     for path in files:
         text = path.read_text(encoding="utf-8", errors="replace")[skip_chars:]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]

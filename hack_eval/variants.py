@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from hack_ops import HackConfig
 from hack_ops.layout import model_bytes_per_token
+from hack_ops.modes import attention_mode
 from hack_ops.rotation import Rotation
 
 from .runner import EXACT, Variant
@@ -51,20 +52,27 @@ def option_variants() -> list[Variant]:
 def rotation_variants() -> list[Variant]:
     """The default layout with each rotation scope (hack_ops.rotation): K alone (with Q), V
     alone (output rotated back), both, and V with random signs; 'dequant' isolates the layout's
-    error, 'hack' adds the INT8 Q/P noise on the same rotated layout (V, the scope that can pay)."""
+    error, 'hack' adds the INT8 Q/P noise on the same rotated layouts (V alone and both)."""
     d = DEFAULT
     rows = [(Rotation.HADAMARD_K, "dequant"), (Rotation.HADAMARD_V, "dequant"), (Rotation.HADAMARD_KV, "dequant"),
-            (Rotation.SIGNED_HADAMARD_V, "dequant"), (Rotation.HADAMARD_V, "hack")]
+            (Rotation.SIGNED_HADAMARD_V, "dequant"), (Rotation.HADAMARD_V, "hack"), (Rotation.HADAMARD_KV, "hack")]
     return [Variant(f"default, rotation {r.value}", mode, d.replace(rotation=r)) for r, mode in rows]
 
 
-def select_variants(variants: list[Variant], patterns: list[str]) -> list[Variant]:
+def select_variants(variants: list[Variant], patterns: list[str], modes: list[str] | None = None) -> list[Variant]:
     """The exact baseline and every variant whose name or config label contains one of the
     patterns (case-insensitive); a pattern starting with '=' matches a whole name instead
-    ('=default': the default rows only). ValueError when a pattern matches nothing."""
+    ('=default': the default rows only). modes: keep only rows in these AttentionModes ('hack',
+    'dequant'; None: all). ValueError when a pattern or a mode matches nothing."""
     pats = [p.strip().lower() for p in patterns if p.strip()]
     if not pats:
         raise ValueError("--variants needs at least one non-empty pattern")
+    if modes is not None:
+        wanted = {attention_mode(m.strip()) for m in modes if m.strip()}
+        picked = [v for v in select_variants(variants, patterns) if v is EXACT or v.mode in wanted]
+        if len(picked) == 1 or not wanted:
+            raise ValueError(f"--modes {','.join(modes)} keeps none of the rows --variants selects")
+        return picked
 
     def hits(v: Variant, p: str) -> bool:
         if p.startswith("="):

@@ -38,3 +38,12 @@ def test_joined_essays_when_too_few_are_long_enough(essays):
     assert wl.essay_ids("m", 40, index=0) == stream[:40]
     with pytest.raises(ValueError, match="the essays hold 67 tokens, fewer than 2 windows of 40"):
         wl.essay_ids("m", 40, index=1)
+
+
+def test_token_windows_counts(essays):
+    """One window per file long enough, at most `count`; a count of 0 asks for none (the study's
+    `--plays 0`), not for every file."""
+    tok = _WordTokenizer()
+    assert hack_eval.texts.token_windows(tok, essays, 20, 5) == [list(range(20)), list(range(200, 220))]
+    assert hack_eval.texts.token_windows(tok, essays, 20, 1) == [list(range(20))]
+    assert hack_eval.texts.token_windows(tok, essays, 20, 0) == []

@@ -66,6 +66,15 @@ def test_variants_filter_selects_rows_and_refuses_unknown_patterns():
         select_variants(study_variants(), ["rotation", "givens"])
     with pytest.raises(ValueError, match="replaces --quick/--core"):
         run_study(core=True, variant_patterns=["rotation"], log=lambda m: None)
+    hack_only = select_variants(study_variants(), ["=default", "rotation hadamard_kv"], modes=["hack"])
+    assert [(v.name, str(v.mode)) for v in hack_only] == [
+        ("exact", "exact"), ("default", "hack"), ("default, rotation hadamard_kv", "hack")]
+    with pytest.raises(ValueError, match="keeps none"):
+        select_variants(study_variants(), ["no sink"], modes=["hack"])  # a dequant-only row
+    with pytest.raises(ValueError, match="mode"):
+        select_variants(study_variants(), ["=default"], modes=["fp8"])
+    with pytest.raises(ValueError, match="give --variants too"):
+        run_study(modes=["hack"], log=lambda m: None)
 
 
 @pytest.mark.slow
@@ -85,3 +94,47 @@ def test_quick_study_on_the_real_model():
     text = render(res, "hack eval accuracy --quick")
     assert "| default | hack |" in text and "hack eval accuracy --quick" in text
     assert choose_default(res["rows"]) is None or choose_default(res["rows"])["config"]
+    assert res["attention_path"] == "fast" and all(r["attention_path"] == "fast" for r in res["rows"])
+
+
+def test_fast_and_reference_paths_agree_on_real_activations():
+    """The study's fast attention paths against the reference on the real model's own Q, K, V
+    (every layer of a 300-token essay window): exact and dequant compute the same float
+    expression (1e-4 of V's scale), hack runs the serving kernels on FP16 K/V (FLIP_TOL of
+    tests/test_paged_attention.py, for V of scale 1, scaled the same way).
+
+    Whole-model perplexities of the two paths are not compared: a 1e-6 difference in a float
+    sum can flip a 2-bit code in a later layer, and the flips compound. The reference against
+    itself on 1 vs 2 threads moves a 159-token window's perplexity by 0.5% for the default
+    format (and by a third for the paper's per-token K); docs/accuracy.md has the numbers."""
+    import hack_eval.runner as runner
+    from hack_eval.attention_paths import study_attention
+    from hack_eval.texts import essay_files, token_windows
+    from hack_eval.variants import DEFAULT, PAPER
+    from test_paged_attention import FLIP_TOL
+
+    model, tok = runner.load_model(prepare(log=lambda m: None), threads=2)
+    ids = token_windows(tok, essay_files(), 300, 1)[0]
+    seen = []
+    real = runner.study_attention
+
+    def keep(q, k, v, cfg, mode, **kw):
+        seen.append((q.clone(), k.clone(), v.clone(), kw["scale"]))
+        return real(q, k, v, cfg, mode, **kw)
+
+    runner.study_attention = keep
+    try:
+        runner.hidden_for(model, ids, runner.EXACT)
+    finally:
+        runner.study_attention = real
+    assert len(seen) == model.config.num_hidden_layers
+    for layer, (q, k, v, scale) in enumerate(seen):
+        size = v.abs().max().item()
+        for cfg, mode, tol in ((None, "exact", 1e-4), (DEFAULT, "dequant", 1e-4), (PAPER, "dequant", 1e-4),
+                               (DEFAULT.replace(rotation="hadamard_kv"), "dequant", 1e-4),
+                               (DEFAULT, "hack", FLIP_TOL)):
+            fast = study_attention(q, k, v, cfg, mode, scale=scale, path="fast")
+            # The serving store behind 'hack' quantizes FP16 K and V; the reference gets those.
+            kr, vr = (k.half().float(), v.half().float()) if mode == "hack" else (k, v)
+            ref = study_attention(q, kr, vr, cfg, mode, scale=scale, path="reference")
+            assert (fast - ref).abs().max().item() <= tol * size, (layer, mode, cfg and cfg.label())
