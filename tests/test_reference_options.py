@@ -153,7 +153,7 @@ def test_per_layer_config_needs_resolving_and_the_runner_resolves_it():
     variant = runner.Variant("edges", "dequant", cfg)
     for layer, bits in ((0, 4), (1, 2), (3, 4)):
         module = types.SimpleNamespace(layer_idx=layer, config=types.SimpleNamespace(num_hidden_layers=4))
-        with runner.use_variant(variant):
+        with runner.use_variant(variant, "reference"):  # bit for bit: the reference on both sides
             got, _ = runner._attention_fn(module, q, k, v, None)
         want = attention(q, k, v, cfg.replace(kv_bits=bits, edge_layer_bits=0), "dequant").transpose(1, 2)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
