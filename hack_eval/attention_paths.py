@@ -14,9 +14,10 @@ query blocks, so 8K contexts and many windows fit in an hour on one core:
     written), else from FP16, exactly the rule of hack_ops.attention.
 The fast 'hack' path quantizes K and V as the serving store does, from their FP16 values; the
 reference and the fast 'dequant' path quantize the float32 values (on real activations the two
-differ by a code flip here and there, far below the window-to-window spread). A config the fast paths cannot express (dense-and-sparse K, the
-re-quantized open partition of the RQE ablation) runs on the reference: fast_refusal() names
-the reason, and the study says which rows ran where.
+differ by a code flip here and there, below the window-to-window spread). A config the fast
+paths cannot express (dense-and-sparse K, the re-quantized open partition of the RQE ablation)
+runs on the reference: fast_refusal() names the reason, and the study says which rows ran
+where.
 """
 from __future__ import annotations
 
