@@ -116,10 +116,14 @@ def _accuracy(args: argparse.Namespace) -> int:
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
-                    variant_patterns=None if args.variants is None else args.variants.split(","),
-                    modes=None if args.modes is None else args.modes.split(","), path=args.attention_path)
+                    variant_patterns=_csv(args.variants), modes=_csv(args.modes), path=args.attention_path)
     _write_reports(args, "accuracy", res, render(res, _rerun_command("accuracy")))
     return 0
+
+
+def _csv(value: str | None) -> list[str] | None:
+    """A comma-separated flag as its items (None when the flag was not given)."""
+    return None if value is None else value.split(",")
 
 
 def _rerun_command(what: str) -> str:
@@ -143,7 +147,7 @@ def _retrieval(args: argparse.Namespace) -> int:
         raise ValueError("need contexts of at least 64 tokens and at least one item per context")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
-                              variant_patterns=args.variants.split(","), threads=args.threads, log=log,
-                              modes=None if args.modes is None else args.modes.split(","), path=args.attention_path)
+                              variant_patterns=_csv(args.variants), threads=args.threads, log=log,
+                              modes=_csv(args.modes), path=args.attention_path)
     _write_reports(args, "retrieval", res, render_retrieval(res, _rerun_command("retrieval")))
     return 0

@@ -28,10 +28,10 @@ import torch
 from torch import Tensor
 
 from hack_ops import AttentionMode, HackConfig, attention
-from hack_ops.attention import check_logit_cap, check_window, soft_cap, visible
+from hack_ops.attention import check_logit_cap, check_window, quantize_kv, soft_cap, visible
 from hack_ops.config import OpenMode
 from hack_ops.modes import attention_mode
-from hack_ops.quant import dequantize, quantize
+from hack_ops.quant import dequantize
 from hack_ops.rotation import restore_output, rotate_qkv
 
 QUERY_BLOCK = 256  # queries per block: a [heads, 256, keys] score block instead of [heads, n, n]
@@ -101,8 +101,8 @@ def dequant_views(k: Tensor, v: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor
     V closed, V open). 'Closed' is what a query reads once the key's page has closed (the
     page's codes dequantized), 'open' what it reads while the key is in the query's own open
     partition (FP16 from the tail, or the per-token codes of a tensor quantized as written).
-    Sink tokens read FP16 in both. The quantization is hack_ops.attention's: the same masks,
-    groups and ranges."""
+    Sink tokens read FP16 in both. The quantization is hack_ops.attention's (its quantize_kv,
+    the same masks and groups)."""
     n, p = k.shape[-2], cfg.partition_size
     npad = -(-n // p) * p
     j = torch.arange(npad)
@@ -113,26 +113,16 @@ def dequant_views(k: Tensor, v: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor
     for name, x in (("k", k), ("v", v)):
         xp = torch.nn.functional.pad(x.float(), pad)
         per_token = cfg.k_per_token if name == "k" else cfg.v_per_token
-        group = cfg.head_group(x.shape[-1])
-        if per_token:  # groups along head_dim, each token on its own
-            mask = not_sink[:, None].expand(xp.shape[-2:]).expand(xp.shape)
-            deq = _deq(xp, dim=-1, group=group, cfg=cfg, mask=mask) * not_sink[:, None]
-        else:  # per channel over each whole page
-            keep = not_sink & full_page
-            mask = keep[:, None].expand(xp.shape[-2:]).expand(xp.shape)
-            deq = _deq(xp, dim=-2, group=p, cfg=cfg, mask=mask) * keep[:, None]
+        # Per token: groups along head_dim, each token on its own; per channel: over whole pages.
+        keep = not_sink if per_token else not_sink & full_page
+        dim, group = (-1, cfg.head_group(x.shape[-1])) if per_token else (-2, p)
+        deq = dequantize(quantize_kv(xp, dim, group, cfg, None, keep[:, None].expand(xp.shape))) * keep[:, None]
         exact16 = xp.half().float()
         sink = ~not_sink[:, None] & (j < n)[:, None]
         closed = torch.where(sink, exact16, deq)
         opened = exact16 if cfg.open_mode(name) == OpenMode.FP16 else closed
         views += [closed[..., :n, :], opened[..., :n, :]]
     return views[0], views[1], views[2], views[3]
-
-
-def _deq(x: Tensor, dim: int, group: int, cfg: HackConfig, mask: Tensor) -> Tensor:
-    meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
-    return dequantize(quantize(x, cfg.kv_bits, dim=dim, group_size=group, rounding=cfg.rounding,
-                               meta_dtype=meta, mask=mask, range_search=cfg.range_search))
 
 
 def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: int | None,

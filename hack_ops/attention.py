@@ -183,7 +183,9 @@ def _pad(x: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if n > x.shape[-2] else x
 
 
-def _kv_quant(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
+def quantize_kv(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
+    """K or V quantized as the format says (bits, rounding, meta dtype, range search), in
+    groups of `group` along `dim`, over the elements where `mask` is True."""
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
     return quantize(x, cfg.kv_bits, dim=dim, group_size=group, rounding=cfg.rounding,
                     generator=gen, meta_dtype=meta, mask=mask, range_search=cfg.range_search)
@@ -234,10 +236,10 @@ def _quantize_channel_k(k: Tensor, kmask: Tensor, cfg: HackConfig, gen) -> tuple
     mask = kmask[:, None].expand(k.shape)
     n = cfg.k_outlier_channels
     if not n:
-        return _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask), torch.zeros(())
+        return quantize_kv(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask), torch.zeros(())
     wide = widest_channels(k, n, p, mask)  # [B, H, npg, D]
     sparse = wide.repeat_interleave(p, -2) & mask
-    qk = _kv_quant(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask & ~sparse)
+    qk = quantize_kv(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask & ~sparse)
     qk.scale = qk.scale.masked_fill(wide, 0)
     return qk, k.half().float() * sparse
 
@@ -245,7 +247,7 @@ def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode:
     """Scores against K quantized per token in head_dim groups (Eq. 4 directly)."""
     gd = cfg.head_group(k.shape[-1])
     kt = k.transpose(-1, -2)
-    qk = _kv_quant(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape))
+    qk = quantize_kv(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape))
     if mode == AttentionMode.DEQUANT:
         return qs @ _heads(dequantize(qk), rep)
     qq = quantize_qp(qs, -1, gd, cfg, gen, check=False)
@@ -261,7 +263,7 @@ def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig
     p, dd = cfg.partition_size, v.shape[-1]
     gd = cfg.head_group(dd)
     pw = pr * w
-    qv = _kv_quant(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
+    qv = quantize_kv(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
     if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     b, h, sq, skp = pw.shape
@@ -279,7 +281,7 @@ def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConf
     """P·V with V quantized per channel over each page (Eq. 4, groups along the sequence)."""
     p = cfg.partition_size
     pw = pr * w
-    qv = _kv_quant(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
+    qv = quantize_kv(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
     if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     qp = quantize_qp(pw, -1, p, cfg, gen, zero_min=True, check=False)
