@@ -5,13 +5,20 @@ Both servers run with --sleep-on-idle (an idle one takes no CPU; the sleep only 
 first token, not the decode rate measured from the first streamed token to the last), and the
 measurements alternate between them, best of REPEATS per cell.
 
-This is a regression guard, not the target: the 3x-at-8K target is measured by
-`hack bench serve` (x3.25 in docs/engine.md). A timed test on a 2-core machine that also runs
-the rest of the suite sees +-10% between runs (x2.92 and x3.25 on the same commit), so the
-guard asserts what a broken kernel or a fallback to a dense path would lose: at 8K HACK decodes
-at least LONG_MIN_RATIO times as fast as BF16 (BF16 gathers its whole cache into a contiguous
-copy every step, HACK reads ~6x fewer bytes in place; a dequantizing fallback measures about
-x1), and at a short context it is not slower, allowing SHORT_NOISE for run-to-run noise.
+This is a regression guard, not the target: the decode target at 8K is measured by
+`hack bench serve` (docs/engine.md). What the guard asserts is what a broken kernel or a
+fallback to a dense path would lose: at 8K HACK decodes at least LONG_MIN_RATIO times as fast
+as BF16 (BF16 gathers its whole cache into a contiguous copy every step, HACK reads ~6x fewer
+bytes in place; a dequantizing fallback measures about x1), and at a short context it is not
+slower, allowing SHORT_NOISE for run-to-run noise.
+
+Why 1.5 and not more: the ratio is bounded by the part of a decode step both servers share
+(the model's linear layers, norms, sampling). On the host this project runs on now (x86_64
+with AVX-512 and AMX) the test measured x1.81 and x1.82 (2026-11-25): HACK 13.05 tok/s at 8K
+against 15.56 at 128, so its attention is ~12 of ~77 ms a token, and BF16 7.18 against 15.21;
+x2 would need HACK's whole 8K attention under ~5 ms a token. An earlier host without AMX
+measured x2.92 and x3.25 on one commit. 1.5 sits 17% under the current measurement and 50%
+over a dense fallback.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LONG, SHORT = 8000, 128
 DECODE_TOKENS = 24
 REPEATS = 2
-LONG_MIN_RATIO = 2.0
+LONG_MIN_RATIO = 1.5
 SHORT_NOISE = 0.9
 
 
