@@ -71,20 +71,32 @@ def _add_report_flags(parser: argparse.ArgumentParser, stem: str) -> None:
                              "per 2K window, out of memory at 8K); rows the fast paths cannot compute run on "
                              "the reference either way")
     parser.add_argument("--out", default=None,
-                        help=f"markdown report to write ('' = none; default docs/{stem}.md, "
-                             f"docs/{stem}-MODEL.md for another model than smollm2)")
+                        help=f"markdown report to write ('' = none; default docs/study/{stem}-MODEL-CONTEXTS.md, "
+                             "e.g. docs/study/" + stem + "-smollm2-4k.md; the curated docs/accuracy.md is never "
+                             "written)")
     parser.add_argument("--json-out", default=None,
-                        help=f"raw results ('' = none; default docs/{stem}.json, docs/{stem}-MODEL.json)")
+                        help=f"raw results ('' = none; default docs/study/{stem}-MODEL-CONTEXTS.json)")
 
 
-def _write_reports(args: argparse.Namespace, stem: str, results: dict, text: str) -> None:
-    """Write the report and the raw results where --out/--json-out say (defaults under docs/,
-    suffixed with the model unless it is smollm2; '' writes none), then print the report."""
+def context_label(tokens: int) -> str:
+    """'2k' for 2048, '8k' for 8192, '4000' for 4000: the context part of a report's name."""
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def report_stem(stem: str, model: str, contexts: list[int]) -> str:
+    """Where a study run writes by default (without suffix): docs/study/STEM-MODEL-CONTEXTS, so
+    runs of other models or contexts never overwrite one another or a curated doc."""
+    return f"docs/study/{stem}-{model}-" + "-".join(context_label(c) for c in contexts)
+
+
+def _write_reports(args: argparse.Namespace, stem: str, contexts: list[int], results: dict, text: str) -> None:
+    """Write the report and the raw results where --out/--json-out say (default: report_stem;
+    '' writes none), then print the report."""
     from hack_eval.accuracy import save
 
-    suffix = "" if args.model == "smollm2" else f"-{args.model}"
-    out = f"docs/{stem}{suffix}.md" if args.out is None else args.out
-    json_out = f"docs/{stem}{suffix}.json" if args.json_out is None else args.json_out
+    base = report_stem(stem, args.model, contexts)
+    out = f"{base}.md" if args.out is None else args.out
+    json_out = f"{base}.json" if args.json_out is None else args.json_out
     if json_out:
         save(results, Path(json_out))
     if out:
@@ -117,7 +129,7 @@ def _accuracy(args: argparse.Namespace) -> int:
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=_csv(args.variants), modes=_csv(args.modes), path=args.attention_path)
-    _write_reports(args, "accuracy", res, render(res, _rerun_command("accuracy")))
+    _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
 
 
@@ -149,5 +161,5 @@ def _retrieval(args: argparse.Namespace) -> int:
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_csv(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path)
-    _write_reports(args, "retrieval", res, render_retrieval(res, _rerun_command("retrieval")))
+    _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0

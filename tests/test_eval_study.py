@@ -50,6 +50,26 @@ def test_cli_size_json():
     assert rows[0]["format"] == "bf16" and all(0 < r["ratio"] <= 1 for r in rows)
 
 
+def test_study_reports_default_under_docs_study(tmp_path, monkeypatch):
+    """A study run without --out writes docs/study/STEM-MODEL-CONTEXTS.{md,json}: never the
+    curated docs/accuracy.md, and runs of other models or contexts never overwrite each other."""
+    import argparse
+
+    from hack_cli.cmd_eval import _write_reports, context_label, report_stem
+
+    assert [context_label(c) for c in (2048, 8192, 4096, 4000)] == ["2k", "8k", "4k", "4000"]
+    assert report_stem("accuracy", "smollm2", [2048]) == "docs/study/accuracy-smollm2-2k"
+    assert report_stem("retrieval", "gemma3", [4096, 8192]) == "docs/study/retrieval-gemma3-4k-8k"
+    monkeypatch.chdir(tmp_path)
+    args = argparse.Namespace(model="smollm2", out=None, json_out=None)
+    _write_reports(args, "accuracy", [2048], {"rows": []}, "report")
+    assert (tmp_path / "docs/study/accuracy-smollm2-2k.md").read_text() == "report"
+    assert json.loads((tmp_path / "docs/study/accuracy-smollm2-2k.json").read_text()) == {"rows": []}
+    assert not (tmp_path / "docs/accuracy.md").exists()
+    _write_reports(argparse.Namespace(model="smollm2", out="", json_out=""), "accuracy", [8192], {}, "x")
+    assert not (tmp_path / "docs/study/accuracy-smollm2-8k.md").exists()
+
+
 def test_variants_filter_selects_rows_and_refuses_unknown_patterns():
     from hack_eval.runner import EXACT
     from hack_eval.variants import select_variants, study_variants
