@@ -6,6 +6,8 @@ and the measurements alternate between them, so load drifts hit every method ali
   bf16     SGLang's own CPU path: torch_native attention over a BF16 cache (the baseline)
   hack     --kv-cache-dtype hack (homomorphic attention on 2-bit pages)
   dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
+  hack-exact-prefill  hack with --hack-prefill exact (a chunk's own tokens in FP16; the name
+           `hack bench disagg` uses for the same server)
 Measured per server: max total tokens (capacity); batch-1 decode tokens/s and prefill tokens/s
 at each context (prefill on a cold cache; decode from the first to the last streamed token,
 best of a cold and a cached-prompt run);
@@ -33,6 +35,7 @@ METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
     "hack": ["--kv-cache-dtype", "hack"],
     "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
+    "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
 }
 
 

@@ -220,17 +220,24 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
                 window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """PrefillMode.EXACT extend of requests without a cached prefix: every key is one of the chunk's own
     tokens, in FP16 as stored, so this is causal attention over them (torch SDPA, blocked and
-    fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D]."""
+    fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D].
+
+    BF16 q/k/v (what a BF16 model serves) take SDPA in BF16 on the stored FP16 values rounded to
+    BF16, which gives back the model's own BF16 K/V wherever FP16 holds them exactly (|x| in
+    FP16's normal range): the attention SGLang's BF16 backend computes, on AMX where the CPU has
+    it (~3x float32 SDPA at 2K-8K tokens, docs/engine.md). Other dtypes take float32."""
+    lowp = q.dtype == k.dtype == v.dtype == torch.bfloat16
     out = torch.empty(q.shape, dtype=torch.float32)
     for b in range(plan.batch_size):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
-        qb = q[lo:hi].float().transpose(0, 1)[None]
-        kb, vb = (x[lo:hi].to(torch.float16).float().transpose(0, 1)[None] for x in (k, v))
+        work = torch.bfloat16 if lowp else torch.float32
+        qb = q[lo:hi].to(work).transpose(0, 1)[None]
+        kb, vb = (x[lo:hi].to(torch.float16).to(work).transpose(0, 1)[None] for x in (k, v))
         gqa = qb.shape[1] != kb.shape[1]
         if window is None and not logit_cap:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = _masked_dense(qb, kb, vb, scale, window, logit_cap, torch.arange(hi - lo))
+            o = _masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, torch.arange(hi - lo))
         out[lo:hi] = o[0].transpose(0, 1)
     return out
 
