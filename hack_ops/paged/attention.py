@@ -226,11 +226,10 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
     BF16, which gives back the model's own BF16 K/V wherever FP16 holds them exactly (|x| in
     FP16's normal range): the attention SGLang's BF16 backend computes, on AMX where the CPU has
     it (~3x float32 SDPA at 2K-8K tokens, docs/engine.md). Other dtypes take float32."""
-    lowp = q.dtype == k.dtype == v.dtype == torch.bfloat16
+    work = torch.bfloat16 if q.dtype == k.dtype == v.dtype == torch.bfloat16 else torch.float32
     out = torch.empty(q.shape, dtype=torch.float32)
     for b in range(plan.batch_size):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
-        work = torch.bfloat16 if lowp else torch.float32
         qb = q[lo:hi].to(work).transpose(0, 1)[None]
         kb, vb = (x[lo:hi].to(torch.float16).to(work).transpose(0, 1)[None] for x in (k, v))
         gqa = qb.shape[1] != kb.shape[1]
