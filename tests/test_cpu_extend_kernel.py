@@ -157,7 +157,7 @@ def test_path_choice_and_reasons(monkeypatch):
     case = Case(cfg, lens=[40], seed=25)
     path, why = cpu_extend.choose(case.store, "hack")
     assert path == (cpu_extend.ExtendPath.VNNI if cpu_extend.simd() else cpu_extend.ExtendPath.PORTABLE)
-    assert "AMX" in why and "AMX" in cpu_extend.describe(case.store, "hack")
+    assert why.endswith(cpu_extend.amx_note()) and "AMX" in cpu_extend.describe(case.store, "hack")
     assert cpu_extend.choose(case.store, "dequant")[0] == cpu_extend.ExtendPath.TORCH
     assert cpu_extend.choose(case.store, "hack", backend="torch")[0] == cpu_extend.ExtendPath.TORCH
     # A sliding window or soft-cap stays on the tiled kernel (tests/test_cpu_extend_window.py).
@@ -174,3 +174,14 @@ def test_path_choice_and_reasons(monkeypatch):
         tk.extend([40], backend="cpu")
     with pytest.raises(ValueError, match="backend"):
         cpu_extend.choose(case.store, "hack", backend="gpu")
+
+
+def test_amx_note_names_what_the_cpu_has():
+    """The path description says AMX-INT8 is unused and whether the CPU has it, from its flags."""
+    with_amx = "processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni amx_bf16 amx_tile amx_int8\n"
+    without = "processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni\n"
+    assert cpu_extend.cpu_has_amx_int8(with_amx) and not cpu_extend.cpu_has_amx_int8(without)
+    assert "has it" in cpu_extend.amx_note(with_amx) and "has none" in cpu_extend.amx_note(without)
+    assert not cpu_extend.cpu_has_amx_int8("flags\t\t: amx_int8x\n")  # whole flags only
+    case = Case(make_cfg(partition_size=32), lens=[40], seed=25)
+    assert cpu_extend.choose(case.store, "hack")[1].endswith(cpu_extend.amx_note())  # this CPU's flags

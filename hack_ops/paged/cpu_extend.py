@@ -4,15 +4,20 @@ Paths, best first (ExtendPath): 'vnni' (the tiled kernel built with AVX-512 VNNI
 (the same kernel in plain C: the build without SIMD intrinsics, chosen when the compiler or CPU
 lacks AVX-512 VNNI), 'per-query' (the decode kernel run once per new token, the previous
 extend; kept as a fallback), 'torch' (portable PyTorch). HACK_EXTEND_KERNEL=per-query or
-=portable forces those paths (tests, comparisons); HACK_CPU_KERNEL=0 turns all compiled code off. AMX-INT8 tiles are not built: the machine this kernel was written on exposes no AMX,
-and a path that cannot be run here is not shipped untested.
+=portable forces those paths (tests, comparisons); HACK_CPU_KERNEL=0 turns all compiled code
+off. AMX-INT8 tiles are not built: the kernel was written on a CPU without AMX, and on one with
+AMX its time goes to the per-page work around the dot products, not to the dots (docs/engine.md,
+"On an AVX-512 + AMX host"), so tiles come after that work is amortized. amx_note() says which
+case the running CPU is.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 from enum import Enum
+from pathlib import Path
 
 import torch
 
@@ -21,7 +26,29 @@ from . import cpu_kernel
 
 logger = logging.getLogger(__name__)
 
-AMX_NOTE = "AMX-INT8 not built (this machine exposes no AMX to test it on)"
+
+def cpu_has_amx_int8(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU's flags (/proc/cpuinfo, or the given text) include amx_int8."""
+    if cpuinfo is None:
+        return _this_cpu_has_amx_int8()
+    return any(line.startswith("flags") and "amx_int8" in line.split() for line in cpuinfo.splitlines())
+
+
+@functools.cache
+def _this_cpu_has_amx_int8() -> bool:  # read once: choose() runs on every layer's extend
+    try:
+        return cpu_has_amx_int8(Path("/proc/cpuinfo").read_text())
+    except OSError:
+        return False
+
+
+def amx_note(cpuinfo: str | None = None) -> str:
+    """The clause the path descriptions end with: AMX-INT8 is not used, and whether this CPU has it."""
+    if cpu_has_amx_int8(cpuinfo):
+        return "AMX-INT8 not used (this CPU has it; the kernel does not use it yet)"
+    return "AMX-INT8 not used (this CPU has none)"
+
+
 _I64 = ctypes.c_int64
 _P = ctypes.c_void_p
 
@@ -82,8 +109,8 @@ def choose(store, mode: AttentionMode | str, generator=None, backend: str = "aut
     tiled = why_not(store, mode, generator, build_variant(), prefill)
     if tiled is None:
         if simd(build_variant()):
-            return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {AMX_NOTE}"
-        return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {AMX_NOTE}"
+            return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {amx_note()}"
+        return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {amx_note()}"
     per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap,
                                    prefill=prefill)
     if per_query is None:
