@@ -61,8 +61,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_report_flags(parser: argparse.ArgumentParser, stem: str) -> None:
-    """--threads, --attention-path and where a study writes its report (docs/STEM.md) and raw
-    results (docs/STEM.json)."""
+    """--threads, --attention-path and where a study writes its report and raw results
+    (--out, --json-out; default report_stem)."""
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--attention-path", choices=ATTENTION_PATHS, default="fast",
                         help="where each layer's attention runs: 'fast' (default: exact and dequant in query "

@@ -68,14 +68,15 @@ def _score_window(model, hidden: dict[str, torch.Tensor], tallies: dict[str, Tal
     n = targets.numel()
     for lo in range(0, n, SCORE_ROWS):
         hi = min(lo + SCORE_ROWS, n)
-        ref = None
+        ref = ref_p = None
         for k in keys:
             t0 = time.time()
             logp = torch.log_softmax(logits_from_hidden(model, hidden[k][lo:hi]), -1)
-            ref = logp if ref is None else ref  # the exact model comes first
+            if ref is None:  # the exact model comes first
+                ref, ref_p = logp, logp.exp()
             acc = sums[k]
             acc[0] += -logp.gather(1, targets[lo:hi, None]).sum().item()
-            acc[1] += (ref.exp() * (ref - logp)).sum().item()
+            acc[1] += (ref_p * (ref - logp)).sum().item()
             acc[2] += int((logp.argmax(-1) == ref.argmax(-1)).sum().item())
             tallies[k].seconds += time.time() - t0
     for k, (nll_sum, kl, top1) in sums.items():

@@ -31,6 +31,8 @@ from hack_ops import AttentionMode, HackConfig, attention
 from hack_ops.attention import check_logit_cap, check_window, quantize_kv, soft_cap, visible
 from hack_ops.config import OpenMode
 from hack_ops.modes import attention_mode
+from hack_ops.paged.attention import extend, masked_dense
+from hack_ops.paged.store import HackKVStore
 from hack_ops.quant import dequantize
 from hack_ops.rotation import restore_output, rotate_qkv
 
@@ -86,7 +88,7 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
         if window is None and not logit_cap:  # torch's fused causal kernel
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-        return _blocked(q * scale, k, k, v, v, None, window, logit_cap)
+        return masked_dense(q, k, v, scale, window, logit_cap, torch.arange(q.shape[2]), block=QUERY_BLOCK)
     q, k, v = rotate_qkv(q.float(), k.float(), v.float(), cfg.rotation)
     if mode == AttentionMode.HACK:
         out = _serving_extend(q, k, v, cfg, scale, window, logit_cap)
@@ -125,12 +127,11 @@ def dequant_views(k: Tensor, v: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor
     return views[0], views[1], views[2], views[3]
 
 
-def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: int | None,
+def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: int,
              window: int | None, logit_cap: float) -> Tensor:
     """Attention of scaled queries qs [1, Hq, n, D] over keys 0..t (and the window) in blocks of
     queries. Key j is read from the closed views (kc, vc) when j < ((t+1) // page) * page, the
-    keys the query's partition has moved past, else from the open views (ko, vo); page None:
-    one view. Keys before the block's first partition are closed and unmasked (but for the
+    keys the query's partition has moved past, else from the open views (ko, vo). Keys before the block's first partition are closed and unmasked (but for the
     window) for every query of the block, so only the block's own partitions pay for the
     choice and the causal mask. Memory O(heads * QUERY_BLOCK * keys)."""
     n, rep = qs.shape[2], qs.shape[1] // kc.shape[1]
@@ -141,23 +142,19 @@ def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: i
         hi = min(lo + QUERY_BLOCK, n)
         t = torch.arange(lo, hi)
         k_lo = 0 if window is None else max(0, lo - window)
-        d_lo = max(k_lo, lo if page is None else (lo // page) * page)  # the block's own region
+        d_lo = max(k_lo, (lo // page) * page)  # the block's own partitions
         d = d_lo - k_lo
         jd = torch.arange(d_lo, hi)
         qb = qs[:, :, lo:hi]
         s = qb @ kc[:, :, k_lo:hi].transpose(-1, -2)
-        if page is not None:
-            open_key = jd[None, :] >= (((t + 1) // page) * page)[:, None]  # [queries, keys from d_lo]
-            s[..., d:] = torch.where(open_key, qb @ ko[:, :, d_lo:hi].transpose(-1, -2), s[..., d:])
+        open_key = jd[None, :] >= (((t + 1) // page) * page)[:, None]  # [queries, keys from d_lo]
+        s[..., d:] = torch.where(open_key, qb @ ko[:, :, d_lo:hi].transpose(-1, -2), s[..., d:])
         s = soft_cap(s, logit_cap)
         if window is None:
             s[..., d:].masked_fill_(jd[None, :] > t[:, None], float("-inf"))
         else:
             s.masked_fill_(~visible(torch.arange(k_lo, hi)[None, :], t[:, None], window), float("-inf"))
         pr = torch.softmax(s, -1)
-        if page is None:
-            out[:, :, lo:hi] = pr @ vc[:, :, k_lo:hi]
-            continue
         pd = pr[..., d:]
         po = pd * open_key
         out[:, :, lo:hi] = (pr[..., :d] @ vc[:, :, k_lo:d_lo] + (pd - po) @ vc[:, :, d_lo:hi]
@@ -168,9 +165,6 @@ def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: i
 def _serving_extend(q: Tensor, k: Tensor, v: Tensor, cfg: HackConfig, scale: float, window: int | None,
                     logit_cap: float) -> Tensor:
     """One cold prompt of n tokens through the serving store and extend (one layer, one row)."""
-    from hack_ops.paged.attention import extend
-    from hack_ops.paged.store import HackKVStore
-
     n, h, d = k.shape[2], k.shape[1], k.shape[3]
     pages = -(-n // cfg.partition_size)
     store = HackKVStore(cfg, num_layers=1, num_heads=h, head_dim=d, num_pages=pages, num_rows=1)

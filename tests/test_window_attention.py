@@ -134,7 +134,7 @@ def test_exact_prefill_window(backend):
     prefix; both against the reference within the usual tolerances."""
     if backend == "cpu":
         _need_kernel("native")
-    from hack_ops.paged.attention import _masked_dense
+    from hack_ops.paged.attention import masked_dense
 
     cfg = make_cfg(partition_size=P)
     case = Case(cfg, lens=[150, 60], seed=27, window=45, logit_cap=4.0, scale=0.2)
@@ -144,7 +144,7 @@ def test_exact_prefill_window(backend):
         ref = attention(t(case.q[i]), t(case.k[i]), t(case.v[i]), cfg, mode="exact", window=45, logit_cap=4.0,
                         scale=0.2)[0].transpose(0, 1)
         assert float((outs[i] - ref).abs().max()) <= 5e-5
-        small = _masked_dense(t(case.q[i]), t(case.k[i]), t(case.v[i]), 0.2, 45, 4.0,
+        small = masked_dense(t(case.q[i]), t(case.k[i]), t(case.v[i]), 0.2, 45, 4.0,
                               torch.arange(case.lens[i]), block=16)[0].transpose(0, 1)
         assert float((small - ref).abs().max()) <= 5e-5
     # a chunk after a cached prefix: quantized prefix pages inside the window, FP16 new tokens

@@ -203,7 +203,7 @@ def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor
             o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scale,
                                                enable_gqa=qb.shape[1] != kb.shape[1])
         else:
-            o = _masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, t)
+            o = masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, t)
         out[lo:hi] = o[0].transpose(0, 1).float()
     return out.to(q.dtype)
 
@@ -236,7 +236,7 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
         if window is None and not logit_cap:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = _masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, torch.arange(hi - lo))
+            o = masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, torch.arange(hi - lo))
         out[lo:hi] = o[0].transpose(0, 1)
     return out
 
@@ -260,7 +260,7 @@ def _fp16_windows(store: HackKVStore, plan: ForwardPlan, k: Tensor, v: Tensor, s
     return kw, vw, torch.tensor(offs, dtype=torch.long)
 
 
-def _masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, logit_cap: float,
+def masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, logit_cap: float,
                   t: Tensor, block: int = 512) -> Tensor:
     """Dense float attention [1, Hq, n, D] x [1, H, m, D] for queries at positions t (ascending)
     over keys 0..m-1, with the window and soft-cap (which SDPA does not take). Queries go in
