@@ -15,8 +15,12 @@ from hack_ops.paged.store import StoreBackend
 pytestmark = pytest.mark.skipif(cpu_store.load() is None, reason="no C compiler: the compiled store cannot be built")
 
 
-def _kv(n: int, h: int, d: int, seed: int, dtype: torch.dtype):
+def _kv(n: int, h: int, d: int, seed: int, dtype: torch.dtype, grid: bool = False):
     g = torch.Generator().manual_seed(seed)
+    if grid:  # halves on a coarse grid: many (x - min) / scale fall exactly on ties
+        k = torch.randint(-12, 13, (n, h, d), generator=g).float() * 0.5
+        v = torch.randint(-6, 7, (n, h, d), generator=g).float() * 0.25
+        return k.to(dtype), v.to(dtype)
     chan = (1 + torch.arange(d) % 7).float()  # uneven channel ranges, like real keys
     k = torch.randn(n, h, d, generator=g) * chan
     v = torch.randn(n, h, d, generator=g)
@@ -35,7 +39,7 @@ def _assert_same(ref: HackKVStore, mine: HackKVStore) -> None:
 
 
 def run_schedule(cfg: HackConfig, heads: int, d: int, schedule: list[list[int]], dtype=torch.bfloat16,
-                 seed: int = 0) -> tuple[HackKVStore, HackKVStore]:
+                 seed: int = 0, grid: bool = False) -> tuple[HackKVStore, HackKVStore]:
     """Write the same tokens with the reference store and the compiled one (schedule[step][i]
     new tokens for request i, 0 = idle) and compare every byte after every step."""
     p = cfg.partition_size
@@ -44,7 +48,7 @@ def run_schedule(cfg: HackConfig, heads: int, d: int, schedule: list[list[int]],
     pages = sum(-(-n // p) for n in totals) + 3
     stores = [HackKVStore(cfg, 1, heads, d, num_pages=pages, num_rows=4) for _ in range(2)]
     table = scattered_table(totals, p, 4, rows, pages, generator=torch.Generator().manual_seed(seed))
-    kv = [_kv(n, heads, d, seed + i, dtype) for i, n in enumerate(totals)]
+    kv = [_kv(n, heads, d, seed + i, dtype, grid) for i, n in enumerate(totals)]
     done = [0] * len(rows)
     for step in schedule:
         act = [i for i, n in enumerate(step) if n]
@@ -79,6 +83,16 @@ def _schedule(p: int) -> list[list[int]]:
 def test_bytes_equal_the_reference_store(page, heads, d, kw):
     cfg = HackConfig(partition_size=page, **kw)
     run_schedule(cfg, heads, d, _schedule(page))
+
+
+@pytest.mark.parametrize("kw", [{}, {"range_search": False}, {"kv_bits": 4, "meta_dtype": "float32"},
+                                {"tail_tensors": "per_channel"}])
+def test_exact_ties_round_as_the_reference(kw):
+    """Values on a coarse grid put many quotients (x - min) / scale exactly on a half: the
+    compiled store rounds them by multiplying with 1/scale and redoes a row with the division
+    where the product lies near a half, so ties must still round as the reference's division."""
+    for dtype in (torch.bfloat16, torch.float32):
+        run_schedule(HackConfig(partition_size=32, **kw), 2, 64, _schedule(32), dtype=dtype, seed=5, grid=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -148,6 +162,7 @@ def test_portable_build_writes_the_same_bytes():
     stores = [HackKVStore(cfg, 1, 2, 64, num_pages=12, num_rows=2) for _ in range(2)]
     table = scattered_table([3 * p + 9], p, 2, [1], 12, generator=torch.Generator().manual_seed(4))
     k, v = _kv(3 * p + 9, 2, 64, 4, torch.bfloat16)
+    k[p:2 * p], v[p:2 * p] = _kv(p, 2, 64, 4, torch.bfloat16, grid=True)  # ties too
     done = 0
     for n in (p + 3, 2 * p, 1, 5):
         for store, variant in zip(stores, (None, "portable")):

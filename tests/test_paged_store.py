@@ -170,3 +170,23 @@ def test_write_rejects_bad_shapes_without_writing():
     with pytest.raises(ValueError, match="floating-point"):
         store.write(0, plan, k.long(), v)
     assert int(store.sink_k[0].count_nonzero()) == 0 and int(store.tails["k"][0].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused_wherever_it_is(dtype, bad):
+    """The store's finiteness check (one min/max reduction) finds a NaN or an inf at the first,
+    a middle and the last element of K or V, and nothing is written."""
+    store = _store(HackConfig(partition_size=P))
+    plan = store.plan(scattered_table([70], P, 4, [0], 16), [0], [70], [70])
+    _, k, v = _seq(70)
+    before = [t.clone() for t in (store.k_pages[0], store.v_pages[0], store.tails["k"][0], store.sink_k[0])]
+    for which in ("k", "v"):
+        for pos in (0, 70 * 2 * 64 // 2 + 3, 70 * 2 * 64 - 1):
+            kv = {"k": k.to(dtype), "v": v.to(dtype)}
+            kv[which] = kv[which].clone()
+            kv[which].view(-1)[pos] = bad
+            with pytest.raises(ValueError, match="NaN or inf"):
+                store.write(0, plan, kv["k"], kv["v"])
+    after = (store.k_pages[0], store.v_pages[0], store.tails["k"][0], store.sink_k[0])
+    assert all(torch.equal(a, b) for a, b in zip(before, after))

@@ -23,6 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -61,12 +64,44 @@ static inline float load_in(const void *p, int64_t i, int dt) {
     return f;
 }
 
+/* n input values from element i on as floats, rounded through FP16 when `via_f16` (what the
+ * page holds); the dtype switch is outside the loops so that each one vectorizes. */
+static void load_row(const void *p, int64_t i, int dt, int via_f16, float *out, int64_t n) {
+    if (dt == IN_F32) {
+        const float *x = (const float *)p + i;
+        if (via_f16) for (int64_t j = 0; j < n; j++) out[j] = (float)(_Float16)x[j];
+        else for (int64_t j = 0; j < n; j++) out[j] = x[j];
+    } else if (dt == IN_F16) {
+        const _Float16 *x = (const _Float16 *)p + i;
+        for (int64_t j = 0; j < n; j++) out[j] = (float)x[j];
+    } else {
+        const uint16_t *x = (const uint16_t *)p + i;
+        int64_t j = 0;
+#if defined(__AVX512F__)
+        /* gcc keeps the FP16 round trip scalar: 16 at a time here (vcvtps2ph rounds to nearest even,
+         * as the C conversion does) */
+        for (; j + 16 <= n; j += 16) {
+            const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + j))), 16);
+            __m512 f = _mm512_castsi512_ps(u);
+            if (via_f16) f = _mm512_cvtph_ps(_mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm512_storeu_ps(out + j, f);
+        }
+#endif
+        for (; j < n; j++) {
+            const uint32_t u = (uint32_t)x[j] << 16;
+            float f;
+            memcpy(&f, &u, 4);
+            out[j] = via_f16 ? (float)(_Float16)f : f;
+        }
+    }
+}
+
 typedef union { _Float16 h; uint16_t u; } half_bits;
 
 /* quant._step_toward for fp16 metadata over n values: the largest fp16 <= x[i] (down) or the
  * smallest fp16 >= x[i] (up), as floats; float32 metadata is x itself. Written branch-free
  * over arrays so that it vectorizes (vcvtps2ph / vcvtph2ps). */
-static void step_meta(const float *x, float *out, int64_t n, int down, int fp32) {
+static inline __attribute__((always_inline)) void step_meta(const float *x, float *out, int64_t n, int down, int fp32) {
     if (fp32) {
         for (int64_t i = 0; i < n; i++) out[i] = x[i];
         return;
@@ -122,7 +157,7 @@ static void multi_row_sum(const float *e, int64_t n, int64_t row_step, int64_t c
 }
 
 /* e: [n][cols]; out[cols]; scratch: >= (4 + 4 * w + w) * cols floats */
-static void err_reduce(const float *e, int64_t n, int64_t cols, int order, int64_t w, float *out, float *scratch) {
+static inline __attribute__((always_inline)) void err_reduce(const float *e, int64_t n, int64_t cols, int order, int64_t w, float *out, float *scratch) {
     if (order == SUM_ROWS) {
         if (n > 256) {
             multi_row_sum(e, n, 1, cols, out, scratch);
@@ -184,29 +219,30 @@ static void err_reduce(const float *e, int64_t n, int64_t cols, int order, int64
 
 typedef struct {
     float *x;             /* [n][cols] the groups being quantized (group c = column c) */
-    float *e;             /* [n][cols] squared errors of one range candidate */
+    float *xc;            /* [n][CW] one chunk of them */
+    float *e;             /* [n][CW] squared errors of one range candidate */
     float *red;           /* err_reduce's accumulators */
     float *page;          /* [P][D] one head's FP16 page content or new V tokens, as floats */
-    float *lo, *hi, *loq, *sc, *err, *best_err, *best_lo, *best_hi, *mn, *mx, *rng, *out_min, *out_scale, *cmf;
+    float *out_min, *out_scale; /* [cols] what quantize_cols leaves */
     uint8_t *codes;       /* [n][cols] */
     uint8_t *tok_codes;   /* [P][D] codes of one head's tokens, before packing */
 } scratch_t;
 
 #define ST_COLS (ST_MAX_D > ST_MAX_P ? ST_MAX_D : ST_MAX_P)
-#define ST_VECS 14 /* lo .. cmf */
+#define ST_VECS 2 /* out_min, out_scale */
 
 static int scratch_alloc(scratch_t *s, int64_t w) {
     const int64_t nc = (int64_t)ST_MAX_P * ST_MAX_D;
-    float *f = (float *)malloc(sizeof(float) * (3 * nc + (4 + 5 * w) * ST_COLS + ST_VECS * ST_COLS));
+    float *f = (float *)malloc(sizeof(float) * (4 * nc + (4 + 5 * w) * ST_COLS + ST_VECS * ST_COLS));
     uint8_t *c = (uint8_t *)malloc(2 * nc);
     if (!f || !c) { free(f); free(c); return -1; }
     s->x = f;
     s->e = f + nc;
     s->page = f + 2 * nc;
-    s->red = f + 3 * nc;
+    s->xc = f + 3 * nc;
+    s->red = f + 4 * nc;
     float *m = s->red + (4 + 5 * w) * ST_COLS;
-    float **vecs[ST_VECS] = {&s->lo, &s->hi, &s->loq, &s->sc, &s->err, &s->best_err, &s->best_lo, &s->best_hi,
-                             &s->mn, &s->mx, &s->rng, &s->out_min, &s->out_scale, &s->cmf};
+    float **vecs[ST_VECS] = {&s->out_min, &s->out_scale};
     for (int i = 0; i < ST_VECS; i++) *vecs[i] = m + i * ST_COLS;
     s->codes = c;
     s->tok_codes = c + nc;
@@ -215,87 +251,218 @@ static int scratch_alloc(scratch_t *s, int64_t w) {
 
 static void scratch_free(scratch_t *s) { free(s->x); free(s->codes); }
 
-/* quant.quantize of `cols` groups of n values each (group c = s->x[i * cols + c], i < n);
- * an element is valid iff rmask[i] (NULL: all) and cmask[c] (NULL: all). Leaves the codes
- * ([n][cols]) in s->codes and the stored minimum / scale per group (floats equal to the
- * stored meta values) in s->out_min / s->out_scale. */
-static void quantize_cols(scratch_t *s, int64_t n, int64_t cols, const uint8_t *rmask, const uint8_t *cmask,
-                          int levels, int meta_fp32, int range_search, int order, int64_t w) {
-    const float *x = s->x;
-    float *mn = s->mn, *mx = s->mx;
+/* q[c] = rintf((x[c] - lo[c]) / sc[c]) for the CW groups of one row, without a division per
+ * element (divisions were most of the range search's time): r = (x - lo) * inv, inv = 1/sc
+ * rounded, lies within 2^-22 (relative) of the exact quotient, so within 2^-16 of the correctly
+ * rounded one wherever |quotient| <= 32, and rint(r) equals rint(quotient) unless r is within
+ * 2^-16 of a half-integer; beyond 32 both clamp to the same code (levels <= 15). A row with such
+ * an element (a few percent: FP16 values often divide to exact halves) or a non-finite r is
+ * redone with the division, so the codes are the reference's bit for bit
+ * (tests/test_cpu_store.py builds rows of exact ties to check it). */
+#define CW 16 /* groups per chunk: one AVX-512 vector of floats */
+#define QUOT_TOL (1.0f / 65536.0f)
+static inline void rint_quotients(const float *x, const float *lo, const float *sc, const float *inv, float *q) {
+    int near_half = 0;
+    for (int c = 0; c < CW; c++) {
+        const float r = (x[c] - lo[c]) * inv[c];
+        const float qr = rintf(r);
+        near_half |= !(fabsf(fabsf(r - qr) - 0.5f) > QUOT_TOL);
+        q[c] = qr;
+    }
+    if (near_half)
+        for (int c = 0; c < CW; c++) q[c] = rintf((x[c] - lo[c]) / sc[c]);
+}
+
+#if defined(__AVX512F__)
+/* rint_quotients on one vector (AVX-512 builds; the plain C above is the portable build's) */
+static inline __m512 rint_quotients16(__m512 x, __m512 lo, __m512 sc, __m512 inv) {
+    const __m512 d = _mm512_sub_ps(x, lo), r = _mm512_mul_ps(d, inv);
+    const __m512 q = _mm512_roundscale_ps(r, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* |r - rint(r)| <= 0.5 always: r is near a half-integer iff that distance is near 0.5 (a NaN fails too) */
+    const __m512 f = _mm512_abs_ps(_mm512_sub_ps(r, q));
+    if (_mm512_cmp_ps_mask(f, _mm512_set1_ps(0.5f - QUOT_TOL), _CMP_LT_OQ) == 0xFFFF) return q;
+    return _mm512_roundscale_ps(_mm512_div_ps(d, sc), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* The C's clamp q < 0 ? 0 : (q > lv ? lv : q) as min/max, which differ from it only in
+ * turning a -0 into +0: the error then adds +-0 to a minimum that is never -0, and the code is
+ * 0 either way, so nothing stored changes. */
+static inline __m512 clamp16(__m512 q, __m512 lv) {
+    return _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), lv);
+}
+
+/* One range candidate's squared error of row i, the quantize_chunk loop's formula; a mask
+ * factor of 1 is skipped (x * 1 = x exactly), a 0 is applied as the C does. */
+static inline __m512 cand_err16(const float *row, __m512 loq, __m512 sc, __m512 inv, __m512 cmf, int cm_ones,
+                                float rowf, __m512 lv) {
+    const __m512 x = _mm512_loadu_ps(row);
+    const __m512 q = clamp16(rint_quotients16(x, loq, sc, inv), lv);
+    __m512 t = _mm512_mul_ps(q, sc);
+    t = _mm512_add_ps(t, loq);
+    t = _mm512_sub_ps(t, x);
+    t = _mm512_mul_ps(t, t);
+    if (!cm_ones) t = _mm512_mul_ps(t, cmf);
+    return rowf == 1.0f ? t : _mm512_mul_ps(t, _mm512_set1_ps(rowf));
+}
+#endif
+
+/* quant.quantize of CW groups of n values each (group c = x[i * CW + c]); an element is valid
+ * iff rmask[i] (NULL: all) and cm[c]. Codes ([n][CW]) go to codes, the stored minimum / scale
+ * per group (floats equal to the stored meta values) to out_min / out_scale. Every operation is
+ * per group, so chunking the groups by CW changes no result; the fixed width lets the compiler
+ * keep a row of a chunk in one vector. */
+static void quantize_chunk(scratch_t *s, const float *x, int64_t n, const uint8_t *rmask, const uint8_t *cm,
+                           int levels, int meta_fp32, int range_search, int order, int64_t w, uint8_t *codes,
+                           float *out_min, float *out_scale) {
+    float mn[CW], mx[CW], lo[CW], hi[CW], loq[CW], sc[CW], inv[CW], err[CW], best_err[CW], best_lo[CW],
+        best_hi[CW], rng[CW], cmf[CW], qv[CW];
     const float lv = (float)levels;
-    for (int64_t c = 0; c < cols; c++) { mn[c] = INFINITY; mx[c] = -INFINITY; }
+    for (int c = 0; c < CW; c++) { mn[c] = INFINITY; mx[c] = -INFINITY; }
     for (int64_t i = 0; i < n; i++) {
         if (rmask && !rmask[i]) continue;
-        const float *row = x + i * cols;
-        for (int64_t c = 0; c < cols; c++) {
+        const float *row = x + i * CW;
+        for (int c = 0; c < CW; c++) {
             mn[c] = row[c] < mn[c] ? row[c] : mn[c];
             mx[c] = row[c] > mx[c] ? row[c] : mx[c];
         }
     }
-    for (int64_t c = 0; c < cols; c++) {
-        if (mn[c] > mx[c] || (cmask && !cmask[c])) { mn[c] = 0.0f; mx[c] = 0.0f; } /* an empty group */
+    for (int c = 0; c < CW; c++) {
+        if (mn[c] > mx[c] || !cm[c]) { mn[c] = 0.0f; mx[c] = 0.0f; } /* an empty group */
         mn[c] = mn[c] + 0.0f; /* a zero minimum is +0 (quant.quantize) */
     }
     if (range_search) {
-        for (int64_t c = 0; c < cols; c++) s->cmf[c] = (!cmask || cmask[c]) ? 1.0f : 0.0f;
-        for (int64_t c = 0; c < cols; c++) { s->rng[c] = mx[c] - mn[c]; s->best_lo[c] = mn[c]; s->best_hi[c] = mx[c]; }
+        for (int c = 0; c < CW; c++) cmf[c] = cm[c] ? 1.0f : 0.0f;
+        for (int c = 0; c < CW; c++) { rng[c] = mx[c] - mn[c]; best_lo[c] = mn[c]; best_hi[c] = mx[c]; }
         for (int cand = 0; cand < 25; cand++) {
             const float a = CLIP[cand / 5], b = CLIP[cand % 5];
             if (cand % 5 == 0) { /* lo and its stored value depend on a only */
-                for (int64_t c = 0; c < cols; c++) {
-                    const float ar = a * s->rng[c];
-                    s->lo[c] = mn[c] + ar;
+                for (int c = 0; c < CW; c++) {
+                    const float ar = a * rng[c];
+                    lo[c] = mn[c] + ar;
                 }
-                step_meta(s->lo, s->loq, cols, 1, meta_fp32);
+                step_meta(lo, loq, CW, 1, meta_fp32);
             }
-            for (int64_t c = 0; c < cols; c++) {
-                const float br = b * s->rng[c];
-                s->hi[c] = mx[c] - br;
-                s->sc[c] = (s->hi[c] - s->loq[c]) / lv;
+            for (int c = 0; c < CW; c++) {
+                const float br = b * rng[c];
+                hi[c] = mx[c] - br;
+                sc[c] = (hi[c] - loq[c]) / lv;
             }
-            step_meta(s->sc, s->sc, cols, 0, meta_fp32);
-            for (int64_t c = 0; c < cols; c++) s->sc[c] = s->sc[c] <= 0.0f ? 1.0f : s->sc[c];
+            step_meta(sc, sc, CW, 0, meta_fp32);
+            for (int c = 0; c < CW; c++) sc[c] = sc[c] <= 0.0f ? 1.0f : sc[c];
+            for (int c = 0; c < CW; c++) inv[c] = 1.0f / sc[c];
+#if defined(__AVX512F__)
+            const __m512 loqv = _mm512_loadu_ps(loq), scv = _mm512_loadu_ps(sc), invv = _mm512_loadu_ps(inv),
+                         cmv = _mm512_loadu_ps(cmf), lvv = _mm512_set1_ps(lv);
+            const int cm_ones = _mm512_cmp_ps_mask(cmv, _mm512_set1_ps(1.0f), _CMP_EQ_OQ) == 0xFFFF;
+#define ROWF(i) ((!rmask || rmask[i]) ? 1.0f : 0.0f)
+            if (order == SUM_ROWS && n <= 256) {
+                /* err_reduce's SUM_ROWS order for n <= 256, summed as the errors are made */
+                __m512 acc1 = _mm512_setzero_ps(), acc0;
+                int64_t i = 0;
+                for (; i + 16 <= n; i += 16) {
+                    acc0 = cand_err16(x + i * CW, loqv, scv, invv, cmv, cm_ones, ROWF(i), lvv);
+                    for (int64_t j = i + 1; j < i + 16; j++)
+                        acc0 = _mm512_add_ps(acc0, cand_err16(x + j * CW, loqv, scv, invv, cmv, cm_ones, ROWF(j), lvv));
+                    acc1 = _mm512_add_ps(acc1, acc0);
+                }
+                if (i < n) {
+                    acc0 = cand_err16(x + i * CW, loqv, scv, invv, cmv, cm_ones, ROWF(i), lvv);
+                    for (int64_t j = i + 1; j < n; j++)
+                        acc0 = _mm512_add_ps(acc0, cand_err16(x + j * CW, loqv, scv, invv, cmv, cm_ones, ROWF(j), lvv));
+                    acc1 = _mm512_add_ps(acc0, acc1);
+                }
+                _mm512_storeu_ps(err, acc1);
+            } else if (order == SUM_INNER && (n / w) / 4 <= 16) {
+                /* err_reduce's SUM_INNER order (nilp <= 16), summed as the errors are made */
+                const int64_t nvec = n / w, w4 = 4 * w, head = (nvec / 4) * w4;
+                __m512 part[4 * 64], tmp = _mm512_setzero_ps();
+                for (int64_t k = 0; k < w4; k++) part[k] = _mm512_setzero_ps();
+                int64_t i = 0;
+                for (int64_t k = 0; i < head; i++, k = k + 1 == w4 ? 0 : k + 1)
+                    part[k] = _mm512_add_ps(part[k], cand_err16(x + i * CW, loqv, scv, invv, cmv, cm_ones, ROWF(i), lvv));
+                for (int64_t l = 0; i < nvec * w; i++, l = l + 1 == w ? 0 : l + 1)
+                    part[l] = _mm512_add_ps(part[l], cand_err16(x + i * CW, loqv, scv, invv, cmv, cm_ones, ROWF(i), lvv));
+                for (int64_t k = 1; k < 4; k++)
+                    for (int64_t l = 0; l < w; l++) part[l] = _mm512_add_ps(part[l], part[k * w + l]);
+                for (; i < n; i++) tmp = _mm512_add_ps(tmp, cand_err16(x + i * CW, loqv, scv, invv, cmv, cm_ones, ROWF(i), lvv));
+                for (int64_t l = 0; l < w; l++) tmp = _mm512_add_ps(tmp, part[l]);
+                _mm512_storeu_ps(err, tmp);
+            } else {
+                for (int64_t i = 0; i < n; i++)
+                    _mm512_storeu_ps(s->e + i * CW, cand_err16(x + i * CW, loqv, scv, invv, cmv, cm_ones, ROWF(i), lvv));
+                err_reduce(s->e, n, CW, order, w, err, s->red);
+            }
+#undef ROWF
+#else
             for (int64_t i = 0; i < n; i++) {
-                const float *row = x + i * cols;
-                float *er = s->e + i * cols;
+                const float *row = x + i * CW;
+                float *er = s->e + i * CW;
                 const float rowf = (!rmask || rmask[i]) ? 1.0f : 0.0f;
-                for (int64_t c = 0; c < cols; c++) {
-                    float q = rintf((row[c] - s->loq[c]) / s->sc[c]);
+                rint_quotients(row, loq, sc, inv, qv);
+                for (int c = 0; c < CW; c++) {
+                    float q = qv[c];
                     q = q < 0.0f ? 0.0f : (q > lv ? lv : q);
-                    float t = q * s->sc[c]; /* (c * s + lo_q - g) ** 2, one rounding per op */
-                    t = t + s->loq[c];
+                    float t = q * sc[c]; /* (c * s + lo_q - g) ** 2, one rounding per op */
+                    t = t + loq[c];
                     t = t - row[c];
                     t = t * t;
-                    er[c] = t * s->cmf[c] * rowf; /* masked: the reference's e * m, x * 0 = +0 */
+                    er[c] = t * cmf[c] * rowf; /* masked: the reference's e * m, x * 0 = +0 */
                 }
             }
-            err_reduce(s->e, n, cols, order, w, s->err, s->red);
-            for (int64_t c = 0; c < cols; c++) {
-                if (cand == 0) s->best_err[c] = s->err[c];
-                else if (s->err[c] < s->best_err[c]) { /* ties keep the earlier candidate */
-                    s->best_err[c] = s->err[c];
-                    s->best_lo[c] = s->lo[c];
-                    s->best_hi[c] = s->hi[c];
+            err_reduce(s->e, n, CW, order, w, err, s->red);
+#endif
+            for (int c = 0; c < CW; c++) {
+                if (cand == 0) best_err[c] = err[c];
+                else if (err[c] < best_err[c]) { /* ties keep the earlier candidate */
+                    best_err[c] = err[c];
+                    best_lo[c] = lo[c];
+                    best_hi[c] = hi[c];
                 }
             }
         }
-        for (int64_t c = 0; c < cols; c++) { mn[c] = s->best_lo[c]; mx[c] = s->best_hi[c]; }
+        for (int c = 0; c < CW; c++) { mn[c] = best_lo[c]; mx[c] = best_hi[c]; }
     }
-    step_meta(mn, s->out_min, cols, 1, meta_fp32);
-    for (int64_t c = 0; c < cols; c++) s->out_scale[c] = (mx[c] - s->out_min[c]) / lv;
-    step_meta(s->out_scale, s->out_scale, cols, 0, meta_fp32);
-    for (int64_t c = 0; c < cols; c++) /* a zero range gets scale 1 */
-        s->out_scale[c] = (s->out_scale[c] <= 0.0f || mx[c] <= mn[c]) ? 1.0f : s->out_scale[c];
+    step_meta(mn, out_min, CW, 1, meta_fp32);
+    for (int c = 0; c < CW; c++) out_scale[c] = (mx[c] - out_min[c]) / lv;
+    step_meta(out_scale, out_scale, CW, 0, meta_fp32);
+    for (int c = 0; c < CW; c++) /* a zero range gets scale 1 */
+        out_scale[c] = (out_scale[c] <= 0.0f || mx[c] <= mn[c]) ? 1.0f : out_scale[c];
+    for (int c = 0; c < CW; c++) inv[c] = 1.0f / out_scale[c];
     for (int64_t i = 0; i < n; i++) {
-        const float *row = x + i * cols;
-        uint8_t *cr = s->codes + i * cols;
+        const float *row = x + i * CW;
+        uint8_t *cr = codes + i * CW;
         const int rv = !rmask || rmask[i];
-        for (int64_t c = 0; c < cols; c++) {
-            float q = rintf((row[c] - s->out_min[c]) / s->out_scale[c]);
+#if defined(__AVX512F__)
+        _mm512_storeu_ps(qv, rint_quotients16(_mm512_loadu_ps(row), _mm512_loadu_ps(out_min),
+                                              _mm512_loadu_ps(out_scale), _mm512_loadu_ps(inv)));
+#else
+        rint_quotients(row, out_min, out_scale, inv, qv);
+#endif
+        for (int c = 0; c < CW; c++) {
+            float q = qv[c];
             q = q < 0.0f ? 0.0f : (q > lv ? lv : q);
-            cr[c] = (rv && (!cmask || cmask[c])) ? (uint8_t)q : 0;
+            cr[c] = (rv && cm[c]) ? (uint8_t)q : 0;
         }
+    }
+}
+
+/* quant.quantize of `cols` groups of n values each (group c = s->x[i * cols + c], i < n);
+ * an element is valid iff rmask[i] (NULL: all) and cmask[c] (NULL: all). Leaves the codes
+ * ([n][cols]) in s->codes and the stored minimum / scale per group (floats equal to the
+ * stored meta values) in s->out_min / s->out_scale. Runs CW groups at a time (zero-padded). */
+static void quantize_cols(scratch_t *s, int64_t n, int64_t cols, const uint8_t *rmask, const uint8_t *cmask,
+                          int levels, int meta_fp32, int range_search, int order, int64_t w) {
+    for (int64_t c0 = 0; c0 < cols; c0 += CW) {
+        const int64_t nc = cols - c0 < CW ? cols - c0 : CW;
+        uint8_t cm[CW], chunk_codes[ST_MAX_P * CW];
+        float mins[CW], scales[CW];
+        for (int c = 0; c < CW; c++) cm[c] = c < nc && (!cmask || cmask[c0 + c]);
+        for (int64_t i = 0; i < n; i++)
+            for (int c = 0; c < CW; c++) s->xc[i * CW + c] = c < nc ? s->x[i * cols + c0 + c] : 0.0f;
+        quantize_chunk(s, s->xc, n, rmask, cm, levels, meta_fp32, range_search, order, w, chunk_codes, mins, scales);
+        for (int64_t c = 0; c < nc; c++) { s->out_min[c0 + c] = mins[c]; s->out_scale[c0 + c] = scales[c]; }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t c = 0; c < nc; c++) s->codes[i * cols + c0 + c] = chunk_codes[i * CW + c];
     }
 }
 
@@ -363,7 +530,7 @@ static void store_item(const hack_store_args *a, scratch_t *s, int64_t b, int64_
                 const _Float16 *t = a->tail_k + ((row * P + j) * H + h) * D;
                 for (int64_t d = 0; d < D; d++) xr[d] = (float)t[d];
             } else {
-                for (int64_t d = 0; d < D; d++) xr[d] = (float)(_Float16)load_in(a->k, SRC(j) + d, dt);
+                load_row(a->k, SRC(j), dt, 1, xr, D);
             }
         }
         /* per channel over the page's tokens: the reference reduces a strided dim (row order) */
@@ -393,7 +560,7 @@ static void store_item(const hack_store_args *a, scratch_t *s, int64_t b, int64_
                     const _Float16 *t = a->tail_v + ((row * P + j) * H + h) * D;
                     for (int64_t d = 0; d < D; d++) vr[d] = (float)t[d];
                 } else {
-                    for (int64_t d = 0; d < D; d++) vr[d] = (float)(_Float16)load_in(a->v, SRC(j) + d, dt);
+                    load_row(a->v, SRC(j), dt, 1, vr, D);
                 }
             }
             store_v_tokens(a, s, page, p0, h, 0, P);
@@ -402,7 +569,7 @@ static void store_item(const hack_store_args *a, scratch_t *s, int64_t b, int64_
     if (!a->v_tail) { /* V read quantized as soon as written: from the input precision */
         const int64_t nj = hi_pos - lo_pos;
         for (int64_t jj = 0; jj < nj; jj++)
-            for (int64_t d = 0; d < D; d++) s->page[jj * D + d] = load_in(a->v, SRC(first_new + jj) + d, dt);
+            load_row(a->v, SRC(first_new + jj), dt, 0, s->page + jj * D, D);
         store_v_tokens(a, s, page, p0, h, first_new, nj);
     }
 #undef SRC
