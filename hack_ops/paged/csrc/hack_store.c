@@ -9,7 +9,8 @@
  *   - without a V tail, V is quantized per token as it is written, from the input precision;
  *   - new tokens of a page that stays open go to the row's FP16 tail(s).
  * Bit-identity with hack_ops.quant.quantize: the same float32 operations in the same order
- * (no FMA contraction: built with -ffp-contract=off), IEEE division, round-half-even (rintf),
+ * (no FMA contraction: built with -ffp-contract=off), the IEEE quotient's rounding (a reciprocal
+ * multiply checked against half-integers, see rint_quotients), round-half-even (rintf),
  * fp16 metadata rounded toward -inf (minimum) / +inf (scale) by stepping the fp16 bits as
  * quant._step_toward does, and the range search's squared-error sums added in the order of
  * torch's CPU sum kernel for the layout the reference reduces (see err_reduce below).
