@@ -8,6 +8,9 @@ Methods (same launcher, same model, same transfer path; only the KV cache differ
   hack-exact-prefill
            the same with --hack-prefill exact: a prompt's own tokens attend to each other in
            full precision (on CPU, where INT8 buys prefill nothing, the faster prefill)
+  hack-dense-prefill
+           the same with --hack-prefill dense: also a cached prefix dequantized once per chunk
+           (the same as exact for a prompt in one chunk, which these servers prefill)
   dequant  --kv-cache-dtype hack --hack-attention dequant: the same 2-bit pages, dequantized
            before attention (the paper's CacheGen/KVQuant-style strawman)
   bf16     the model's BF16 KV cache (the paper's baseline)
@@ -21,7 +24,8 @@ from __future__ import annotations
 
 import sys
 
-METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill", "bf16-lossless", "fp8", "hack-full-pages")
+METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill", "hack-dense-prefill", "bf16-lossless", "fp8",
+           "hack-full-pages")
 # HACK's pages on the wire: lossless, fewer bytes with identical tokens (docs/disagg.md), so on
 # for the HACK methods; the strawman (dequant) sends its pages as stored.
 HACK_WIRE_FLAGS = ["--hack-kv-codec", "hack-pages"]
@@ -47,8 +51,8 @@ def method_flags(method: str) -> list[str]:
         return ["--kv-cache-dtype", "hack", *HACK_WIRE_FLAGS]
     if method == "hack-full-pages":
         return ["--kv-cache-dtype", "hack", "--hack-kv-codec", "none"]
-    if method == "hack-exact-prefill":
-        return ["--kv-cache-dtype", "hack", "--hack-prefill", "exact", *HACK_WIRE_FLAGS]
+    if method in ("hack-exact-prefill", "hack-dense-prefill"):
+        return ["--kv-cache-dtype", "hack", "--hack-prefill", method.split("-")[1], *HACK_WIRE_FLAGS]
     if method == "dequant":
         return ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"]
     if method == "bf16":

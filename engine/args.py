@@ -70,7 +70,11 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "clipped range (faster page quantization, less accurate).")),
     "hack_prefill": ("--hack-prefill", dict(
         choices=[m.value for m in PrefillMode],
-        help="Extend attention over the chunk's own tokens: homomorphic (default) or exact.")),
+        help="Extend (prefill) attention: homomorphic (default; the chunk's own tokens through the "
+             "codes, as decode reads them), exact (the chunk's own tokens in FP16, a cached prefix "
+             "through the codes) or dense (the chunk in FP16 and a cached prefix dequantized once, "
+             "both by SDPA: the fastest prefill on a CPU with AMX). Decode reads the codes in every "
+             "mode.")),
     "hack_orientation": ("--hack-orientation", dict(
         choices=list(ORIENTATIONS),
         help="channel_k: K per channel over the page, V per token (default); token_k: the paper's.")),

@@ -8,8 +8,10 @@ prefix hits (the prefix pages are simply part of the page table).
 
 Device: the CPU path of hack_ops.paged on CPU; the Triton kernels of hack_ops.triton on CUDA
 (engine.gpu_attention). Modes come from the server options: `--hack-prefill exact` makes the
-chunk's own tokens attend to each other in full precision, `--hack-attention dequant` runs the
-strawman baseline (same pages, dequantized before attention).
+chunk's own tokens attend to each other in full precision, `--hack-prefill dense` also reads a
+cached prefix dequantized once per chunk (prefill only: decode stays on the codes),
+`--hack-attention dequant` runs the strawman baseline (same pages, dequantized before
+attention at every step).
 
 Rotation (`--hack-rotation`): the layer's q/k/v are rotated here, once, before the store and
 attention, and the output is rotated back here, once, after (hack_ops.rotation); every path
@@ -73,7 +75,8 @@ class HackAttnBackend(AttentionBackend):
         self.settings = settings
         self.mode: AttentionMode = settings.attention
         # --hack-prefill is a choice of the homomorphic path; the strawman prefills with
-        # extend_strawman (its chunk in full precision, a cached prefix dequantized).
+        # extend_strawman (its chunk in full precision, a cached prefix dequantized), which is
+        # also what --hack-prefill dense runs.
         self.prefill: PrefillMode = (settings.prefill if settings.attention == AttentionMode.HACK
                                      else PrefillMode.HOMOMORPHIC)
         self.rotation: Rotation = settings.config.rotation
@@ -97,6 +100,8 @@ class HackAttnBackend(AttentionBackend):
             path = "GPU (Triton)"
         elif self.mode == AttentionMode.DEQUANT:
             path = "strawman (chunk in full precision, cached prefix dequantized, torch SDPA)"
+        elif self.prefill == PrefillMode.DENSE:
+            path = "dense (chunk in full precision, cached prefix dequantized once per chunk, torch SDPA)"
         else:
             path = describe_extend_path(self.store, self.mode, self.generator, self.prefill)
         logger.info("HACK prefill attention path: %s", path)

@@ -28,7 +28,7 @@ class GpuAttention:
         if settings.attention != AttentionMode.HACK:
             raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
         if settings.prefill != PrefillMode.HOMOMORPHIC:
-            raise NotImplementedError("--hack-prefill exact runs on the CPU path only")
+            raise NotImplementedError(f"--hack-prefill {settings.prefill.value} runs on the CPU path only")
         kernel_spec(store.layout)  # refuses formats the kernels do not implement, with the reason
         self.store = store
         self.layout = store.layout

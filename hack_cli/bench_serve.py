@@ -8,6 +8,8 @@ and the measurements alternate between them, so load drifts hit every method ali
   dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
   hack-exact-prefill  hack with --hack-prefill exact (a chunk's own tokens in FP16; the name
            `hack bench disagg` uses for the same server)
+  hack-dense-prefill  hack with --hack-prefill dense (a chunk in FP16 and its cached prefix
+           dequantized once, by SDPA; decode on the codes)
 Measured per server: max total tokens (capacity); batch-1 decode tokens/s and prefill tokens/s
 at each context (prefill on a cold cache; decode from the first to the last streamed token,
 best of a cold and a cached-prompt run);
@@ -36,6 +38,7 @@ METHODS = {
     "hack": ["--kv-cache-dtype", "hack"],
     "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
     "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
+    "hack-dense-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "dense"],
 }
 
 

@@ -11,6 +11,9 @@ PrefillMode: how extend (prefill) attention reads the chunk's own new tokens (`-
   homomorphic  as decode will see them later: through the quantized cache (decode-time visibility)
   exact        at full precision (FP16 as stored); the cached prefix is still read by the
                AttentionMode, so only the chunk's own tokens differ
+  dense        at full precision, and the cached prefix dequantized once for the chunk: both by
+               dense attention (SDPA, BF16 for a BF16 model), as a dequantizing system prefills.
+               Only prefill changes: decode still reads the codes by the AttentionMode
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ class AttentionMode(StrEnum):
 class PrefillMode(StrEnum):
     HOMOMORPHIC = "homomorphic"
     EXACT = "exact"
+    DENSE = "dense"
 
 
 # The modes a server runs and the paged decode/extend take (exact needs no cache at all).

@@ -147,7 +147,7 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
     indptr, indices = plan.csr_pages(torch.device("cpu"))
     assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [7, 8, 2]
     assert indptr.dtype == indices.dtype == torch.int32
-    for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact")):
+    for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact"), ("hack", "dense")):
         s = settings_mod.EngineSettings(attention=attention, prefill=prefill)
         with pytest.raises(NotImplementedError, match="CPU path only"):
             GpuAttention(store, s)

@@ -396,3 +396,56 @@ def test_strawman_prefill_reads_the_prefix_dequantized_and_the_chunk_in_full_pre
             t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
             ref = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)
         assert float((out - ref).abs().max()) <= ROUNDOFF_TOL, (prefix, float((out - ref).abs().max()))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_prefix_then_causal_is_masked_attention(dtype, tol):
+    """A chunk over a prefix every query sees: two flash attentions merged by log-sum-exp
+    (float32, BF16) or one masked SDPA (other dtypes) equal masked attention in float64, to the
+    dtype's round-off (measured: 3.2e-7 float32, 1.4e-3 BF16, 2.2e-4 float16)."""
+    from hack_ops.paged.attention import prefix_then_causal
+
+    g = torch.Generator().manual_seed(21)
+    m, n, h, rep, d = 150, 70, 2, 3, 64
+    q = torch.randn(1, h * rep, n, d, generator=g)
+    kp, vp, kc, vc = (torch.randn(1, h, ln, d, generator=g) for ln in (m, m, n, n))
+    out = prefix_then_causal(*(x.to(dtype) for x in (q, kp, vp, kc, vc)), 0.125)
+    assert out.dtype == torch.float32 and out.shape == q.shape
+    k, v = (torch.cat([a, b], 2).double().repeat_interleave(rep, 1) for a, b in ((kp, kc), (vp, vc)))
+    qd = q.to(dtype).double()
+    k, v = k.to(dtype).double(), v.to(dtype).double()
+    s = (qd @ k.transpose(-1, -2)) * 0.125
+    s = s.masked_fill(torch.arange(m + n)[None, :] > torch.arange(m, m + n)[:, None], float("-inf"))
+    want = torch.softmax(s, -1) @ v
+    assert float((out.double() - want).abs().max()) <= tol
+
+
+def test_dense_prefill_reads_the_prefix_dequantized():
+    """PrefillMode.DENSE is the strawman's prefill on HACK's pages: the chunk in full precision
+    and the cached prefix dequantized, by SDPA. It equals extend_strawman, is the dense reference
+    built by _exact_reference to float32 roundoff, so it is closer to exact attention than the
+    homomorphic prefill of the same chunk; the pages it leaves are the same bytes."""
+    from hack_ops.paged import extend_strawman
+
+    cfg = make_cfg(partition_size=32)
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    outs, stores = {}, {}
+    for prefill in ("dense", "homomorphic", "strawman"):
+        case = Case(cfg, lens=[120], seed=7)
+        case.extend([45])
+        if prefill == "strawman":
+            plan = case.store.plan(case.table, [case.rows[0]], [120], [75])
+            sl = slice(45, 120)
+            outs[prefill] = extend_strawman(case.store, 0, plan, case.q[0][sl], case.k[0][sl], case.v[0][sl],
+                                            dtype=torch.float32)
+        else:
+            outs[prefill] = case.extend([120], prefill=prefill)[0]
+        stores[prefill] = case.store
+    assert torch.equal(outs["dense"], outs["strawman"])
+    for name in ("k_pages", "v_pages"):
+        assert torch.equal(getattr(stores["dense"], name)[0], getattr(stores["homomorphic"], name)[0])
+    ref = _exact_reference(case, 0, 45)
+    assert float((outs["dense"] - ref).abs().max()) <= ROUNDOFF_TOL
+    full = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode="exact")[0].transpose(0, 1)[45:]
+    err = {p: float((outs[p] - full).abs().mean()) for p in ("dense", "homomorphic")}
+    assert err["dense"] < err["homomorphic"], err
