@@ -206,7 +206,7 @@ def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor
             o = prefix_then_causal(qb, dense["k"][None], dense["v"][None], kc, vc, scale)
         else:
             kb, vb = torch.cat([dense["k"][None], kc], 2), torch.cat([dense["v"][None], vc], 2)
-            o = masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, t)
+            o = masked_dense(qb, kb, vb, scale, window, logit_cap, t)
         out[lo:hi] = o[0].transpose(0, 1).float()
     return out.to(q.dtype)
 
@@ -262,7 +262,7 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
         if window is None and not logit_cap:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = masked_dense(qb.float(), kb.float(), vb.float(), scale, window, logit_cap, torch.arange(hi - lo))
+            o = masked_dense(qb, kb, vb, scale, window, logit_cap, torch.arange(hi - lo))  # BF16 or float32
         out[lo:hi] = o[0].transpose(0, 1)
     return out
 
@@ -288,21 +288,33 @@ def _fp16_windows(store: HackKVStore, plan: ForwardPlan, k: Tensor, v: Tensor, s
 
 def masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None, logit_cap: float,
                   t: Tensor, block: int = 512) -> Tensor:
-    """Dense float attention [1, Hq, n, D] x [1, H, m, D] for queries at positions t (ascending)
-    over keys 0..m-1, with the window and soft-cap (which SDPA does not take). Queries go in
-    blocks, each over the keys its window can reach only, so memory stays O(block * window)."""
+    """Dense attention [1, Hq, n, D] x [1, H, m, D] for queries at positions t (ascending) over
+    keys 0..m-1, with the window and soft-cap (which SDPA does not take as such), float32 out.
+    Queries go in blocks, each over the keys its window can reach only, so memory stays
+    O(block * window). Inputs are attended in float32, except BF16 inputs without a soft-cap (a
+    BF16 model's window layers) go to SDPA in BF16 with the block's window as its mask, as the
+    layers without a window do (a float32 pass made dense prefill slower than homomorphic
+    prefill on Gemma-3, whose layers are mostly windowed)."""
     from ..attention import soft_cap, visible
 
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    sdpa = q.dtype == torch.bfloat16 and not logit_cap
+    if not sdpa:
+        q, k, v = q.float(), k.float(), v.float()
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
     for i in range(0, q.shape[2], block):
         tb = t[i:i + block]
         k_lo = 0 if window is None else max(0, int(tb[0]) - window)
         k_hi = int(tb[-1]) + 1
-        s = soft_cap((q[:, :, i:i + block] * scale) @ k[:, :, k_lo:k_hi].transpose(-1, -2), logit_cap)
         ok = visible(torch.arange(k_lo, k_hi)[None, :], tb[:, None], window)
+        if sdpa:
+            out[:, :, i:i + block] = F.scaled_dot_product_attention(
+                q[:, :, i:i + block], k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], attn_mask=ok, scale=scale,
+                enable_gqa=rep > 1).float()
+            continue
+        s = soft_cap((q[:, :, i:i + block] * scale) @ k[:, :, k_lo:k_hi].transpose(-1, -2), logit_cap)
         out[:, :, i:i + block] = torch.softmax(s.masked_fill(~ok, float("-inf")), -1) @ v[:, :, k_lo:k_hi]
     return out
 
