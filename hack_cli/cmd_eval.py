@@ -37,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--variants", default=None, metavar="PATTERNS",
                      help="comma-separated patterns: instead of --quick/--core, the rows of the full "
                           "study whose name or config label contains one (plus the exact baseline); "
-                          "'=NAME' matches a whole name; e.g. --variants rotation,=default")
+                          "'=NAME' matches a whole name (a comma followed by a space is part of a name); e.g. "
+                          "--variants 'rotation,=default, 4-bit K/V'")
     acc.add_argument("--modes", default=None, metavar="MODES",
                      help="with --variants: keep only the rows in these attention modes (hack, dequant; "
                           "comma-separated), e.g. --variants =default --modes hack")
@@ -128,9 +129,17 @@ def _accuracy(args: argparse.Namespace) -> int:
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
-                    variant_patterns=_csv(args.variants), modes=_csv(args.modes), path=args.attention_path)
+                    variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
+                    path=args.attention_path)
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
+
+
+def _patterns(value: str | None) -> list[str] | None:
+    """--variants as its patterns (None when the flag was not given); names keep their ', '."""
+    from hack_eval.variants import split_patterns
+
+    return None if value is None else split_patterns(value)
 
 
 def _csv(value: str | None) -> list[str] | None:
@@ -159,7 +168,7 @@ def _retrieval(args: argparse.Namespace) -> int:
         raise ValueError("need contexts of at least 64 tokens and at least one item per context")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
-                              variant_patterns=_csv(args.variants), threads=args.threads, log=log,
+                              variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path)
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0

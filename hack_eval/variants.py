@@ -1,6 +1,8 @@
 """The variants the accuracy study measures, and the bytes each one costs."""
 from __future__ import annotations
 
+import re
+
 from hack_ops import HackConfig
 from hack_ops.layout import model_bytes_per_token
 from hack_ops.modes import attention_mode
@@ -40,12 +42,15 @@ def study_variants() -> list[Variant]:
 def option_variants() -> list[Variant]:
     """The next options toward the issue's x1.08 target, screened in 'dequant' mode (the layout's
     error alone): more sink tokens, dense-and-sparse K (a page's widest K channels kept in FP16)
-    and more bits for the first and last layer."""
+    and more bits for the first and last layer, alone and with the K/V rotation (they act on
+    different errors: the rotation on outlier channels in every layer, the bits on two layers)."""
     d = DEFAULT
     return [
         Variant("default, 16 sinks", "dequant", d.replace(sink_tokens=16)),
         *(Variant(f"default, K outlier channels {n}", "dequant", d.replace(k_outlier_channels=n)) for n in (1, 2, 4)),
         Variant("default, first and last layer at 4 bits", "dequant", d.replace(edge_layer_bits=4)),
+        Variant("default, rotation hadamard_kv, first and last layer at 4 bits", "dequant",
+                d.replace(edge_layer_bits=4, rotation=Rotation.HADAMARD_KV)),
     ]
 
 
@@ -57,6 +62,12 @@ def rotation_variants() -> list[Variant]:
     rows = [(Rotation.HADAMARD_K, "dequant"), (Rotation.HADAMARD_V, "dequant"), (Rotation.HADAMARD_KV, "dequant"),
             (Rotation.SIGNED_HADAMARD_V, "dequant"), (Rotation.HADAMARD_V, "hack"), (Rotation.HADAMARD_KV, "hack")]
     return [Variant(f"default, rotation {r.value}", mode, d.replace(rotation=r)) for r, mode in rows]
+
+
+def split_patterns(value: str) -> list[str]:
+    """A --variants flag as its patterns: split at each comma not followed by a space, since
+    variant names hold ', ' ('=default, 4-bit K/V' is one whole-name pattern)."""
+    return re.split(r",(?!\s)", value)
 
 
 def select_variants(variants: list[Variant], patterns: list[str], modes: list[str] | None = None) -> list[Variant]:

@@ -72,7 +72,7 @@ def test_study_reports_default_under_docs_study(tmp_path, monkeypatch):
 
 def test_variants_filter_selects_rows_and_refuses_unknown_patterns():
     from hack_eval.runner import EXACT
-    from hack_eval.variants import select_variants, study_variants
+    from hack_eval.variants import select_variants, split_patterns, study_variants
 
     picked = select_variants(study_variants(), ["rotation"])
     assert picked[0] is EXACT and len(picked) > 2
@@ -80,6 +80,12 @@ def test_variants_filter_selects_rows_and_refuses_unknown_patterns():
     both = select_variants(study_variants(), ["ROT-hadamard_v", " 4-bit"])  # labels too, case-insensitive
     assert {v.config.rotation.value for v in both[1:] if v.config.kv_bits == 2} == {"hadamard_v"}
     assert any(v.config.kv_bits == 4 for v in both[1:])
+    # names hold ', ': a flag splits only at commas without a space after them
+    assert split_patterns("=default, 4-bit K/V,rotation") == ["=default, 4-bit K/V", "rotation"]
+    whole = select_variants(study_variants(), split_patterns("=default, 4-bit K/V"))
+    assert [(v.name, str(v.mode)) for v in whole] == [("exact", "exact"), ("default, 4-bit K/V", "hack")]
+    edge = select_variants(study_variants(), ["edge4bit"])  # the option alone and with the rotation
+    assert [(v.config.edge_layer_bits, v.config.rotation.value) for v in edge[1:]] == [(4, "none"), (4, "hadamard_kv")]
     exact_name = select_variants(study_variants(), ["=default"])
     assert [(v.name, v.mode) for v in exact_name[1:]] == [("default", "hack"), ("default", "dequant")]
     with pytest.raises(ValueError, match="matches no variant"):
