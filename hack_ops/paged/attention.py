@@ -292,13 +292,12 @@ def masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | No
     keys 0..m-1, with the window and soft-cap (which SDPA does not take as such), float32 out.
     Queries go in blocks, each over the keys its window can reach only, so memory stays
     O(block * window). Inputs are attended in float32, except BF16 inputs without a soft-cap (a
-    BF16 model's window layers) go to SDPA in BF16 with the block's window as its mask, as the
-    layers without a window do (a float32 pass made dense prefill slower than homomorphic
-    prefill on Gemma-3, whose layers are mostly windowed)."""
+    BF16 model's window layers) go to SDPA in BF16 with the block's window as its mask, the
+    dtype the layers without a window attend in (docs/engine.md measures it on Gemma-3)."""
     from ..attention import soft_cap, visible
 
     rep = q.shape[1] // k.shape[1]
-    sdpa = q.dtype == torch.bfloat16 and not logit_cap
+    sdpa = q.dtype == k.dtype == v.dtype == torch.bfloat16 and not logit_cap
     if not sdpa:
         q, k, v = q.float(), k.float(), v.float()
         if rep > 1:
