@@ -73,8 +73,8 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Extend (prefill) attention: homomorphic (default; the chunk's own tokens through the "
              "codes, as decode reads them), exact (the chunk's own tokens in FP16, a cached prefix "
              "through the codes) or dense (the chunk in FP16 and a cached prefix dequantized once, "
-             "both by SDPA: the fastest prefill on a CPU with AMX for models with small heads, e.g. "
-             "SmolLM2; on Gemma-3 homomorphic is faster). Decode reads the codes in every mode.")),
+             "both by SDPA: the fastest prefill on a CPU with AMX; without AMX homomorphic is faster). "
+             "Decode reads the codes in every mode.")),
     "hack_orientation": ("--hack-orientation", dict(
         choices=list(ORIENTATIONS),
         help="channel_k: K per channel over the page, V per token (default); token_k: the paper's.")),
