@@ -186,7 +186,7 @@ def compare(result: dict) -> list[str]:
     checks = [(slow, "bf16", 40), (slow, "dequant", 20)]
     if 1000 in result["rates_mbps"] and slow != 1000:
         checks.append((1000, "bf16", 15))
-    for h in ("hack", "hack-exact-prefill", "hack-dense-prefill"):
+    for h in ("hack", "hack-homomorphic-prefill", "hack-exact-prefill", "hack-dense-prefill"):
         for rate, base, target in checks:
             jct = {p["method"]: p["jct_s"]["mean"] for p in result["points"] if p["link_mbps"] == rate}
             if jct.get(h) and jct.get(base):

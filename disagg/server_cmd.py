@@ -2,7 +2,11 @@
 
 Methods (same launcher, same model, same transfer path; only the KV cache differs):
   hack     --kv-cache-dtype hack: 2-bit pages, homomorphic attention (this project); pages
-           travel without their derived bytes (--hack-kv-codec hack-pages, disagg.hack_wire)
+           travel without their derived bytes (--hack-kv-codec hack-pages, disagg.hack_wire);
+           the prefill is the server's default, --hack-prefill auto (dense on a CPU with
+           AMX-BF16, homomorphic elsewhere: engine.prefill_choice)
+  hack-homomorphic-prefill
+           the same with --hack-prefill homomorphic on every host
   hack-full-pages
            the same with every page sent as stored (--hack-kv-codec none): the transform off
   hack-exact-prefill
@@ -24,8 +28,8 @@ from __future__ import annotations
 
 import sys
 
-METHODS = ("hack", "dequant", "bf16", "hack-exact-prefill", "hack-dense-prefill", "bf16-lossless", "fp8",
-           "hack-full-pages")
+METHODS = ("hack", "dequant", "bf16", "hack-homomorphic-prefill", "hack-exact-prefill", "hack-dense-prefill",
+           "bf16-lossless", "fp8", "hack-full-pages")
 # HACK's pages on the wire: lossless, fewer bytes with identical tokens (docs/disagg.md), so on
 # for the HACK methods; the strawman (dequant) sends its pages as stored.
 HACK_WIRE_FLAGS = ["--hack-kv-codec", "hack-pages"]
@@ -51,7 +55,7 @@ def method_flags(method: str) -> list[str]:
         return ["--kv-cache-dtype", "hack", *HACK_WIRE_FLAGS]
     if method == "hack-full-pages":
         return ["--kv-cache-dtype", "hack", "--hack-kv-codec", "none"]
-    if method in ("hack-exact-prefill", "hack-dense-prefill"):
+    if method in ("hack-homomorphic-prefill", "hack-exact-prefill", "hack-dense-prefill"):
         return ["--kv-cache-dtype", "hack", "--hack-prefill", method.split("-")[1], *HACK_WIRE_FLAGS]
     if method == "dequant":
         return ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"]

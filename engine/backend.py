@@ -7,7 +7,8 @@ BF16 copy of the cache. Extend covers prefill, chunked prefill, mixed batches an
 prefix hits (the prefix pages are simply part of the page table).
 
 Device: the CPU path of hack_ops.paged on CPU; the Triton kernels of hack_ops.triton on CUDA
-(engine.gpu_attention). Modes come from the server options: `--hack-prefill exact` makes the
+(engine.gpu_attention). Modes come from the server options: `--hack-prefill auto` (the default)
+picks dense or homomorphic for the host (engine.prefill_choice), `--hack-prefill exact` makes the
 chunk's own tokens attend to each other in full precision, `--hack-prefill dense` also reads a
 cached prefix dequantized once per chunk (prefill only: decode stays on the codes),
 `--hack-attention dequant` runs the strawman baseline (same pages, dequantized before
@@ -39,6 +40,7 @@ from hack_ops.rotation import Rotation, restore_output, rotate_qkv
 
 from . import fused_phases
 from .pool import HackKVPool
+from .prefill_choice import choose_prefill
 
 if TYPE_CHECKING:  # pragma: no cover
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -74,11 +76,12 @@ class HackAttnBackend(AttentionBackend):
         settings = pool.hack_settings
         self.settings = settings
         self.mode: AttentionMode = settings.attention
-        # --hack-prefill is a choice of the homomorphic path; the strawman prefills with
-        # extend_strawman (its chunk in full precision, a cached prefix dequantized), which is
-        # also what --hack-prefill dense runs.
-        self.prefill: PrefillMode = (settings.prefill if settings.attention == AttentionMode.HACK
-                                     else PrefillMode.HOMOMORPHIC)
+        # --hack-prefill is a choice of the homomorphic path ('auto' resolved here, where the
+        # device and the model's dtype are known); the strawman prefills with extend_strawman
+        # (its chunk in full precision, a cached prefix dequantized), which is also what
+        # --hack-prefill dense runs.
+        self.prefill, why_prefill = choose_prefill(settings.prefill, settings.attention, self.device.type,
+                                                   getattr(model_runner, "dtype", torch.float32))
         self.rotation: Rotation = settings.config.rotation
         self.generator: Optional[torch.Generator] = None
         if settings.config.rounding == "stochastic":
@@ -88,7 +91,7 @@ class HackAttnBackend(AttentionBackend):
         if self.device.type == "cuda":
             from .gpu_attention import GpuAttention
 
-            self.gpu = GpuAttention(self.store, settings)
+            self.gpu = GpuAttention(self.store, settings, self.prefill)
         self.forward_metadata = None
         from .model_checks import check_model_layers
 
@@ -104,7 +107,7 @@ class HackAttnBackend(AttentionBackend):
             path = "dense (chunk in full precision, cached prefix dequantized once per chunk, torch SDPA)"
         else:
             path = describe_extend_path(self.store, self.mode, self.generator, self.prefill)
-        logger.info("HACK prefill attention path: %s", path)
+        logger.info("HACK prefill attention path: %s [%s]", path, why_prefill)
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:

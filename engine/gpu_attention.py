@@ -22,13 +22,15 @@ from hack_ops.paged.plan import ForwardPlan
 
 
 class GpuAttention:
-    def __init__(self, store: Any, settings: Any) -> None:
+    def __init__(self, store: Any, settings: Any, prefill: PrefillMode = PrefillMode.HOMOMORPHIC) -> None:
+        """prefill: the server's resolved PrefillMode (engine.prefill_choice; 'auto' is
+        homomorphic on a GPU)."""
         from hack_ops.triton.spec import kernel_spec
 
         if settings.attention != AttentionMode.HACK:
             raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
-        if settings.prefill != PrefillMode.HOMOMORPHIC:
-            raise NotImplementedError(f"--hack-prefill {settings.prefill.value} runs on the CPU path only")
+        if prefill != PrefillMode.HOMOMORPHIC:
+            raise NotImplementedError(f"--hack-prefill {prefill.value} runs on the CPU path only")
         kernel_spec(store.layout)  # refuses formats the kernels do not implement, with the reason
         self.store = store
         self.layout = store.layout

@@ -24,7 +24,8 @@ class EngineSettings:
     """config: the KV format. prefill (PrefillMode, `--hack-prefill`): how extend attention
     treats the chunk's own tokens ('homomorphic' reads them through the same quantized path as
     decode would; 'exact' uses their full-precision K/V, cached prefix pages still go through
-    the homomorphic path). attention (AttentionMode, `--hack-attention`): 'hack' (homomorphic,
+    the homomorphic path; 'dense' also reads a cached prefix dequantized, by SDPA; 'auto', the
+    default, is resolved by the attention backend at startup, engine.prefill_choice). attention (AttentionMode, `--hack-attention`): 'hack' (homomorphic,
     no dequantization) or 'dequant' (the paper's strawman: the same pages dequantized before
     float attention; for comparisons only). Strings are accepted and stored as the enums.
     kv_budget_mb: fixed KV pool byte budget instead of profiling free memory (any KV dtype;
@@ -34,7 +35,7 @@ class EngineSettings:
 
     enabled: bool = True
     config: HackConfig = field(default_factory=HackConfig)
-    prefill: PrefillMode = PrefillMode.HOMOMORPHIC
+    prefill: PrefillMode = PrefillMode.AUTO
     attention: AttentionMode = AttentionMode.HACK
     kv_budget_mb: float | None = None
 

@@ -4,7 +4,9 @@ Each method gets its own colocated server on the same model with the same KV byt
 (`--hack-kv-budget-mb`); all run at once with --sleep-on-idle (an idle server takes no CPU)
 and the measurements alternate between them, so load drifts hit every method alike:
   bf16     SGLang's own CPU path: torch_native attention over a BF16 cache (the baseline)
-  hack     --kv-cache-dtype hack (homomorphic attention on 2-bit pages)
+  hack     --kv-cache-dtype hack (homomorphic attention on 2-bit pages; the default prefill,
+           --hack-prefill auto: dense on a CPU with AMX-BF16, homomorphic elsewhere)
+  hack-homomorphic-prefill  hack with --hack-prefill homomorphic on every host
   dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
   hack-exact-prefill  hack with --hack-prefill exact (a chunk's own tokens in FP16; the name
            `hack bench disagg` uses for the same server)
@@ -37,6 +39,7 @@ METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
     "hack": ["--kv-cache-dtype", "hack"],
     "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
+    "hack-homomorphic-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic"],
     "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
     "hack-dense-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "dense"],
 }

@@ -8,6 +8,9 @@ AttentionMode: how attention reads K and V.
 `--hack-attention` takes the two the server runs (SERVING_MODES).
 
 PrefillMode: how extend (prefill) attention reads the chunk's own new tokens (`--hack-prefill`).
+  auto         the server's default, resolved once at startup (engine.prefill_choice): dense on
+               a CPU with AMX-BF16 serving a BF16 model, homomorphic everywhere else. Only the
+               server resolves it; the kernels take one of the three below
   homomorphic  as decode will see them later: through the quantized cache (decode-time visibility)
   exact        at full precision (FP16 as stored); the cached prefix is still read by the
                AttentionMode, so only the chunk's own tokens differ
@@ -27,6 +30,7 @@ class AttentionMode(StrEnum):
 
 
 class PrefillMode(StrEnum):
+    AUTO = "auto"
     HOMOMORPHIC = "homomorphic"
     EXACT = "exact"
     DENSE = "dense"
@@ -34,6 +38,8 @@ class PrefillMode(StrEnum):
 
 # The modes a server runs and the paged decode/extend take (exact needs no cache at all).
 SERVING_MODES = (AttentionMode.HACK, AttentionMode.DEQUANT)
+# The prefill modes an extend runs: 'auto' is a server setting, resolved before any extend.
+EXTEND_PREFILL_MODES = (PrefillMode.HOMOMORPHIC, PrefillMode.EXACT, PrefillMode.DENSE)
 
 
 def attention_mode(mode: AttentionMode | str, allowed: tuple[AttentionMode, ...] = tuple(AttentionMode),
@@ -48,9 +54,13 @@ def attention_mode(mode: AttentionMode | str, allowed: tuple[AttentionMode, ...]
     return m
 
 
-def prefill_mode(mode: PrefillMode | str) -> PrefillMode:
+def prefill_mode(mode: PrefillMode | str, allowed: tuple[PrefillMode, ...] = tuple(PrefillMode),
+                 what: str = "prefill") -> PrefillMode:
     """mode as a PrefillMode, or ValueError naming the allowed values."""
     try:
-        return PrefillMode(mode)
+        m = PrefillMode(mode)
     except ValueError:
-        raise ValueError(f"prefill must be one of {tuple(m.value for m in PrefillMode)}, got {mode!r}") from None
+        m = None
+    if m not in allowed:
+        raise ValueError(f"{what} must be one of {tuple(a.value for a in allowed)}, got {mode!r}")
+    return m

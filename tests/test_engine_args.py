@@ -44,7 +44,7 @@ def test_hack_defaults_come_from_hackconfig(parser):
     apply_cli_namespace(ns)
     s = settings_mod.active()
     assert s is not None and s.config == HackConfig()
-    assert (s.prefill, s.attention, s.kv_budget_mb) == ("homomorphic", "hack", None)
+    assert (s.prefill, s.attention, s.kv_budget_mb) == ("auto", "hack", None)
     # page size = partition size, backend selected because none was named
     assert ns.page_size == HackConfig().partition_size
     assert ns.attention_backend == "hack"

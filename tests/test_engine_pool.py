@@ -18,7 +18,7 @@ from engine import hooks  # noqa: E402
 from engine import settings as settings_mod  # noqa: E402
 from engine.pool import HackKVPool, pool_build_context  # noqa: E402
 from engine.pool_geometry import row_bytes, token_bytes, unit_bytes  # noqa: E402
-from hack_ops import HackConfig  # noqa: E402
+from hack_ops import HackConfig, PrefillMode  # noqa: E402
 from hack_ops.paged import decode, extend  # noqa: E402
 
 # SmolLM2-135M: 30 layers, 3 KV heads of 64
@@ -147,11 +147,17 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
     indptr, indices = plan.csr_pages(torch.device("cpu"))
     assert indptr.tolist() == [0, 2, 3] and indices.tolist() == [7, 8, 2]
     assert indptr.dtype == indices.dtype == torch.int32
+    from engine.prefill_choice import choose_prefill
+
     for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact"), ("hack", "dense")):
         s = settings_mod.EngineSettings(attention=attention, prefill=prefill)
+        resolved, _ = choose_prefill(s.prefill, s.attention, "cuda", torch.bfloat16, has_amx_bf16=True)
         with pytest.raises(NotImplementedError, match="CPU path only"):
-            GpuAttention(store, s)
-    GpuAttention(store, settings_mod.EngineSettings())  # the default format is one the kernels cover
+            GpuAttention(store, s, resolved)
+    default = settings_mod.EngineSettings()  # the default format and prefill ('auto') the kernels cover
+    resolved, _ = choose_prefill(default.prefill, default.attention, "cuda", torch.bfloat16, has_amx_bf16=True)
+    assert resolved == PrefillMode.HOMOMORPHIC
+    GpuAttention(store, default, resolved)
 
 
 def test_decode_tail_append_matches_the_store_write(hack_env):

@@ -79,6 +79,20 @@ def test_capacity_same_budget(servers):
     assert ratio >= 5.0
 
 
+def test_prefill_auto_is_resolved_at_startup(servers):
+    """The HACK server runs the default `--hack-prefill auto`; its log names the prefill chosen
+    for this host and why (engine.prefill_choice): dense only on a CPU with AMX-BF16."""
+    from engine.prefill_choice import cpu_has_amx_bf16
+
+    log = servers["hack"].log_path.read_text(errors="replace")
+    lines = [ln for ln in log.splitlines() if "HACK prefill attention path:" in ln]
+    assert len(lines) == 1 and "[--hack-prefill auto: " in lines[0], lines or log[-2000:]
+    if cpu_has_amx_bf16():
+        assert "path: dense (" in lines[0] or "which AMX-BF16 does not speed up" in lines[0], lines[0]
+    else:
+        assert "path: dense (" not in lines[0] and "this CPU has no AMX-BF16" in lines[0], lines[0]
+
+
 def test_agreement_with_bf16_past_the_window(servers, model_path):
     hack, bf16 = servers["hack"], servers["bf16"]
     prefixes, tf_hits, tf_total = [], 0, 0

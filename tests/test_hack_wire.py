@@ -178,10 +178,12 @@ def test_mismatch_sentence_names_the_transform() -> None:
 def test_hack_methods_use_the_transform_and_one_turns_it_off() -> None:
     from disagg.server_cmd import server_command
 
-    for method in ("hack", "hack-exact-prefill", "hack-dense-prefill"):
+    for method in ("hack", "hack-homomorphic-prefill", "hack-exact-prefill", "hack-dense-prefill"):
         cmd = server_command("prefill", method, "/m", "h", 1, 2, 100)
         assert cmd[cmd.index("--hack-kv-codec") + 1] == "hack-pages"
-        if method != "hack":
+        if method == "hack":
+            assert "--hack-prefill" not in cmd  # the server's default, auto
+        else:
             assert cmd[cmd.index("--hack-prefill") + 1] == method.split("-")[1]
     off = server_command("decode", "hack-full-pages", "/m", "h", 1, None, 100)
     assert off[off.index("--hack-kv-codec") + 1] == "none" and off[off.index("--kv-cache-dtype") + 1] == "hack"

@@ -32,7 +32,7 @@ from .dequant import dense_kv, dequant_decode
 from .pages import request_pages
 from .plan import ForwardPlan
 from ..attention import check_logit_cap, check_window
-from ..modes import SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
+from ..modes import EXTEND_PREFILL_MODES, SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
 from .store import HackKVStore
 from .torch_attention import RequestView, attend_request, first_page
 
@@ -122,7 +122,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     sliding window and soft-cap (module docstring)."""
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     mode = attention_mode(mode, SERVING_MODES, "extend mode")
-    prefill = prefill_mode(prefill)
+    prefill = prefill_mode(prefill, EXTEND_PREFILL_MODES, "extend prefill")  # 'auto' is resolved by the server
     exact = prefill == PrefillMode.EXACT
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")

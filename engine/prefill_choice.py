@@ -1,0 +1,62 @@
+"""`--hack-prefill auto`: which prefill a server runs when none is asked for, chosen at startup.
+
+The two CPU prefills trade places with the hardware (docs/engine.md, "Prefill: which mode on
+which CPU"): on a CPU with AMX-BF16, torch's BF16 SDPA (oneDNN on AMX tiles) is several times
+faster than the homomorphic INT8 kernel's per-page work, so `dense` prefills faster (SmolLM2 at
+2K: x0.84 of BF16 against x0.64); on AVX-512 without AMX the BF16 SDPA costs what float32 does
+and `homomorphic` is the faster (x1.34 against x0.93). Dense is also the more accurate of the
+two (a chunk's own tokens in FP16), so choosing it never trades accuracy for speed. Decode
+reads the codes in either. A GPU server runs the Triton prefill, which is homomorphic.
+
+The choice reads torch's own view of the CPU (torch.cpu.get_capabilities, what its kernels
+dispatch on), falling back to /proc/cpuinfo's flags.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hack_ops.modes import AttentionMode, PrefillMode, prefill_mode
+
+
+def cpu_has_amx_bf16(capabilities: dict | None = None, cpuinfo: str | None = None) -> bool:
+    """Whether this CPU (or the given torch capabilities / /proc/cpuinfo text) has AMX-BF16."""
+    if capabilities is None and cpuinfo is None:
+        get = getattr(torch.cpu, "get_capabilities", None)
+        if get is not None:
+            try:
+                capabilities = get()
+            except RuntimeError:  # cpuinfo could not initialize: read the kernel's flags instead
+                capabilities = None
+    if capabilities is not None:
+        return bool(capabilities.get("amx_bf16", False))
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo.splitlines())
+
+
+def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, device_type: str,
+                   model_dtype: torch.dtype, has_amx_bf16: bool | None = None) -> tuple[PrefillMode, str]:
+    """The prefill the server runs, and why. An explicit mode is kept as asked (a GPU server
+    refuses all but homomorphic at startup, engine.gpu_attention); 'auto' is resolved from the
+    device, the model's dtype and the CPU's AMX-BF16. The strawman (`--hack-attention dequant`)
+    prefills its own way, so its prefill is homomorphic by definition."""
+    requested = prefill_mode(requested)
+    if attention != AttentionMode.HACK:
+        return PrefillMode.HOMOMORPHIC, f"--hack-attention {attention.value} prefills as the strawman"
+    if requested != PrefillMode.AUTO:
+        return requested, f"--hack-prefill {requested.value}"
+    if device_type != "cpu":
+        return PrefillMode.HOMOMORPHIC, f"--hack-prefill auto on {device_type}: the Triton prefill"
+    amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
+    if not amx:
+        return PrefillMode.HOMOMORPHIC, ("--hack-prefill auto: this CPU has no AMX-BF16, so the INT8 kernel "
+                                         "outruns BF16 SDPA")
+    if model_dtype != torch.bfloat16:
+        return PrefillMode.HOMOMORPHIC, (f"--hack-prefill auto: the model runs in {str(model_dtype).removeprefix('torch.')}, "
+                                         "which AMX-BF16 does not speed up")
+    return PrefillMode.DENSE, "--hack-prefill auto: this CPU has AMX-BF16 and the model runs in BF16"

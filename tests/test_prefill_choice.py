@@ -1,0 +1,76 @@
+"""`--hack-prefill auto` (engine.prefill_choice): the server's default prefill, chosen at startup
+from the device, the model's dtype and the CPU's AMX-BF16; the kernels never see 'auto'."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import settings as settings_mod
+from engine.args import HackArgumentError, settings_from_options
+from engine.prefill_choice import choose_prefill, cpu_has_amx_bf16
+from hack_ops import AttentionMode, HackConfig, PrefillMode
+from hack_ops.paged import extend
+from hack_ops.paged.store import HackKVStore
+
+SPR_FLAGS = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
+EPYC_FLAGS = "processor\t: 0\nflags\t\t: fpu avx512f avx512_vnni avx512_bf16\n"
+
+
+def test_amx_bf16_from_torch_capabilities_or_cpuinfo():
+    assert cpu_has_amx_bf16(capabilities={"amx_bf16": True, "amx_int8": True})
+    assert not cpu_has_amx_bf16(capabilities={"amx_bf16": False, "avx512_bf16": True})
+    assert not cpu_has_amx_bf16(capabilities={})
+    assert cpu_has_amx_bf16(cpuinfo=SPR_FLAGS)
+    assert not cpu_has_amx_bf16(cpuinfo=EPYC_FLAGS)
+    assert not cpu_has_amx_bf16(cpuinfo="flags : fpu amx_bf16x\n")  # whole flags only
+    # this host: torch's view and the kernel's flags agree
+    if hasattr(torch.cpu, "get_capabilities"):
+        with open("/proc/cpuinfo") as f:
+            assert cpu_has_amx_bf16() == cpu_has_amx_bf16(cpuinfo=f.read())
+
+
+@pytest.mark.parametrize("device, dtype, amx, expected, why", [
+    ("cpu", torch.bfloat16, True, PrefillMode.DENSE, "has AMX-BF16 and the model runs in BF16"),
+    ("cpu", torch.bfloat16, False, PrefillMode.HOMOMORPHIC, "no AMX-BF16"),
+    ("cpu", torch.float32, True, PrefillMode.HOMOMORPHIC, "runs in float32"),
+    ("cpu", torch.float16, True, PrefillMode.HOMOMORPHIC, "runs in float16"),
+    ("cuda", torch.bfloat16, True, PrefillMode.HOMOMORPHIC, "Triton prefill"),
+])
+def test_auto_resolves_by_host_and_dtype(device, dtype, amx, expected, why):
+    mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, device, dtype, has_amx_bf16=amx)
+    assert mode == expected and why in reason and "--hack-prefill auto" in reason
+
+
+@pytest.mark.parametrize("asked", [PrefillMode.HOMOMORPHIC, PrefillMode.EXACT, PrefillMode.DENSE])
+def test_an_explicit_mode_is_kept_on_every_host(asked):
+    for device, amx in (("cpu", True), ("cpu", False), ("cuda", False)):
+        mode, reason = choose_prefill(asked.value, AttentionMode.HACK, device, torch.bfloat16, has_amx_bf16=amx)
+        assert mode == asked and reason == f"--hack-prefill {asked.value}"
+
+
+def test_the_strawman_prefills_its_own_way():
+    for asked in PrefillMode:
+        mode, reason = choose_prefill(asked, AttentionMode.DEQUANT, "cpu", torch.bfloat16, has_amx_bf16=True)
+        assert mode == PrefillMode.HOMOMORPHIC and "dequant" in reason
+
+
+def test_auto_is_the_default_and_a_flag_value():
+    assert settings_mod.EngineSettings().prefill == PrefillMode.AUTO
+    assert HackConfig() == settings_mod.EngineSettings().config
+    ns = type("NS", (), {"hack_prefill": "auto"})()
+    assert settings_from_options(ns, enabled=True).prefill == PrefillMode.AUTO
+    roundtrip = settings_mod.EngineSettings.from_json(settings_mod.EngineSettings().to_json())
+    assert roundtrip.prefill == PrefillMode.AUTO
+    with pytest.raises((ValueError, HackArgumentError), match="prefill must be one of"):
+        settings_mod.EngineSettings(prefill="fast")
+
+
+def test_the_kernels_refuse_auto():
+    """'auto' is a server setting: an extend handed it unresolved is a bug, refused by name."""
+    cfg = HackConfig()
+    store = HackKVStore(cfg, num_layers=1, num_heads=1, head_dim=64, num_pages=2, num_rows=1)
+    r2t = torch.arange(128)[None]
+    plan = store.plan(r2t, [0], [16], [16])
+    x = torch.zeros(16, 1, 64)
+    with pytest.raises(ValueError, match="extend prefill must be one of .*got <PrefillMode.AUTO"):
+        extend(store, 0, plan, x, x, x, prefill=PrefillMode.AUTO)
