@@ -41,6 +41,14 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    """'1,5' -> (1, 5): 0-based layer indices."""
+    try:
+        return tuple(_non_negative_int(t.strip()) for t in text.split(","))
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices (integers >= 0), got {text!r}") from None
+
+
 def _positive_float(text: str) -> float:
     try:
         v = float(text)
@@ -100,6 +108,11 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         type=int, choices=[2, 4],
         help="Bits per K/V code of the first and last layer (default: --hack-kv-bits). Measured by "
              "`hack eval accuracy`; the serving paths refuse a value that differs from --hack-kv-bits.")),
+    "hack_four_bit_layers": ("--hack-4bit-layers", dict(
+        type=_layer_list, metavar="L,L,...",
+        help="0-based indices of the layers whose K/V codes use 4 bits (the few layers where a model's "
+             "2-bit error sits: `hack eval layers`). Measured by `hack eval accuracy`; the serving "
+             "paths refuse it (one page size for all layers).")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_attention": ("--hack-attention", dict(
@@ -123,12 +136,14 @@ _CONFIG_FIELDS = {
     "hack_rotation": "rotation",
     "hack_k_outlier_channels": "k_outlier_channels",
     "hack_edge_layer_bits": "edge_layer_bits",
+    "hack_four_bit_layers": "four_bit_layers",
 }
 
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
 _REFERENCE_ONLY_FLAGS = {
     "k_outlier_channels": "--hack-k-outlier-channels",
     "edge_layer_bits": "--hack-edge-layer-bits",
+    "four_bit_layers": "--hack-4bit-layers",
 }
 
 
@@ -138,7 +153,8 @@ def reference_only_refusal(cfg: HackConfig) -> str | None:
     fields = cfg.reference_only()
     if not fields:
         return None
-    flags = ", ".join(f"{_REFERENCE_ONLY_FLAGS[f]} {getattr(cfg, f)}" for f in fields)
+    shown = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v  # noqa: E731  as typed
+    flags = ", ".join(f"{_REFERENCE_ONLY_FLAGS[f]} {shown(getattr(cfg, f))}" for f in fields)
     return (f"{flags}: implemented in the reference attention only (hack_ops.attention, measured by "
             "`hack eval accuracy`); the compiled CPU store and kernels, the Triton kernels and the paged "
             "PyTorch path do not implement it yet. Drop the option to serve")

@@ -1,4 +1,4 @@
-"""`hack eval size`, `hack eval accuracy` and `hack eval retrieval`."""
+"""`hack eval size`, `hack eval accuracy`, `hack eval retrieval` and `hack eval layers`."""
 from __future__ import annotations
 
 import argparse
@@ -42,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--modes", default=None, metavar="MODES",
                      help="with --variants: keep only the rows in these attention modes (hack, dequant; "
                           "comma-separated), e.g. --variants =default --modes hack")
+    _add_layer_bits_flag(acc)
     _add_report_flags(acc, "accuracy")
     acc.set_defaults(func=_accuracy)
 
@@ -57,20 +58,48 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "--variants` (default '=default': the default format, hack and dequant)")
     ret.add_argument("--modes", default=None, metavar="MODES",
                      help="keep only the rows in these attention modes (hack, dequant; comma-separated)")
+    _add_layer_bits_flag(ret)
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
 
+    lay = esub.add_parser("layers", help="where the 2-bit error sits: each layer alone, K against V "
+                                         "(dequant mode, teacher-forced over the study's windows)")
+    lay.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
+    lay.add_argument("--context", type=int, default=2048)
+    lay.add_argument("--essays", type=int, default=1, help="essay windows (default 1)")
+    lay.add_argument("--plays", type=int, default=1, help="Shakespeare windows (default 1)")
+    _add_report_flags(lay, "layers", attention_path=False)
+    lay.set_defaults(func=_layers)
 
-def _add_report_flags(parser: argparse.ArgumentParser, stem: str) -> None:
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
+    if any(i < 0 for i in layers):
+        raise argparse.ArgumentTypeError(f"layer indices are 0-based (>= 0), got {text!r}")
+    return layers
+
+
+def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=_layer_list, default=None, metavar="L,L,...",
+                        help="also score the default format with these 0-based layers at 4 bits (the ones "
+                             "`hack eval layers` ranks first; the server's --hack-4bit-layers), in hack and "
+                             "dequant mode or those --modes names")
+
+
+def _add_report_flags(parser: argparse.ArgumentParser, stem: str, attention_path: bool = True) -> None:
     """--threads, --attention-path and where a study writes its report and raw results
     (--out, --json-out; default report_stem)."""
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--attention-path", choices=ATTENTION_PATHS, default="fast",
-                        help="where each layer's attention runs: 'fast' (default: exact and dequant in query "
-                             "blocks, hack on the serving store and extend kernel, all held to the reference "
-                             "by the tests) or 'reference' (hack_ops.attention on every query at once: minutes "
-                             "per 2K window, out of memory at 8K); rows the fast paths cannot compute run on "
-                             "the reference either way")
+    if attention_path:
+        parser.add_argument("--attention-path", choices=ATTENTION_PATHS, default="fast",
+                            help="where each layer's attention runs: 'fast' (default: exact and dequant in query "
+                                 "blocks, hack on the serving store and extend kernel, all held to the reference "
+                                 "by the tests) or 'reference' (hack_ops.attention on every query at once: minutes "
+                                 "per 2K window, out of memory at 8K); rows the fast paths cannot compute run on "
+                                 "the reference either way")
     parser.add_argument("--out", default=None,
                         help=f"markdown report to write ('' = none; default docs/study/{stem}-MODEL-CONTEXTS.md, "
                              "e.g. docs/study/" + stem + "-smollm2-4k.md; the curated docs/accuracy.md is never "
@@ -130,7 +159,7 @@ def _accuracy(args: argparse.Namespace) -> int:
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
-                    path=args.attention_path)
+                    path=args.attention_path, four_bit_layers=args.four_bit_layers)
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
 
@@ -169,6 +198,18 @@ def _retrieval(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
-                              modes=_csv(args.modes), path=args.attention_path)
+                              modes=_csv(args.modes), path=args.attention_path,
+                              four_bit_layers=args.four_bit_layers)
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
+    return 0
+
+
+def _layers(args: argparse.Namespace) -> int:
+    from hack_eval.layers import render_layers, run_layer_sweep
+
+    if args.context < 2 or args.essays < 0 or args.plays < 0 or args.essays + args.plays == 0:
+        raise ValueError("need a context of at least 2 tokens and at least one window")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = run_layer_sweep(args.model, args.context, args.essays, args.plays, threads=args.threads, log=log)
+    _write_reports(args, "layers", [args.context], res, render_layers(res, _rerun_command("layers")))
     return 0

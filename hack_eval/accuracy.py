@@ -24,7 +24,8 @@ MODEL_TITLES = {
 from .attention_paths import AttentionPath, attention_path
 from .runner import EXACT, Variant, greedy, hidden_for, load_model, logits_from_hidden, row_path
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
-from .variants import byte_ratio, core_variants, generation_variants, quick_variants, select_variants, study_variants
+from .variants import (byte_ratio, core_variants, generation_variants, layer_bits_variants, quick_variants,
+                       select_variants, study_variants)
 
 
 @dataclass
@@ -102,14 +103,24 @@ def run_study(
     variant_patterns: list[str] | None = None,
     path: AttentionPath | str = AttentionPath.FAST,
     modes: list[str] | None = None,
+    four_bit_layers: tuple[int, ...] | None = None,
+    variants: list[Variant] | None = None,
 ) -> dict:
     """variant_patterns: instead of the quick/core/full set, the rows of the full study whose
     name or config label contains one of these (plus the exact baseline). path: where the
     attention runs (attention_paths.AttentionPath; rows the fast paths refuse run on the
     reference either way, and each row records where it ran). modes: with variant_patterns,
-    only the rows in these AttentionModes."""
+    only the rows in these AttentionModes. four_bit_layers: add the default format with these
+    layers at 4 bits (layer_bits_variants), in `modes` or both modes. variants: the rows
+    themselves (the exact baseline first), instead of any selection."""
     path = attention_path(path)
-    if variant_patterns is not None:
+    explicit = variants is not None
+    if variants is not None:
+        if variant_patterns is not None or quick or core or four_bit_layers:
+            raise ValueError("explicit variants replace every other row selection")
+        if not variants or variants[0] != EXACT:
+            raise ValueError("explicit variants start with the exact baseline")
+    elif variant_patterns is not None:
         if quick or core:
             raise ValueError("--variants replaces --quick/--core (it selects from the full study); give one")
         variants = select_variants(study_variants(), variant_patterns, modes)  # before the model loads: fails fast
@@ -117,6 +128,8 @@ def run_study(
         raise ValueError("--modes filters the rows --variants selects; give --variants too")
     else:
         variants = quick_variants() if quick else core_variants() if core else study_variants()
+    if four_bit_layers:
+        variants = variants + layer_bits_variants(four_bit_layers, modes)
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     cfg = model.config
@@ -134,7 +147,7 @@ def run_study(
         _score_window(model, hidden, tallies, torch.tensor(ids[1:]))
         log(f"window {i + 1}/{len(windows)} done")
     gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
-    if variant_patterns is not None:  # generation for the selected homomorphic rows only
+    if variant_patterns is not None or four_bit_layers:  # generation for the selected homomorphic rows only
         gen_vars = [EXACT] + [v for v in variants[1:] if v.mode == "hack"]
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
@@ -167,7 +180,9 @@ def run_study(
         "model": MODEL_TITLES.get(model_name, model_name),
         "context": context, "windows": {"essays": essays, "plays": plays},
         "predicted_tokens": base.tokens, "gen_prompts": len(prompts), "gen_tokens": gen_tokens,
-        "variant_set": "selected" if variant_patterns is not None else "quick" if quick else "core" if core else "full",
+        "variant_set": ("explicit" if explicit else "selected" if variant_patterns is not None
+                        else "quick" if quick else "core" if core else "full"),
+        "four_bit_layers": list(four_bit_layers or []),
         "variant_patterns": variant_patterns, "modes": modes, "attention_path": path.value, "rows": rows,
     }
 

@@ -46,6 +46,15 @@ class AttentionPath(str, Enum):
     FAST = "fast"
 
 
+class QuantizedTensors(str, Enum):
+    """Which of a layer's K and V the study quantizes (the other read in FP16): both, as every
+    serving path does, or one alone, to split a format's error between them (dequant, fast path)."""
+
+    KV = "kv"
+    K = "k"
+    V = "v"
+
+
 def attention_path(value: AttentionPath | str) -> AttentionPath:
     try:
         return AttentionPath(value)
@@ -67,12 +76,18 @@ def fast_refusal(config: HackConfig | None, mode: AttentionMode | str) -> str | 
 
 def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, mode: AttentionMode | str,
                     scale: float | None = None, window: int | None = None, logit_cap: float = 0.0,
-                    path: AttentionPath | str = AttentionPath.FAST) -> Tensor:
+                    path: AttentionPath | str = AttentionPath.FAST,
+                    tensors: QuantizedTensors | str = QuantizedTensors.KV) -> Tensor:
     """Causal self-attention of one sequence, q [1, Hq, m, D] (the last m positions), k/v
     [1, H, n, D]; returns float32 [1, Hq, m, D] as hack_ops.attention does for the same
     arguments. On the reference for AttentionPath.REFERENCE, when fast_refusal() says so, or
-    for m < n (a generation step)."""
-    mode, path = attention_mode(mode), attention_path(path)
+    for m < n (a generation step). tensors: K or V alone quantized (the other read in FP16),
+    'dequant' mode on the fast path only."""
+    mode, path, tensors = attention_mode(mode), attention_path(path), QuantizedTensors(tensors)
+    if tensors != QuantizedTensors.KV and (mode != AttentionMode.DEQUANT or path != AttentionPath.FAST
+                                           or q.shape[2] != k.shape[2] or fast_refusal(config, mode)):
+        raise ValueError(f"K or V alone ({tensors.value}) is computed by the fast 'dequant' path over whole "
+                         "sequences only")
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     if q.dim() != 4 or q.shape[0] != 1:
         raise ValueError("study_attention takes one sequence: q [1, heads, len, head_dim]")
@@ -94,6 +109,10 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
         out = _serving_extend(q, k, v, cfg, scale, window, logit_cap)
     else:
         kc, ko, vc, vo = dequant_views(k, v, cfg)
+        if tensors == QuantizedTensors.K:  # V as the FP16 cache would hold it
+            vc = vo = v.half().float()
+        elif tensors == QuantizedTensors.V:
+            kc = ko = k.half().float()
         out = _blocked(q * scale, kc, ko, vc, vo, cfg.partition_size, window, logit_cap)
     return restore_output(out, cfg.rotation)
 

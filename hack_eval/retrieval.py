@@ -121,14 +121,17 @@ def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[
 def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, seed: int = 0,
                         variant_patterns: list[str] | None = None, threads: int | None = None,
                         log: Callable[[str], None] = print, path: AttentionPath | str = AttentionPath.FAST,
-                        modes: list[str] | None = None) -> dict:
-    """`hack eval retrieval`: load the model, score exact plus the selected study rows."""
+                        modes: list[str] | None = None, four_bit_layers: tuple[int, ...] | None = None) -> dict:
+    """`hack eval retrieval`: load the model, score exact plus the selected study rows (and the
+    default format with `four_bit_layers` at 4 bits, variants.layer_bits_variants)."""
     from .accuracy import MODEL_TITLES
     from .models import prepare
     from .runner import load_model
-    from .variants import select_variants, study_variants
+    from .variants import layer_bits_variants, select_variants, study_variants
 
     variants = select_variants(study_variants(), variant_patterns or ["=default"], modes)  # fails before loading
+    if four_bit_layers:
+        variants = variants + layer_bits_variants(four_bit_layers, modes)
     torch.manual_seed(seed)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -137,6 +140,7 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
     rows = run_retrieval(model, tok, variants, contexts, per_cell, seed=seed, log=log, path=path)
     return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
             "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
+            "four_bit_layers": list(four_bit_layers or []),
             "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
             "rows": rows}
 

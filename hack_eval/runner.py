@@ -18,19 +18,30 @@ import torch
 from hack_ops import AttentionMode, HackConfig
 from hack_ops.modes import attention_mode
 
-from .attention_paths import AttentionPath, attention_path, fast_refusal, study_attention
+from .attention_paths import AttentionPath, QuantizedTensors, attention_path, fast_refusal, study_attention
 
 ATTN_NAME = "hack_reference"
 
 
 @dataclass(frozen=True)
 class Variant:
+    """A row of a study. layers: the 0-based layers whose KV cache is quantized (the others run
+    exact attention; None: every layer). tensors: which of K and V are quantized (QuantizedTensors;
+    K or V alone in 'dequant' mode only). Both serve the per-layer breakdown (`hack eval layers`)."""
+
     name: str
     mode: AttentionMode  # strings are accepted and stored as the enum
     config: HackConfig | None = None
+    layers: tuple[int, ...] | None = None
+    tensors: QuantizedTensors = QuantizedTensors.KV
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", attention_mode(self.mode))  # frozen: coerced once, here
+        object.__setattr__(self, "tensors", QuantizedTensors(self.tensors))
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(sorted({int(i) for i in self.layers})))
+        if self.tensors != QuantizedTensors.KV and self.mode != AttentionMode.DEQUANT:
+            raise ValueError(f"K or V alone is measured in 'dequant' mode only, not {self.mode.value!r}")
 
     def describe(self) -> str:
         return "exact float32 attention" if self.config is None else f"{self.mode} {self.config.label()}"
@@ -48,11 +59,13 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     var, path = _current[-1]
     # HF's sliding_window counts the query itself (kv > q - w); hack_ops takes SGLang's w - 1.
     window = None if not sliding_window else int(sliding_window) - 1
-    cfg = var.config
+    cfg, mode, tensors = var.config, var.mode, var.tensors
+    if var.layers is not None and int(module.layer_idx) not in var.layers:  # this layer stays exact
+        cfg, mode, tensors = None, AttentionMode.EXACT, QuantizedTensors.KV
     if cfg is not None and cfg.per_layer:  # e.g. more bits for the first and last layer
         cfg = cfg.for_layer(int(module.layer_idx), int(module.config.num_hidden_layers))
-    out = study_attention(query, key, value, cfg, var.mode, scale=scaling, window=window,
-                          logit_cap=softcap or 0.0, path=path)
+    out = study_attention(query, key, value, cfg, mode, scale=scaling, window=window,
+                          logit_cap=softcap or 0.0, path=path, tensors=tensors)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
@@ -67,7 +80,7 @@ def row_path(v: Variant, path: AttentionPath) -> AttentionPath:
     reaches the attention resolved into one uniform config per layer, which is what is asked)."""
     cfg = v.config
     if cfg is not None and cfg.per_layer:
-        cfg = cfg.replace(edge_layer_bits=0)
+        cfg = cfg.replace(edge_layer_bits=0, four_bit_layers=())
     return AttentionPath.REFERENCE if fast_refusal(cfg, v.mode) is not None else path
 
 

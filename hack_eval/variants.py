@@ -54,6 +54,16 @@ def option_variants() -> list[Variant]:
     ]
 
 
+def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | None = None) -> list[Variant]:
+    """The default format with `layers` (0-based) at 4 bits and the rest at 2 (HackConfig
+    four_bit_layers), in 'hack' and 'dequant' or only the given modes: the layers a model's
+    per-layer breakdown (`hack eval layers`) names. Model-specific, so not in study_variants()."""
+    cfg = DEFAULT.replace(four_bit_layers=tuple(layers))
+    name = f"default, layers {','.join(map(str, cfg.four_bit_layers))} at 4 bits"
+    wanted = None if modes is None else {attention_mode(m.strip()) for m in modes if m.strip()}
+    return [Variant(name, m, cfg) for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
+
+
 def rotation_variants() -> list[Variant]:
     """The default layout with each rotation scope (hack_ops.rotation): K alone (with Q), V
     alone (output rotated back), both, and V with random signs; 'dequant' isolates the layout's

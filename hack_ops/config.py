@@ -69,6 +69,10 @@ class HackConfig:
     edge_layer_bits: bits per K/V code of the first and the last layer (the rest use kv_bits);
         0 = every layer uses kv_bits. A per-layer choice: for_layer() resolves it. Implemented in
         the reference only: the serving pool holds one page size for all layers and refuses it.
+    four_bit_layers: 0-based indices of the layers whose K/V codes use 4 bits (the rest use
+        kv_bits, the first and last edge_layer_bits where set): the few layers where a model's
+        2-bit error sits, found by `hack eval layers`. () = none. Per layer like
+        edge_layer_bits, and implemented in the reference only for the same reason.
     """
 
     partition_size: int = 64
@@ -85,6 +89,7 @@ class HackConfig:
     rotation: Rotation = Rotation.NONE
     k_outlier_channels: int = 0
     edge_layer_bits: int = 0
+    four_bit_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         p = self.partition_size
@@ -113,7 +118,12 @@ class HackConfig:
                              f"over a page's tokens, which per-token K does not group), got {self.orientation!r}")
         if self.edge_layer_bits not in (0, 2, 4) or isinstance(self.edge_layer_bits, bool):
             raise ValueError(f"edge_layer_bits must be 0 (off), 2 or 4, got {self.edge_layer_bits!r}")
-        object.__setattr__(self, "rotation", _rotation(self.rotation))  # frozen: coerced once, here
+        layers = self.four_bit_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+            raise ValueError(f"four_bit_layers must be a list of layer indices (integers >= 0), got {layers!r}")
+        object.__setattr__(self, "four_bit_layers", tuple(sorted(set(layers))))  # frozen: coerced once, here
+        object.__setattr__(self, "rotation", _rotation(self.rotation))
         for name in ("summation_elimination", "requant_elimination", "range_search"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -126,22 +136,30 @@ class HackConfig:
         resolved into kv_bits for the first and the last layer."""
         if not isinstance(num_layers, int) or num_layers < 1 or not 0 <= layer < num_layers:
             raise ValueError(f"layer must be in 0..{num_layers - 1} (num_layers {num_layers!r}), got {layer!r}")
-        if not self.edge_layer_bits:
+        beyond = [i for i in self.four_bit_layers if i >= num_layers]
+        if beyond:
+            raise ValueError(f"four_bit_layers {list(beyond)} are beyond the model's {num_layers} layers (0-based)")
+        if not self.edge_layer_bits and not self.four_bit_layers:
             return self
-        bits = self.edge_layer_bits if layer in (0, num_layers - 1) else self.kv_bits
-        return replace(self, kv_bits=bits, edge_layer_bits=0)
+        bits = self.edge_layer_bits if self.edge_layer_bits and layer in (0, num_layers - 1) else self.kv_bits
+        if layer in self.four_bit_layers:
+            bits = 4
+        return replace(self, kv_bits=bits, edge_layer_bits=0, four_bit_layers=())
 
     @property
     def per_layer(self) -> bool:
         """Layers differ (for_layer is not the identity): a pool with one page size cannot hold it."""
-        return bool(self.edge_layer_bits) and self.edge_layer_bits != self.kv_bits
+        return ((bool(self.edge_layer_bits) and self.edge_layer_bits != self.kv_bits)
+                or (bool(self.four_bit_layers) and self.kv_bits != 4))
 
     def reference_only(self) -> tuple[str, ...]:
         """The fields set here that only the dense reference (hack_ops.attention, hence the
         accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
         Triton) does, so HackKVStore and the server refuse a config that sets them."""
         return tuple(name for name, on in (("k_outlier_channels", bool(self.k_outlier_channels)),
-                                           ("edge_layer_bits", self.per_layer)) if on)
+                                           ("edge_layer_bits", self.per_layer and bool(self.edge_layer_bits)),
+                                           ("four_bit_layers", self.per_layer and bool(self.four_bit_layers)))
+                     if on)
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""
@@ -199,6 +217,8 @@ class HackConfig:
             parts.append("rot-" + self.rotation.value)
         if self.k_outlier_channels:
             parts.append(f"kout{self.k_outlier_channels}")
-        if self.per_layer:
+        if self.edge_layer_bits and self.edge_layer_bits != self.kv_bits:
             parts.append(f"edge{self.edge_layer_bits}bit")
+        if self.four_bit_layers and self.kv_bits != 4:
+            parts.append("L" + ",".join(map(str, self.four_bit_layers)) + "-4bit")
         return "-".join(parts)

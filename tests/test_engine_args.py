@@ -87,6 +87,8 @@ def test_matching_page_size_and_backend_are_accepted(parser):
      "--hack-k-outlier-channels 2: implemented in the reference attention only"),
     (["--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "4"],
      "--hack-edge-layer-bits 4: implemented in the reference attention only"),
+    (["--kv-cache-dtype", "hack", "--hack-4bit-layers", "5,1"],
+     "--hack-4bit-layers 1,5: implemented in the reference attention only"),
     (["--kv-cache-dtype", "hack", "--hack-orientation", "token_k", "--hack-k-outlier-channels", "1"],
      "k_outlier_channels needs orientation 'channel_k'"),
     (["--hack-k-outlier-channels", "1"], "only apply with --kv-cache-dtype hack"),
@@ -104,6 +106,8 @@ def test_bad_combinations_are_refused(parser, argv, message):
     ["--hack-rounding", "up"],
     ["--hack-kv-bits", "3"],
     ["--hack-edge-layer-bits", "3"],
+    ["--hack-4bit-layers", "1,-5"],
+    ["--hack-4bit-layers", "first"],
     ["--hack-k-outlier-channels", "-1"],
     ["--hack-kv-budget-mb", "0"],
     ["--kv-cache-dtype", "int3"],
@@ -122,6 +126,8 @@ def test_reference_only_options_parse_into_the_config_the_study_measures(parser)
 
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-k-outlier-channels", "2", "--hack-edge-layer-bits", "4")
     assert settings_from_options(ns, enabled=True).config == HackConfig(k_outlier_channels=2, edge_layer_bits=4)
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "5, 1")
+    assert settings_from_options(ns, enabled=True).config == HackConfig(four_bit_layers=(1, 5))
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "2")
     apply_cli_namespace(ns)
     assert settings_mod.active().config == HackConfig(edge_layer_bits=2)

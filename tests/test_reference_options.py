@@ -1,5 +1,6 @@
 """The options that only the dense reference implements (HackConfig.reference_only): dense-and-
-sparse K (k_outlier_channels) and more bits for the first and last layer (edge_layer_bits).
+sparse K (k_outlier_channels), more bits for the first and last layer (edge_layer_bits) and for
+chosen layers (four_bit_layers).
 Each is checked against a dense computation, in the layout's bytes, in the study's runner, and
 refused by the paged store and at server startup."""
 from __future__ import annotations
@@ -40,6 +41,29 @@ def test_for_layer_gives_the_edges_their_bits():
     for layer, n in ((5, 5), (-1, 5), (0, 0)):
         with pytest.raises(ValueError, match="layer"):
             c.for_layer(layer, n)
+
+
+def test_four_bit_layers_validate_resolve_and_name_themselves():
+    c = HackConfig(four_bit_layers=[5, 1, 5])
+    assert c.four_bit_layers == (1, 5) and c.per_layer
+    assert c.label() == "channel_k-P64-2bit-sink1-L1,5-4bit"
+    assert c.reference_only() == ("four_bit_layers",)
+    assert [c.for_layer(i, 7).kv_bits for i in range(7)] == [2, 4, 2, 2, 2, 4, 2]
+    assert all(not c.for_layer(i, 7).per_layer for i in range(7))
+    both = HackConfig(edge_layer_bits=4, four_bit_layers=(2,))
+    assert [both.for_layer(i, 5).kv_bits for i in range(5)] == [4, 2, 4, 2, 4]
+    assert both.reference_only() == ("edge_layer_bits", "four_bit_layers")
+    # every layer at 4 bits already: one layout, nothing per layer
+    assert not HackConfig(kv_bits=4, four_bit_layers=(1,)).per_layer
+    with pytest.raises(ValueError, match=r"four_bit_layers \[7\] are beyond the model's 7 layers"):
+        HackConfig(four_bit_layers=(1, 7)).for_layer(0, 7)
+    for bad in ((-1,), (True,), (1.0,), "1,5", 3):
+        with pytest.raises(ValueError, match="four_bit_layers"):
+            HackConfig(four_bit_layers=bad)
+    two = bytes_per_token(page_layout(HackConfig(), 1, 256), 2048)["bytes_per_token"]
+    four = bytes_per_token(page_layout(HackConfig(kv_bits=4), 1, 256), 2048)["bytes_per_token"]
+    got = model_bytes_per_token(c, 18, 1, 256, 2048)["bytes_per_token"]
+    assert got == pytest.approx((16 * two + 2 * four) / 18)
 
 
 def test_widest_channels_picks_the_widest_range_per_group_under_the_mask():
@@ -160,7 +184,8 @@ def test_per_layer_config_needs_resolving_and_the_runner_resolves_it():
 
 
 @pytest.mark.parametrize("cfg", [HackConfig(partition_size=P, k_outlier_channels=1),
-                                 HackConfig(partition_size=P, edge_layer_bits=4)], ids=lambda c: c.label())
+                                 HackConfig(partition_size=P, edge_layer_bits=4),
+                                 HackConfig(partition_size=P, four_bit_layers=(0,))], ids=lambda c: c.label())
 def test_the_paged_store_refuses_reference_only_options(cfg):
     from hack_ops.paged.store import HackKVStore
 
