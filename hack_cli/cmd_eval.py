@@ -58,6 +58,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "--variants` (default '=default': the default format, hack and dequant)")
     ret.add_argument("--modes", default=None, metavar="MODES",
                      help="keep only the rows in these attention modes (hack, dequant; comma-separated)")
+    ret.add_argument("--needle-attention", action="store_true",
+                     help="also report, per layer, how much attention the exact model's answer positions put "
+                          "on the needle sentence (where its retrieval heads are)")
     _add_layer_bits_flag(ret)
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
@@ -199,7 +202,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path,
-                              four_bit_layers=args.four_bit_layers)
+                              four_bit_layers=args.four_bit_layers, needle=args.needle_attention)
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .attention_paths import AttentionPath, attention_path
-from .runner import Variant, row_path, use_variant
+from .runner import EXACT, Variant, probe_attention, row_path, use_variant
 from .workloads import encode, essay_stream
 
 # The classic passkey prompt (Mohtashami & Jaggi, 2023): the fact is stated twice so a small
@@ -33,13 +33,16 @@ HAYSTACK_OFFSETS = 20_000  # tokens of essay text beyond the longest prompt to d
 
 @dataclass(frozen=True)
 class Item:
-    """One question: `ids` is prompt + answer; the answer is ids[answer_start:]."""
+    """One question: `ids` is prompt + answer; the answer is ids[answer_start:]; the needle
+    sentence (the key stated twice) is ids[needle_start:needle_start + needle_len]."""
 
     context: int
     depth: float
     key: str
     ids: tuple[int, ...]
     answer_start: int
+    needle_start: int = 0
+    needle_len: int = 0
 
 
 def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
@@ -69,7 +72,8 @@ def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
                 raise ValueError(f"the essays hold {len(stream)} tokens, fewer than a {context}-token prompt")
             cut = int(round(depth * n_fill))
             prompt = intro + fill[:cut] + needle + fill[cut:] + question
-            items.append(Item(context, depth, key, tuple(prompt + answer), len(prompt)))
+            items.append(Item(context, depth, key, tuple(prompt + answer), len(prompt),
+                              needle_start=len(intro) + cut, needle_len=len(needle)))
     return items
 
 
@@ -82,6 +86,44 @@ def answered(model: Any, item: Item, variant: Variant, path: AttentionPath | str
         # The logits at positions answer_start-1 .. len-2 predict the answer tokens.
         logits = model(input_ids=x, use_cache=False, logits_to_keep=n_answer + 1).logits[0, :-1]
     return bool(torch.equal(logits.argmax(-1), torch.tensor(item.ids[item.answer_start:])))
+
+
+@torch.inference_mode()
+def needle_attention(model: Any, items: list[Item], log: Callable[[str], None] = print) -> list[dict]:
+    """Where the exact model looks for the key: per layer, the attention mass that the answer's
+    positions (the question's last token and the answer tokens) put on the needle sentence,
+    averaged over those positions and the items, for the head that puts the most there (and the
+    mean over heads). The layers at the top hold the retrieval heads a question relies on."""
+    from hack_ops.attention import soft_cap, visible
+
+    sums: dict[int, torch.Tensor] = {}
+    current: dict[str, Any] = {}
+
+    def probe(layer: int, q: torch.Tensor, k: torch.Tensor, scale: float | None, window: int | None,
+              cap: float) -> None:
+        item: Item = current["item"]
+        rows = torch.arange(item.answer_start - 1, len(item.ids) - 1)
+        qr = q[0, :, rows].float()  # [Hq, rows, D]
+        kf = k[0].float().repeat_interleave(q.shape[1] // k.shape[1], 0)  # [Hq, n, D]
+        sc = qr.shape[-1] ** -0.5 if scale is None else scale
+        s = soft_cap(qr @ kf.transpose(-1, -2) * sc, cap)
+        keys = torch.arange(kf.shape[1])
+        s = s.masked_fill(~visible(keys[None, :], rows[:, None], window), float("-inf"))
+        p = torch.softmax(s, -1)[..., item.needle_start:item.needle_start + item.needle_len]
+        mass = p.sum(-1).mean(-1)  # [Hq]
+        sums[layer] = sums.get(layer, torch.zeros_like(mass)) + mass
+
+    with probe_attention(probe), use_variant(EXACT):
+        for n, item in enumerate(items):
+            current["item"] = item
+            model.model(input_ids=torch.tensor([item.ids]), use_cache=False)
+            log(f"needle attention: item {n + 1}/{len(items)} done")
+    rows = []
+    for layer in sorted(sums):
+        m = sums[layer] / len(items)
+        rows.append({"layer": layer, "max_head_mass": float(m.max()), "head": int(m.argmax()),
+                     "mean_mass": float(m.mean())})
+    return rows
 
 
 def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[int], per_cell: int,
@@ -121,7 +163,8 @@ def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[
 def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, seed: int = 0,
                         variant_patterns: list[str] | None = None, threads: int | None = None,
                         log: Callable[[str], None] = print, path: AttentionPath | str = AttentionPath.FAST,
-                        modes: list[str] | None = None, four_bit_layers: tuple[int, ...] | None = None) -> dict:
+                        modes: list[str] | None = None, four_bit_layers: tuple[int, ...] | None = None,
+                        needle: bool = False) -> dict:
     """`hack eval retrieval`: load the model, score exact plus the selected study rows (and the
     default format with `four_bit_layers` at 4 bits, variants.layer_bits_variants)."""
     from .accuracy import MODEL_TITLES
@@ -138,11 +181,12 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
     if limit and max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} is beyond the model's {limit} positions")
     rows = run_retrieval(model, tok, variants, contexts, per_cell, seed=seed, log=log, path=path)
+    attn = needle_attention(model, build_items(tok, contexts, per_cell, seed), log=log) if needle else None
     return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
             "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
             "four_bit_layers": list(four_bit_layers or []),
             "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
-            "rows": rows}
+            "rows": rows, "needle_attention": attn}
 
 
 def render_retrieval(results: dict, command: str) -> str:
@@ -171,4 +215,11 @@ def render_retrieval(results: dict, command: str) -> str:
         cells = [f"{r['by_depth'][d] * 100:.0f}%" if d in r["by_depth"] else "—" for d in depths]
         lines.append(f"| {r['variant']} | {r['mode']} | {r['config'] or '—'} | {r['context']} | "
                      f"{r['accuracy'] * 100:.1f}% ({r['items']}) | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+    attn = results.get("needle_attention")
+    if attn:
+        ranked = sorted(attn, key=lambda r: -r["max_head_mass"])
+        lines += ["", "Where the exact model looks for the key (attention mass of the answer positions on the "
+                  "needle sentence, the layer's top head and the mean over heads), layers by the top head:", "",
+                  "| layer | top head | its mass | mean over heads |", "|---|---|---|---|"]
+        lines += [f"| {r['layer']} | {r['head']} | {r['max_head_mass']:.3f} | {r['mean_mass']:.3f} |" for r in ranked]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -49,6 +50,9 @@ class Variant:
 
 EXACT = Variant("exact", AttentionMode.EXACT, None)
 _current: list[tuple[Variant, AttentionPath]] = [(EXACT, AttentionPath.FAST)]
+# Callbacks that see every layer's attention inputs (layer, q, k, scale, window, logit_cap),
+# post-RoPE, before the variant's attention runs: how a study reads where the model looks.
+_probes: list[Callable[..., None]] = []
 
 
 def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None,
@@ -59,6 +63,8 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     var, path = _current[-1]
     # HF's sliding_window counts the query itself (kv > q - w); hack_ops takes SGLang's w - 1.
     window = None if not sliding_window else int(sliding_window) - 1
+    for probe in _probes:
+        probe(int(module.layer_idx), query, key, scaling, window, softcap or 0.0)
     cfg, mode, tensors = var.config, var.mode, var.tensors
     if var.layers is not None and int(module.layer_idx) not in var.layers:  # this layer stays exact
         cfg, mode, tensors = None, AttentionMode.EXACT, QuantizedTensors.KV
@@ -98,6 +104,20 @@ class use_variant:
 
     def __exit__(self, *exc) -> None:
         _current.pop()
+
+
+class probe_attention:
+    """Context manager: `callback(layer, q, k, scale, window, logit_cap)` is called by every
+    attention layer with its inputs (q [1, Hq, m, D], k [1, H, n, D]) while it is active."""
+
+    def __init__(self, callback: Callable[..., None]):
+        self.callback = callback
+
+    def __enter__(self) -> None:
+        _probes.append(self.callback)
+
+    def __exit__(self, *exc) -> None:
+        _probes.remove(self.callback)
 
 
 def load_model(path: Path, threads: int | None = None):

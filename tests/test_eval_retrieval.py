@@ -31,6 +31,8 @@ def test_items_have_the_asked_length_key_and_depth(tok):
         # The needle sits at its depth of the haystack (intro and question excluded), within 10%.
         at = prompt.index(f"The pass key is {it.key}") / len(prompt)
         assert abs(at - it.depth) < 0.1, (at, it.depth)
+        needle = tok.decode(list(it.ids[it.needle_start:it.needle_start + it.needle_len]))
+        assert needle.strip() == f"The pass key is {it.key}. Remember it. {it.key} is the pass key."
     assert [it.depth for it in items[:5]] == [0.1, 0.3, 0.5, 0.7, 0.9]
     again = build_items(tok, [256, 1024], per_cell=5, seed=3)
     assert again == items  # seeded
@@ -67,14 +69,36 @@ def test_teacher_forced_score_equals_greedy_decoding():
 
 
 @pytest.mark.slow
+def test_needle_attention_finds_the_heads_that_copy_the_key():
+    """On the exact model at 256 tokens (where it finds every key): some layer's head puts most
+    of the answer positions' attention on the 19-token needle sentence, far above its share of
+    the prompt; every mass is a probability mass."""
+    from hack_eval.retrieval import needle_attention
+    from hack_eval.runner import load_model
+
+    model, tok_ = load_model(prepare(log=lambda m: None), threads=2)
+    items = build_items(tok_, [256], per_cell=2, seed=0)
+    rows = needle_attention(model, items, log=lambda m: None)
+    assert [r["layer"] for r in rows] == list(range(30))
+    assert all(0 <= r["mean_mass"] <= r["max_head_mass"] <= 1 + 1e-5 for r in rows)
+    share = items[0].needle_len / items[0].answer_start
+    top = max(r["max_head_mass"] for r in rows)
+    assert top > 0.5 and top > 4 * share, (top, share)  # measured: 0.95 (layer 21) against a share of 0.11
+
+
+@pytest.mark.slow
 def test_cli_writes_report_and_json(tmp_path):
     out, js = tmp_path / "r.md", tmp_path / "r.json"
     subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "128",
-                    "--items", "2", "--threads", "2", "--out", str(out), "--json-out", str(js)],
+                    "--items", "2", "--threads", "2", "--needle-attention", "--4bit-layers", "1,2",
+                    "--out", str(out), "--json-out", str(js)],
                    capture_output=True, text=True, timeout=900, check=True)
     res = json.loads(js.read_text())
     assert [(r["variant"], r["mode"]) for r in res["rows"]] == [
-        ("exact", "exact"), ("default", "hack"), ("default", "dequant")]
+        ("exact", "exact"), ("default", "hack"), ("default", "dequant"),
+        ("default, layers 1,2 at 4 bits", "hack"), ("default, layers 1,2 at 4 bits", "dequant")]
+    assert res["four_bit_layers"] == [1, 2] and len(res["needle_attention"]) == 30
+    assert "Where the exact model looks for the key" in out.read_text()
     assert all(r["items"] == 2 and 0 <= r["accuracy"] <= 1 and r["context"] == 128 for r in res["rows"])
     text = out.read_text()
     assert "hack eval retrieval --contexts 128 --items 2 --threads 2" in text and "| default | hack |" in text
