@@ -15,6 +15,7 @@ from typing import Callable
 from hack_ops import HackConfig
 
 from .attention_paths import QuantizedTensors
+from .report import report_head
 from .runner import EXACT, Variant
 
 ALL = "all layers"
@@ -50,19 +51,11 @@ def render_layers(res: dict, command: str) -> str:
     """The markdown report of a sweep: the whole-model rows, then one row per layer."""
     rows = {r["variant"]: r for r in res["rows"]}
     total_kl = rows[ALL]["kl"]
-    lines = [
-        "# Where the 2-bit error sits, layer by layer",
-        "",
+    lines = report_head(
+        "Where the 2-bit error sits, layer by layer",
         f"Model: {res['model']}. Context {res['context']}, windows: {res['windows']['essays']} essays, "
         f"{res['windows']['plays']} plays ({res['predicted_tokens']} predicted tokens). 'dequant' mode "
-        f"of the default format; a row names what is quantized, everything else exact.",
-        "",
-        "Produced by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        f"of the default format; a row names what is quantized, everything else exact.", command) + [
         "| quantized | ppl ratio (min-max) | KL | top-1 | share of the all-layer KL |",
         "|---|---|---|---|---|",
     ]

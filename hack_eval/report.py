@@ -16,20 +16,19 @@ def choose_default(rows: list[dict]) -> dict | None:
     return min(ok, key=lambda r: r["ppl_ratio"]) if ok else None
 
 
+def report_head(title: str, intro: str, command: str) -> list[str]:
+    """The opening lines every study report shares: title, what was run, and the command."""
+    return [f"# {title}", "", intro, "", "Produced by:", "", f"```\n{command}\n```", ""]
+
+
 def render(results: dict, command: str) -> str:
     rows = results["rows"]
-    lines = [
-        "# Accuracy of the KV formats on a real model",
-        "",
+    lines = report_head(
+        "Accuracy of the KV formats on a real model",
         f"Model: {results['model']}. Context {results['context']} tokens, teacher-forced over "
         f"{results['windows']['essays']} essay windows and {results['windows']['plays']} play windows "
         f"({results['predicted_tokens']} predicted tokens); greedy generation of "
-        f"{results['gen_tokens']} tokens on {results['gen_prompts']} HumanEval prompts.",
-        "",
-        "Produced by:",
-        "",
-        f"```\n{command}\n```",
-        "",
+        f"{results['gen_tokens']} tokens on {results['gen_prompts']} HumanEval prompts.", command) + [
         "Columns: perplexity ratio to the exact model (pooled; min-max over windows), mean KL",
         "divergence from the exact next-token distribution (nats), top-1 agreement with the exact",
         "model, edit similarity of greedy continuations to the exact model's, and bytes per element",

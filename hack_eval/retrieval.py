@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from .attention_paths import AttentionPath, attention_path
+from .report import report_head
 from .runner import EXACT, Variant, probe_attention, row_path, use_variant
 from .workloads import encode, essay_stream
 
@@ -192,21 +193,13 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
 def render_retrieval(results: dict, command: str) -> str:
     """The markdown report of a retrieval run."""
     depths = [str(d) for d in results["depths"]]
-    lines = [
-        "# Passkey retrieval",
-        "",
+    lines = report_head(
+        "Passkey retrieval",
         f"Model: {results['model']}. {results['items_per_context']} items per context, seed "
         f"{results['seed']}: a 5-digit pass key stated twice at depth "
         f"{', '.join(depths)} (in turn) of a Paul Graham essay haystack, then asked for; exact match "
         "of greedy decoding (scored teacher-forced: one pass over prompt and answer). Zero-shot; "
-        "the prompt is in the JSON next to this file.",
-        "",
-        "Produced by:",
-        "",
-        "```",
-        command,
-        "```",
-        "",
+        "the prompt is in the JSON next to this file.", command) + [
         "| variant | mode | config | context | exact match | " + " | ".join(f"depth {d}" for d in depths)
         + " | seconds |",
         "|---|---|---|---|---|" + "---|" * len(depths) + "---|",
