@@ -25,9 +25,10 @@ class EngineSettings:
     treats the chunk's own tokens ('homomorphic' reads them through the same quantized path as
     decode would; 'exact' uses their full-precision K/V, cached prefix pages still go through
     the homomorphic path; 'dense' also reads a cached prefix dequantized, by SDPA; 'auto', the
-    default, is resolved by the attention backend at startup, engine.prefill_choice). attention (AttentionMode, `--hack-attention`): 'hack' (homomorphic,
-    no dequantization) or 'dequant' (the paper's strawman: the same pages dequantized before
-    float attention; for comparisons only). Strings are accepted and stored as the enums.
+    default, is resolved by the attention backend at startup, engine.prefill_choice).
+    attention (AttentionMode, `--hack-attention`): 'hack' (homomorphic, no dequantization) or
+    'dequant' (the paper's strawman: the same pages dequantized before float attention; for
+    comparisons only). Strings are accepted and stored as the enums.
     kv_budget_mb: fixed KV pool byte budget instead of profiling free memory (any KV dtype;
     used to compare capacities under the same budget).
     enabled: the server's KV cache is HACK (`--kv-cache-dtype hack`); False when only the

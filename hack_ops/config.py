@@ -133,7 +133,8 @@ class HackConfig:
 
     def for_layer(self, layer: int, num_layers: int) -> "HackConfig":
         """The uniform config that layer `layer` (0-based, of `num_layers`) uses: edge_layer_bits
-        resolved into kv_bits for the first and the last layer."""
+        resolved into kv_bits for the first and the last layer, four_bit_layers into 4 bits for
+        theirs (ValueError when one is beyond the model's layers)."""
         if not isinstance(num_layers, int) or num_layers < 1 or not 0 <= layer < num_layers:
             raise ValueError(f"layer must be in 0..{num_layers - 1} (num_layers {num_layers!r}), got {layer!r}")
         beyond = [i for i in self.four_bit_layers if i >= num_layers]
