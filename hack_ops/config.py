@@ -158,8 +158,8 @@ class HackConfig:
         accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
         Triton) does, so HackKVStore and the server refuse a config that sets them."""
         return tuple(name for name, on in (("k_outlier_channels", bool(self.k_outlier_channels)),
-                                           ("edge_layer_bits", self.per_layer and bool(self.edge_layer_bits)),
-                                           ("four_bit_layers", self.per_layer and bool(self.four_bit_layers)))
+                                           ("edge_layer_bits", self.edge_layer_bits not in (0, self.kv_bits)),
+                                           ("four_bit_layers", bool(self.four_bit_layers) and self.kv_bits != 4))
                      if on)
 
     def head_group(self, head_dim: int) -> int:

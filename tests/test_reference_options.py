@@ -53,6 +53,7 @@ def test_four_bit_layers_validate_resolve_and_name_themselves():
     both = HackConfig(edge_layer_bits=4, four_bit_layers=(2,))
     assert [both.for_layer(i, 5).kv_bits for i in range(5)] == [4, 2, 4, 2, 4]
     assert both.reference_only() == ("edge_layer_bits", "four_bit_layers")
+    assert HackConfig(edge_layer_bits=2, four_bit_layers=(2,)).reference_only() == ("four_bit_layers",)
     # every layer at 4 bits already: one layout, nothing per layer
     assert not HackConfig(kv_bits=4, four_bit_layers=(1,)).per_layer
     with pytest.raises(ValueError, match=r"four_bit_layers \[7\] are beyond the model's 7 layers"):
