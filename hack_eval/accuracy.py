@@ -147,8 +147,11 @@ def run_study(
         _score_window(model, hidden, tallies, torch.tensor(ids[1:]))
         log(f"window {i + 1}/{len(windows)} done")
     gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
-    if variant_patterns is not None or four_bit_layers:  # generation for the selected homomorphic rows only
+    if variant_patterns is not None:  # generation for the selected homomorphic rows only
         gen_vars = [EXACT] + [v for v in variants[1:] if v.mode == "hack"]
+    if four_bit_layers:  # and for the layer-bits row (its 'hack' mode), whatever the set
+        gen_vars = gen_vars + [v for v in layer_bits_variants(four_bit_layers, modes)
+                               if v.mode == "hack" and v not in gen_vars]
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
