@@ -127,13 +127,12 @@ def needle_attention(model: Any, items: list[Item], log: Callable[[str], None] =
     return rows
 
 
-def run_retrieval(model: Any, tok: Any, variants: list[Variant], contexts: list[int], per_cell: int,
-                  seed: int = 0, log: Callable[[str], None] = print,
+def run_retrieval(model: Any, variants: list[Variant], items: list[Item], log: Callable[[str], None] = print,
                   path: AttentionPath | str = AttentionPath.FAST) -> list[dict]:
-    """Exact-match accuracy of each variant per context (the same items for all), with the
-    accuracy at each depth; `path` is where the attention runs (attention_paths)."""
+    """Exact-match accuracy of each variant per context on `items` (build_items; the same for
+    all), with the accuracy at each depth; `path` is where the attention runs (attention_paths)."""
     path = attention_path(path)
-    items = build_items(tok, contexts, per_cell, seed)
+    contexts = list(dict.fromkeys(item.context for item in items))  # in the order they were built
     hits: dict[tuple[str, str, int], list[tuple[float, bool]]] = {}
     seconds: dict[tuple[str, str, int], float] = {}
     for n, item in enumerate(items):
@@ -181,8 +180,9 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if limit and max(contexts) > limit:
         raise ValueError(f"context {max(contexts)} is beyond the model's {limit} positions")
-    rows = run_retrieval(model, tok, variants, contexts, per_cell, seed=seed, log=log, path=path)
-    attn = needle_attention(model, build_items(tok, contexts, per_cell, seed), log=log) if needle else None
+    items = build_items(tok, contexts, per_cell, seed)
+    rows = run_retrieval(model, variants, items, log=log, path=path)
+    attn = needle_attention(model, items, log=log) if needle else None
     return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
             "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
             "four_bit_layers": list(four_bit_layers or []),

@@ -147,20 +147,22 @@ class HackConfig:
             bits = 4
         return replace(self, kv_bits=bits, edge_layer_bits=0, four_bit_layers=())
 
+    def _per_layer_fields(self) -> tuple[str, ...]:
+        """The per-layer fields that give some layer other bits than kv_bits."""
+        return tuple(name for name, on in (("edge_layer_bits", self.edge_layer_bits not in (0, self.kv_bits)),
+                                           ("four_bit_layers", bool(self.four_bit_layers) and self.kv_bits != 4))
+                     if on)
+
     @property
     def per_layer(self) -> bool:
         """Layers differ (for_layer is not the identity): a pool with one page size cannot hold it."""
-        return ((bool(self.edge_layer_bits) and self.edge_layer_bits != self.kv_bits)
-                or (bool(self.four_bit_layers) and self.kv_bits != 4))
+        return bool(self._per_layer_fields())
 
     def reference_only(self) -> tuple[str, ...]:
         """The fields set here that only the dense reference (hack_ops.attention, hence the
         accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
         Triton) does, so HackKVStore and the server refuse a config that sets them."""
-        return tuple(name for name, on in (("k_outlier_channels", bool(self.k_outlier_channels)),
-                                           ("edge_layer_bits", self.edge_layer_bits not in (0, self.kv_bits)),
-                                           ("four_bit_layers", bool(self.four_bit_layers) and self.kv_bits != 4))
-                     if on)
+        return (("k_outlier_channels",) if self.k_outlier_channels else ()) + self._per_layer_fields()
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""
@@ -218,8 +220,9 @@ class HackConfig:
             parts.append("rot-" + self.rotation.value)
         if self.k_outlier_channels:
             parts.append(f"kout{self.k_outlier_channels}")
-        if self.edge_layer_bits and self.edge_layer_bits != self.kv_bits:
+        per_layer = self._per_layer_fields()
+        if "edge_layer_bits" in per_layer:
             parts.append(f"edge{self.edge_layer_bits}bit")
-        if self.four_bit_layers and self.kv_bits != 4:
+        if "four_bit_layers" in per_layer:
             parts.append("L" + ",".join(map(str, self.four_bit_layers)) + "-4bit")
         return "-".join(parts)

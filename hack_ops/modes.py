@@ -42,25 +42,24 @@ SERVING_MODES = (AttentionMode.HACK, AttentionMode.DEQUANT)
 EXTEND_PREFILL_MODES = (PrefillMode.HOMOMORPHIC, PrefillMode.EXACT, PrefillMode.DENSE)
 
 
-def attention_mode(mode: AttentionMode | str, allowed: tuple[AttentionMode, ...] = tuple(AttentionMode),
-                   what: str = "mode") -> AttentionMode:
-    """mode as an AttentionMode, or ValueError naming the allowed values."""
+def _member(enum: type[StrEnum], mode: object, allowed: tuple, what: str):
+    """mode as a member of `enum` within `allowed`, or ValueError naming the allowed values."""
     try:
-        m = AttentionMode(mode)
+        m = enum(mode)
     except ValueError:
         m = None
     if m not in allowed:
         raise ValueError(f"{what} must be one of {tuple(a.value for a in allowed)}, got {mode!r}")
     return m
+
+
+def attention_mode(mode: AttentionMode | str, allowed: tuple[AttentionMode, ...] = tuple(AttentionMode),
+                   what: str = "mode") -> AttentionMode:
+    """mode as an AttentionMode, or ValueError naming the allowed values."""
+    return _member(AttentionMode, mode, allowed, what)
 
 
 def prefill_mode(mode: PrefillMode | str, allowed: tuple[PrefillMode, ...] = tuple(PrefillMode),
                  what: str = "prefill") -> PrefillMode:
     """mode as a PrefillMode, or ValueError naming the allowed values."""
-    try:
-        m = PrefillMode(mode)
-    except ValueError:
-        m = None
-    if m not in allowed:
-        raise ValueError(f"{what} must be one of {tuple(a.value for a in allowed)}, got {mode!r}")
-    return m
+    return _member(PrefillMode, mode, allowed, what)
