@@ -39,13 +39,17 @@ class HackWire:
         from hack_ops import page_wire
 
         self.pool = pool
-        self.layout = pool.layout
+        self.layouts = pool.store.layouts  # one per layer: layers may differ in bits
         self.page_size = int(pool.page_size)
-        self.skip_open = page_wire.open_page_unread(self.layout.config)
-        k_ptrs = {int(t.data_ptr()) for t in pool.k_buffer}
+        self.skip_open = page_wire.open_page_unread(pool.store.config)
+        tensors = {int(t.data_ptr()): lay.k for t, lay in zip(pool.k_buffer, self.layouts)}
+        tensors.update({int(t.data_ptr()): lay.v for t, lay in zip(pool.v_buffer, self.layouts)})
         self.ptrs = [int(p) for p in ptrs]
         self.item_lens = [int(n) for n in item_lens]
-        self.wire_lens = [page_wire.wire_bytes(self.layout.k if p in k_ptrs else self.layout.v) for p in self.ptrs]
+        unknown = [p for p in self.ptrs if p not in tensors]
+        if unknown:
+            raise RuntimeError(f"KV buffer at {unknown[0]:#x} is not one of the pool's K or V page buffers")
+        self.wire_lens = [page_wire.wire_bytes(tensors[p]) for p in self.ptrs]
         for p, item, wire in zip(self.ptrs, self.item_lens, self.wire_lens):
             if wire > item:
                 raise RuntimeError(f"KV buffer at {p:#x}: items of {item} B are smaller than a page's wire form ({wire} B)")
@@ -112,8 +116,8 @@ class HackWire:
         if not pages:
             return
         t0 = time.perf_counter()
-        for buf in self.pool.k_buffer:
-            page_wire.rebuild_derived(self.layout, buf, pages)
+        for lay, buf in zip(self.layouts, self.pool.k_buffer):
+            page_wire.rebuild_derived(lay, buf, pages)
         with self.lock:
             self.stats["rebuild_s"] += time.perf_counter() - t0
 
@@ -148,8 +152,9 @@ def attach(kv_args: Any, pool: Any) -> HackWire:
     _wire[:] = [wire]
     from hack_ops import page_wire
 
-    logger.info("sglang-hack PD: HACK pages sent without derived bytes (%d of %d B per page and layer%s); "
-                "format %s", page_wire.wire_page_bytes(wire.layout), wire.layout.page_bytes,
+    logger.info("sglang-hack PD: HACK pages sent without derived bytes (%d of %d B per page, all layers%s); "
+                "format %s", sum(page_wire.wire_page_bytes(lay) for lay in wire.layouts),
+                sum(lay.page_bytes for lay in wire.layouts),
                 ", open page not sent" if wire.skip_open else "", kv_args.kv_cache_dtype_str)
     return wire
 

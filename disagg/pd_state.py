@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from hack_ops.layout import describe_layouts
+
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_PREFIX = "hack"
@@ -80,7 +82,7 @@ def layout_fingerprint(pool: Any, model: str | None = None) -> str:
 
     Readable parts first, so a mismatch message shows which one differs; the hash covers
     every field of the page layout (bits, orientation, sinks, tails, byte sizes)."""
-    desc = pool.layout.describe()
+    desc = describe_layouts(pool.store)
     digest = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=4).hexdigest()
     model = model if model is not None else model_identity()
     return (f"{FINGERPRINT_PREFIX}:v{desc['version']}:P{desc['partition_size']}:{digest}:"

@@ -41,7 +41,7 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
-def _layer_list(text: str) -> tuple[int, ...]:
+def layer_list(text: str) -> tuple[int, ...]:
     """'1,5' -> (1, 5): 0-based layer indices."""
     try:
         return tuple(_non_negative_int(t.strip()) for t in text.split(","))
@@ -106,13 +106,14 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "codes (default 0). Measured by `hack eval accuracy`; the serving paths refuse N > 0.")),
     "hack_edge_layer_bits": ("--hack-edge-layer-bits", dict(
         type=int, choices=[2, 4],
-        help="Bits per K/V code of the first and last layer (default: --hack-kv-bits). Measured by "
-             "`hack eval accuracy`; the serving paths refuse a value that differs from --hack-kv-bits.")),
+        help="Bits per K/V code of the first and last layer (default: --hack-kv-bits); those layers' "
+             "pages are laid out with their own bits.")),
     "hack_four_bit_layers": ("--hack-4bit-layers", dict(
-        type=_layer_list, metavar="L,L,...",
+        type=layer_list, metavar="L,L,...",
         help="0-based indices of the layers whose K/V codes use 4 bits (the few layers where a model's "
-             "2-bit error sits: `hack eval layers`). Measured by `hack eval accuracy`; the serving "
-             "paths refuse it (one page size for all layers).")),
+             "2-bit error sits or its retrieval heads read: `hack eval layers`, `hack eval retrieval "
+             "--needle-attention`); each such layer's pages are laid out with 4 bits, the others keep "
+             "--hack-kv-bits. Indices beyond the model's layers are refused at startup.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_attention": ("--hack-attention", dict(
@@ -142,8 +143,6 @@ _CONFIG_FIELDS = {
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
 _REFERENCE_ONLY_FLAGS = {
     "k_outlier_channels": "--hack-k-outlier-channels",
-    "edge_layer_bits": "--hack-edge-layer-bits",
-    "four_bit_layers": "--hack-4bit-layers",
 }
 
 

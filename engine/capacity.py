@@ -33,7 +33,7 @@ def units_for(model_config: Any, attn_tp: int = 1, dcp: int = 1) -> UnitBytes | 
             f"--kv-cache-dtype hack needs equal K and V head dims, got {model_config.head_dim} "
             f"and {model_config.v_head_dim}")
     heads = model_config.get_num_kv_heads(attn_tp, dcp)
-    return unit_bytes(s.config, heads, model_config.head_dim)
+    return unit_bytes(s.config, heads, model_config.head_dim, int(model_config.num_hidden_layers))
 
 
 def _units(kvc: Any) -> UnitBytes | None:

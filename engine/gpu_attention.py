@@ -4,8 +4,9 @@ The plan is the same HackKVStore.plan the CPU path uses (page table, request row
 all checks), turned into the CSR page table the Triton wrappers take (ForwardPlan.csr_pages). Per layer: decode stores
 the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
 which stores the chunk's pages, attends, then appends the tails. Each call takes the layer's
-scaling, sliding window and logit soft-cap (engine.backend.layer_features); the kernels skip
-the pages before the window.
+scaling, sliding window and logit soft-cap (engine.backend.layer_features) and its own page
+layout (store.layout_for: layers may differ in bits); the kernels skip the pages before the
+window.
 
 This module cannot run on the project's CI machine (no GPU). What can be checked there is
 checked: the format is accepted by kernel_spec at startup, and the plan conversion is pure
@@ -31,12 +32,14 @@ class GpuAttention:
             raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
         if prefill != PrefillMode.HOMOMORPHIC:
             raise NotImplementedError(f"--hack-prefill {prefill.value} runs on the CPU path only")
-        kernel_spec(store.layout)  # refuses formats the kernels do not implement, with the reason
+        for lay in {id(lay): lay for lay in store.layouts}.values():
+            kernel_spec(lay)  # refuses formats the kernels do not implement, with the reason
         self.store = store
-        self.layout = store.layout
         self.device = store.device
-        self._decode: dict[int, Any] = {}  # by number of query heads
-        self._prefill: dict[int, Any] = {}
+        # Planned kernels by (query heads, the layer's bits): layers with more bits
+        # (--hack-4bit-layers) have their own page layout, hence their own kernel object.
+        self._decode: dict[tuple[int, int], Any] = {}
+        self._prefill: dict[tuple[int, int], Any] = {}
         self._csr: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
 
     def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
@@ -60,15 +63,16 @@ class GpuAttention:
         from hack_ops.triton.store import store as store_tokens
 
         indptr, indices, lens, _, rows = self._csr
-        hq = q.shape[1]
-        attn = self._decode.get(hq)
+        hq, lay = q.shape[1], self.store.layout_for(layer)
+        key = (hq, lay.config.kv_bits)
+        attn = self._decode.get(key)
         if attn is None:
-            attn = HackDecodeAttention(self.layout, hq, sm_scale=scale)
+            attn = HackDecodeAttention(lay, hq, sm_scale=scale)
             attn.plan(indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
-            self._decode[hq] = attn
+            self._decode[key] = attn
         attn.sm_scale = float(scale)
         cache = self._cache(layer)
-        store_tokens(self.layout, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
+        store_tokens(lay, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
         return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
 
     def extend(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
@@ -76,12 +80,13 @@ class GpuAttention:
         from hack_ops.triton.prefill import HackPrefillAttention
 
         indptr, indices, lens, qo, rows = self._csr
-        hq = q.shape[1]
-        attn = self._prefill.get(hq)
+        hq, lay = q.shape[1], self.store.layout_for(layer)
+        key = (hq, lay.config.kv_bits)
+        attn = self._prefill.get(key)
         if attn is None:
-            attn = HackPrefillAttention(self.layout, hq, sm_scale=scale)
+            attn = HackPrefillAttention(lay, hq, sm_scale=scale)
             attn.plan(qo, indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
-            self._prefill[hq] = attn
+            self._prefill[key] = attn
         attn.sm_scale = float(scale)
         return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer), window=window,
                         logit_cap=logit_cap)

@@ -14,7 +14,8 @@ Refused, with a sentence naming the feature and the flag that works, before anyt
     cross-attention, encoder-only or bidirectional layers, another soft-capping method than
     tanh, K and V head dims that differ, and on CUDA a head_dim the Triton kernels lack (not a
     power of two >= 32);
-  * in both places, a head_dim that `--hack-rotation` cannot rotate (not a power of two).
+  * in both places, a head_dim that `--hack-rotation` cannot rotate (not a power of two);
+  * in the launcher, `--hack-4bit-layers` naming a layer the model does not have.
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ def _sentence(feature: str, model: str, hint: str = BF16_HINT) -> str:
 
 
 def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False,
-                   rotation: Rotation | str = Rotation.NONE) -> Optional[str]:
+                   rotation: Rotation | str = Rotation.NONE, four_bit_layers: tuple[int, ...] = ()) -> Optional[str]:
     """The refusal sentence for an HF config's attention features (and the head_dim the
-    rotation needs), or None when served."""
+    rotation needs, the layers --hack-4bit-layers names), or None when served."""
     text = getattr(hf_config, "text_config", None) or hf_config
     arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
     if getattr(text, "kv_lora_rank", None) or getattr(hf_config, "kv_lora_rank", None):
@@ -53,6 +54,11 @@ def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False,
     reason = head_dim_refusal(rotation, d) if d else None
     if reason:
         return f"{reason} (model {arch})"
+    n = getattr(text, "num_hidden_layers", None)
+    beyond = [i for i in four_bit_layers if n is not None and i >= int(n)]
+    if beyond:
+        return (f"--hack-4bit-layers names layer{'s' if len(beyond) > 1 else ''} {','.join(map(str, beyond))}, "
+                f"but model {arch} has {int(n)} layers (0..{int(n) - 1})")
     return None
 
 
@@ -75,7 +81,7 @@ def _hybrid_swa(hf_config: Any, text: Any) -> bool:
 
 def check_model_path(model_path: str, trust_remote_code: bool = False,
                      disable_hybrid_swa_memory: bool = False,
-                     rotation: Rotation | str = Rotation.NONE) -> Optional[str]:
+                     rotation: Rotation | str = Rotation.NONE, four_bit_layers: tuple[int, ...] = ()) -> Optional[str]:
     """config_refusal for a local model folder; None when there is no readable config (SGLang
     reports a missing or broken model itself)."""
     import os
@@ -88,7 +94,7 @@ def check_model_path(model_path: str, trust_remote_code: bool = False,
         cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except Exception:
         return None
-    return config_refusal(cfg, disable_hybrid_swa_memory, rotation)
+    return config_refusal(cfg, disable_hybrid_swa_memory, rotation, four_bit_layers)
 
 
 def layer_refusal(layers: Iterable[Any], gpu: bool = False,

@@ -2,7 +2,8 @@
 
 An `MHATokenToKVPool` subclass (returned by the platform's get_kv_pool_cls when the server runs
 `--kv-cache-dtype hack`). Its storage is a hack_ops.paged.HackKVStore:
-  k_buffer[l], v_buffer[l]  uint8 [num_pages, page_bytes]  codes + side tables inline per page
+  k_buffer[l], v_buffer[l]  uint8 [num_pages, page_bytes_l]  codes + side tables inline per page
+                            (layer l's layout: store.layout_for(l); layers may differ in bits)
                             (SGLang slot s lives in page s // page_size; page 0 is the padding
                             page SGLang reserves for dummy writes)
   store.tails[t][l]         fp16 [rows, Π, H, D]  the open partition of K and/or V, per request row
@@ -23,10 +24,11 @@ import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from hack_ops.layout import page_layout
 from hack_ops.paged.store import HackKVStore
 
 from . import settings as settings_mod
+from hack_ops.layout import describe_layouts
+
 from .capacity import capacity_report
 from .pool_geometry import num_sink_slots, unit_bytes
 from .server_state import PoolBuild, state
@@ -69,13 +71,12 @@ class HackKVPool(MHATokenToKVPool):
         build = state().pool_build
         if build is None:
             raise RuntimeError("HackKVPool must be built inside pool_build_context(rows=...)")
-        self.layout = page_layout(cfg, head_num, head_dim)
         self._num_rows = build.rows
         self._budget = build.budget
         kwargs["enable_kv_cache_copy"] = False  # the tiled slot-row copy assumes token rows
         super().__init__(size, page_size, dtype, head_num, head_dim, layer_num, device,
                          enable_memory_saver, **kwargs)
-        self.capacity_info = capacity_report(unit_bytes(cfg, head_num, head_dim), layer_num,
+        self.capacity_info = capacity_report(unit_bytes(cfg, head_num, head_dim, layer_num), layer_num,
                                              head_num, head_dim, size, self._budget)
 
     # ---- storage ---------------------------------------------------------------------------
@@ -98,6 +99,16 @@ class HackKVPool(MHATokenToKVPool):
 
     def _kv_tokens_per_row(self) -> int:
         return self.page_size  # a buffer row is a whole page
+
+    def _build_kv_buffer_descs(self) -> list:
+        """One descriptor per buffer (k0..k(L-1), v0..v(L-1)) from that buffer's own shape: the
+        base class reads layer 0's shape for all, but layers with other bits
+        (--hack-4bit-layers) hold wider pages, and the PD transfer sizes each item from these."""
+        from sglang.srt.mem_cache.memory_pool import KvBufferDesc
+
+        return [KvBufferDesc(f"{prefix}{layer}", tuple(buf.shape), row_bytes=buf[0].nbytes,
+                             tokens_per_row=self.page_size)
+                for prefix, bufs in (("k", self.k_buffer), ("v", self.v_buffer)) for layer, buf in enumerate(bufs)]
 
     def get_kv_size_bytes(self) -> tuple[int, int]:
         nb = self.store.nbytes()
@@ -123,7 +134,7 @@ class HackKVPool(MHATokenToKVPool):
     def usage(self) -> dict:
         nb = self.store.nbytes()
         return {
-            "layout": self.layout.describe(),
+            "layout": describe_layouts(self.store),
             "num_pages": self.store.num_pages - 1,  # page 0 is SGLang's padding page
             "num_rows": self.store.num_rows,
             "sink_slots_total": self.store.num_sink_slots,

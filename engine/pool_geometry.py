@@ -1,7 +1,8 @@
 """Byte sizes of everything the HACK pool allocates, for sizing and capacity reports.
 
 The sizes are read from hack_ops.paged.HackKVStore itself (a one-page, one-row, one-sink-slot
-store of one layer), so they follow its buffers whatever the format: K and V pages, the FP16
+store of the model's layers), so they follow its buffers whatever the format (layers with more
+bits, --hack-4bit-layers, hold larger pages): K and V pages, the FP16
 tails of each request row, FP16 sink slots (one per row plus one per SINK_PAGES_PER_SLOT pages,
 the store's default) and the shared page -> sink-slot map.
 """
@@ -19,21 +20,28 @@ _SINK_MAP_ENTRY = 4  # int32 per page
 
 @dataclass(frozen=True)
 class UnitBytes:
-    """Bytes of one layer: per page (codes + side tables), per request row (tails), per sink slot."""
+    """Bytes of one layer: per page (codes + side tables, averaged over the model's layers, which
+    may differ in bits), per request row (tails), per sink slot."""
 
-    page: int
+    page: float
     row: int
     sink_slot: int
     page_size: int
 
 
 @lru_cache(maxsize=32)
-def unit_bytes(config: HackConfig, num_heads: int, head_dim: int) -> UnitBytes:
-    probe = HackKVStore(config, 1, num_heads, head_dim, num_pages=1, num_rows=1,
+def unit_bytes(config: HackConfig, num_heads: int, head_dim: int, num_layers: int | None = None) -> UnitBytes:
+    """The units of a model of `num_layers` layers (a config whose layers differ needs the real
+    count: HackConfig.for_layer resolves which layers get more bits; None: a uniform config)."""
+    if num_layers is None:
+        if config.per_layer:
+            raise ValueError(f"{config.label()} differs per layer: give the model's num_layers")
+        num_layers = 1
+    probe = HackKVStore(config, num_layers, num_heads, head_dim, num_pages=1, num_rows=1,
                         num_sink_slots=1 if config.sink_tokens else 0)
     nb = probe.nbytes()
-    return UnitBytes(page=nb["pages"], row=nb["tails"], sink_slot=nb["sinks"],
-                     page_size=config.partition_size)
+    return UnitBytes(page=nb["pages"] / num_layers, row=nb["tails"] // num_layers,
+                     sink_slot=nb["sinks"] // num_layers, page_size=config.partition_size)
 
 
 def row_bytes(u: UnitBytes, num_layers: int) -> int:

@@ -58,11 +58,11 @@ def apply_server_args(server_args: Any) -> None:
 
 def _refuse_unserved_model(args: Any, settings: settings_mod.EngineSettings) -> None:
     """Refuse, before any process loads the model, attention features HACK does not serve
-    (and a head_dim the configured rotation cannot rotate)."""
+    (and a head_dim the configured rotation cannot rotate, 4-bit layers the model lacks)."""
     from .model_checks import check_model_path
 
     reason = check_model_path(getattr(args, "model_path", None), bool(getattr(args, "trust_remote_code", False)),
                               bool(getattr(args, "disable_hybrid_swa_memory", False)),
-                              settings.config.rotation)
+                              settings.config.rotation, settings.config.four_bit_layers)
     if reason:
         raise HackArgumentError(reason)

@@ -99,12 +99,11 @@ def memory_sample(scheduler: Any) -> dict:
            "bytes_bf16": used * pool_bf16_bytes_per_token(pool),
            "running": len(scheduler.running_batch.reqs), "queued": len(scheduler.waiting_queue)}
     if isinstance(pool, HackKVPool):
-        lay = pool.layout
-        layers = int(pool.layer_num)
-        codes = lay.k.codes.nbytes + lay.v.codes.nbytes
+        lays = pool.store.layouts  # one per layer: layers may differ in bits
+        codes = sum(lay.k.codes.nbytes + lay.v.codes.nbytes for lay in lays)
         pages = used // page
         tail_per_row = pool.store.nbytes()["tails"] // max(1, pool.store.num_rows)
-        out.update(bytes_codes=pages * layers * codes, bytes_side=pages * layers * (lay.page_bytes - codes),
+        out.update(bytes_codes=pages * codes, bytes_side=pages * (sum(lay.page_bytes for lay in lays) - codes),
                    bytes_tail=_rows_in_use(scheduler) * tail_per_row)
     return out
 

@@ -12,6 +12,8 @@ and the measurements alternate between them, so load drifts hit every method ali
            `hack bench disagg` uses for the same server)
   hack-dense-prefill  hack with --hack-prefill dense (a chunk in FP16 and its cached prefix
            dequantized once, by SDPA; decode on the codes)
+  hack-4bit-layers  hack with --hack-4bit-layers from this command's --4bit-layers (the layers
+           `hack eval layers` / `hack eval retrieval --needle-attention` chose, at 4 bits)
 Measured per server: max total tokens (capacity); batch-1 decode tokens/s and prefill tokens/s
 at each context (prefill on a cold cache; decode from the first to the last streamed token,
 best of a cold and a cached-prompt run);
@@ -30,20 +32,12 @@ from pathlib import Path
 
 import requests
 
+from engine.args import layer_list
 from hack_eval.models import MODELS
+from .server_methods import METHODS, method_args
 from hack_metrics import rundir
 
 from .bench_doc import DOCS, command_line, replace_block
-
-METHODS = {
-    "bf16": ["--attention-backend", "torch_native"],
-    "hack": ["--kv-cache-dtype", "hack"],
-    "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
-    "hack-homomorphic-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic"],
-    "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
-    "hack-dense-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "dense"],
-}
-
 
 def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("serve", help="real servers: capacity, decode/prefill speed, throughput (HACK vs BF16)")
@@ -56,6 +50,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
     p.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
+    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...",
+                   help="0-based layers the hack-4bit-layers method holds at 4 bits")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
@@ -64,7 +60,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
                                   decode_tokens=None, concurrency=8, requests=None, budget_mb=256.0,
-                                  model="smollm2", out=None, no_doc=False))
+                                  model="smollm2", four_bit_layers=None, out=None, no_doc=False))
 
 
 def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) -> dict:
@@ -121,7 +117,8 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
     # One run directory per method (the dashboard compares two runs side by side).
     runs = {m: rundir.create_run(f"bench-serve-{m}", m, extra={"model_path": model_path, "bench": "serve",
                                                                 **(run_meta or {})}) for m in methods}
-    servers = {m: SGLangServer(model_path, [*METHODS[m], "--hack-kv-budget-mb", str(cfg["budget_mb"]),
+    servers = {m: SGLangServer(model_path, [*method_args(m, cfg.get("four_bit_layers")),
+                                            "--hack-kv-budget-mb", str(cfg["budget_mb"]),
                                             "--sleep-on-idle"], env=metrics_env(runs[m])) for m in methods}
     res: dict[str, dict] = {m: {"contexts": {}} for m in methods}
     try:
@@ -181,6 +178,10 @@ def run(args: argparse.Namespace) -> int:
            "concurrency": args.concurrency, "requests": args.requests or (8 if args.quick else 16),
            "tp_prompt": 256 if args.quick else 512, "tp_tokens": 32 if args.quick else 64,
            "budget_mb": args.budget_mb}
+    layers = getattr(args, "four_bit_layers", None)
+    if "hack-4bit-layers" in methods:
+        method_args("hack-4bit-layers", layers)  # refuses a missing --4bit-layers before any server starts
+        cfg["four_bit_layers"] = list(layers)
     if cfg["decode_tokens"] < 2 or cfg["concurrency"] < 1 or cfg["requests"] < 1:
         raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1")
     say = (lambda *a: None) if args.json else print

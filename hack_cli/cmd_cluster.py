@@ -11,6 +11,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
+from engine.args import layer_list
 from disagg.server_cmd import METHODS
 from hack_eval.models import MODELS
 from hack_metrics.rundir import RUNS_ROOT_HELP
@@ -38,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", default="hack", choices=list(METHODS),
                    help="KV cache method (hack sends its pages without K's code sums and the unread open "
                         "page, --hack-kv-codec hack-pages; hack-full-pages sends every page as stored)")
+    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...",
+                   help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
+                        "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names)")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")
@@ -141,7 +145,14 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
     """The ClusterSpec `hack up` starts (the model prepared by name, or a folder as given)."""
     from disagg import cluster
 
+    extra: list[str] = []
+    layers = getattr(args, "four_bit_layers", None)
+    if layers:
+        if not args.kv.startswith("hack") and args.kv != "dequant":
+            raise ValueError(f"--4bit-layers sets HACK page bits; --kv {args.kv} has no HACK pages")
+        extra = ["--hack-4bit-layers", ",".join(map(str, layers))]
     return cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
+                               extra_server_args=extra,
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,
                                max_total_tokens=args.max_total_tokens, run_dir=args.run_dir,
                                command=shlex.join(["hack", *sys.argv[1:]]),

@@ -7,7 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
+from engine.args import layer_list
 from hack_eval.models import MODELS
+
+from .server_methods import METHODS as SERVED_METHODS
 
 # hack_eval.attention_paths.AttentionPath's values (that module imports torch, which `hack --help`
 # should not wait for; tests/test_eval_attention_paths.py checks they agree).
@@ -62,6 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="also report, per layer, how much attention the exact model's answer positions put "
                           "on the needle sentence (where its retrieval heads are)")
     _add_layer_bits_flag(ret)
+    ret.add_argument("--served", default=None, metavar="METHODS",
+                     help="instead of the study's rows, ask real servers, one per KV method (comma-separated, of "
+                          f"{', '.join(SERVED_METHODS)}; hack-4bit-layers takes --4bit-layers), each answer "
+                          "decoded greedily by the server")
+    ret.add_argument("--budget-mb", type=float, default=256.0, help="with --served: the KV budget of every server")
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
 
@@ -75,18 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     lay.set_defaults(func=_layers)
 
 
-def _layer_list(text: str) -> tuple[int, ...]:
-    try:
-        layers = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices, got {text!r}") from None
-    if any(i < 0 for i in layers):
-        raise argparse.ArgumentTypeError(f"layer indices are 0-based (>= 0), got {text!r}")
-    return layers
-
-
 def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=_layer_list, default=None, metavar="L,L,...",
+    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...",
                         help="also score the default format with these 0-based layers at 4 bits (the ones "
                              "`hack eval layers` ranks first; the server's --hack-4bit-layers), in hack and "
                              "dequant mode or those --modes names")
@@ -199,6 +197,15 @@ def _retrieval(args: argparse.Namespace) -> int:
     if not contexts or min(contexts) < 64 or args.items < 1:
         raise ValueError("need contexts of at least 64 tokens and at least one item per context")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.served is not None:
+        from .retrieval_served import run_served_retrieval
+
+        if args.needle_attention:
+            raise ValueError("--needle-attention reads the HF model's attention; it does not combine with --served")
+        res = run_served_retrieval(args.model, contexts, args.items, _csv(args.served), seed=args.seed,
+                                   four_bit_layers=args.four_bit_layers, budget_mb=args.budget_mb, log=log)
+        _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
+        return 0
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path,

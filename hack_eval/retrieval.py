@@ -193,13 +193,14 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
 def render_retrieval(results: dict, command: str) -> str:
     """The markdown report of a retrieval run."""
     depths = [str(d) for d in results["depths"]]
+    how = (f", decoded by real SGLang servers, one per KV method (KV budget {results.get('budget_mb', 0):g} MB "
+           "each)" if results.get("served") else " (scored teacher-forced: one pass over prompt and answer)")
     lines = report_head(
         "Passkey retrieval",
         f"Model: {results['model']}. {results['items_per_context']} items per context, seed "
         f"{results['seed']}: a 5-digit pass key stated twice at depth "
         f"{', '.join(depths)} (in turn) of a Paul Graham essay haystack, then asked for; exact match "
-        "of greedy decoding (scored teacher-forced: one pass over prompt and answer). Zero-shot; "
-        "the prompt is in the JSON next to this file.", command) + [
+        f"of greedy decoding{how}. Zero-shot; the prompt is in the JSON next to this file.", command) + [
         "| variant | mode | config | context | exact match | " + " | ".join(f"depth {d}" for d in depths)
         + " | seconds |",
         "|---|---|---|---|---|" + "---|" * len(depths) + "---|",

@@ -67,12 +67,13 @@ class HackConfig:
         in Q's INT8 range remains. 0 = none. Implemented in the reference only: the serving paths
         refuse it at startup.
     edge_layer_bits: bits per K/V code of the first and the last layer (the rest use kv_bits);
-        0 = every layer uses kv_bits. A per-layer choice: for_layer() resolves it. Implemented in
-        the reference only: the serving pool holds one page size for all layers and refuses it.
+        0 = every layer uses kv_bits. A per-layer choice: for_layer() resolves it; the paged store
+        lays each layer out with its own bits (HackKVStore.layout_for), so every serving path
+        takes it.
     four_bit_layers: 0-based indices of the layers whose K/V codes use 4 bits (the rest use
         kv_bits, the first and last edge_layer_bits where set): the few layers where a model's
         2-bit error sits, found by `hack eval layers`. () = none. Per layer like
-        edge_layer_bits, and implemented in the reference only for the same reason.
+        edge_layer_bits, and served the same way.
     """
 
     partition_size: int = 64
@@ -155,14 +156,15 @@ class HackConfig:
 
     @property
     def per_layer(self) -> bool:
-        """Layers differ (for_layer is not the identity): a pool with one page size cannot hold it."""
+        """Layers differ (for_layer is not the identity): each layer's pages are laid out with
+        its own bits, so page bytes differ between layers."""
         return bool(self._per_layer_fields())
 
     def reference_only(self) -> tuple[str, ...]:
         """The fields set here that only the dense reference (hack_ops.attention, hence the
         accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
         Triton) does, so HackKVStore and the server refuse a config that sets them."""
-        return (("k_outlier_channels",) if self.k_outlier_channels else ()) + self._per_layer_fields()
+        return ("k_outlier_channels",) if self.k_outlier_channels else ()
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""

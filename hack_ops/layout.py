@@ -225,3 +225,18 @@ def model_bytes_per_token(config: HackConfig, num_layers: int, num_heads: int, h
     per_tok = sum(r["bytes_per_token"] for r in rows) / num_layers
     bf16 = rows[0]["bf16_bytes_per_token"]
     return {"bytes_per_token": per_tok, "bf16_bytes_per_token": bf16, "ratio": per_tok / bf16}
+
+
+def describe_layouts(store) -> dict:
+    """describe() of a store's layouts (anything with `layouts`, one per layer): the shared
+    description, plus for layers whose bits differ, `layer_bits` (one entry per layer) and the
+    page bytes of all layers together. A uniform store describes exactly as its one layout, so
+    its fingerprint does not change."""
+    layouts = store.layouts
+    desc = layouts[0].describe()
+    if any(lay.config.kv_bits != layouts[0].config.kv_bits for lay in layouts):
+        desc["kv_bits"] = store.config.kv_bits
+        desc["layer_bits"] = [lay.config.kv_bits for lay in layouts]
+        desc["k_page_bytes"] = [lay.k.page_bytes for lay in layouts]
+        desc["v_page_bytes"] = [lay.v.page_bytes for lay in layouts]
+    return desc

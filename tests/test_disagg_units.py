@@ -60,11 +60,12 @@ def test_digest_of_hack_state_covers_only_live_tail_slots():
 
 def test_fingerprint_names_version_partition_and_model():
     from hack_ops import HackConfig
-    from hack_ops.layout import page_layout
+    from hack_ops.layout import describe_layouts
+    from hack_ops.paged import HackKVStore
 
     def fp(cfg, model="m", layers=30):
-        pool = SimpleNamespace(layout=page_layout(cfg, 3, 64), layer_num=layers)
-        return pd_state.layout_fingerprint(pool, model=model)
+        store = HackKVStore(cfg, layers, 3, 64, num_pages=1, num_rows=1)
+        return pd_state.layout_fingerprint(SimpleNamespace(store=store, layer_num=layers), model=model)
 
     base = fp(HackConfig())
     assert base.startswith("hack:v") and ":P64:" in base and base.endswith(":m:L30")
@@ -75,6 +76,13 @@ def test_fingerprint_names_version_partition_and_model():
     # a rotated format computes on other codes: a pair differing only in --hack-rotation is refused
     assert fp(HackConfig(rotation="hadamard_v")) != base
     assert fp(HackConfig(rotation="hadamard_v")) != fp(HackConfig(rotation="signed_hadamard_v"))
+    # which layers hold 4-bit pages is part of the format; a uniform store describes as its layout
+    assert len({base, fp(HackConfig(four_bit_layers=(1,))), fp(HackConfig(four_bit_layers=(2,))),
+                fp(HackConfig(edge_layer_bits=4))}) == 4
+    uniform = HackKVStore(HackConfig(), 3, 3, 64, num_pages=1, num_rows=1)
+    assert describe_layouts(uniform) == uniform.layout.describe()
+    mixed = describe_layouts(HackKVStore(HackConfig(four_bit_layers=(1,)), 3, 3, 64, num_pages=1, num_rows=1))
+    assert mixed["layer_bits"] == [2, 4, 2] and mixed["kv_bits"] == 2
     text = pd_state.describe_fingerprint(fp(HackConfig().replace(partition_size=32)))
     assert "partition size 32" in text and "model m" in text
 

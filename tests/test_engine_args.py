@@ -85,10 +85,6 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--speculative-algorithm", "EAGLE"], "speculative decoding"),
     (["--kv-cache-dtype", "hack", "--hack-k-outlier-channels", "2"],
      "--hack-k-outlier-channels 2: implemented in the reference attention only"),
-    (["--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "4"],
-     "--hack-edge-layer-bits 4: implemented in the reference attention only"),
-    (["--kv-cache-dtype", "hack", "--hack-4bit-layers", "5,1"],
-     "--hack-4bit-layers 1,5: implemented in the reference attention only"),
     (["--kv-cache-dtype", "hack", "--hack-orientation", "token_k", "--hack-k-outlier-channels", "1"],
      "k_outlier_channels needs orientation 'channel_k'"),
     (["--hack-k-outlier-channels", "1"], "only apply with --kv-cache-dtype hack"),
@@ -119,18 +115,20 @@ def test_malformed_values_are_argparse_errors(parser, argv, capsys):
     assert "error: argument" in capsys.readouterr().err
 
 
-def test_reference_only_options_parse_into_the_config_the_study_measures(parser):
-    """They map onto HackConfig like every option (the refusal names what no serving path does);
-    an edge bit count equal to --hack-kv-bits is the uniform layout and is served."""
+def test_study_options_parse_into_the_config_the_study_measures(parser):
+    """They map onto HackConfig like every option (the refusal above names what no serving path
+    does); per-layer bits are served, each layer laid out with its own."""
     from engine.args import settings_from_options
 
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-k-outlier-channels", "2", "--hack-edge-layer-bits", "4")
     assert settings_from_options(ns, enabled=True).config == HackConfig(k_outlier_channels=2, edge_layer_bits=4)
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "5, 1")
     assert settings_from_options(ns, enabled=True).config == HackConfig(four_bit_layers=(1, 5))
-    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "2")
     apply_cli_namespace(ns)
-    assert settings_mod.active().config == HackConfig(edge_layer_bits=2)
+    assert settings_mod.active().config == HackConfig(four_bit_layers=(1, 5))
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "4")
+    apply_cli_namespace(ns)
+    assert settings_mod.active().config == HackConfig(edge_layer_bits=4)
 
 
 def test_budget_alone_applies_to_any_kv_dtype(parser):

@@ -50,7 +50,7 @@ def test_capacity_at_least_five_times_bf16_under_one_budget():
 
 def test_buffers_and_sizes_follow_the_layout(hack_env):
     pool = _pool()
-    lay = pool.layout
+    lay = pool.store.layout
     assert len(pool.k_buffer) == 2 and pool.k_buffer[0].dtype == torch.uint8
     assert tuple(pool.k_buffer[0].shape) == (21, lay.k.page_bytes)  # page 0 = SGLang's padding page
     assert tuple(pool.v_buffer[1].shape) == (21, lay.v.page_bytes)
@@ -64,6 +64,23 @@ def test_buffers_and_sizes_follow_the_layout(hack_env):
     assert items == [lay.k.page_bytes] * 2 + [lay.v.page_bytes] * 2
     assert ptrs[0] == pool.k_buffer[0].data_ptr() and ptrs[2] == pool.v_buffer[0].data_ptr()
     assert lens[0] == 21 * lay.k.page_bytes
+
+
+def test_layers_with_more_bits_have_wider_items(monkeypatch):
+    """--hack-4bit-layers: each buffer describes its own page size to the transfer engine (the
+    base class would repeat layer 0's), and the sizes SGLang reads count every layer's bytes."""
+    monkeypatch.setenv(settings_mod.ENV_VAR, settings_mod.EngineSettings(
+        config=HackConfig(four_bit_layers=(1,))).to_json())
+    pool = _pool(layers=3)
+    two, four = pool.store.layout_for(0), pool.store.layout_for(1)
+    assert four.k.page_bytes > two.k.page_bytes and four.v.page_bytes > two.v.page_bytes
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    assert items == [two.k.page_bytes, four.k.page_bytes, two.k.page_bytes,
+                     two.v.page_bytes, four.v.page_bytes, two.v.page_bytes]
+    assert lens == [21 * n for n in items] and ptrs[1] == pool.k_buffer[1].data_ptr()
+    k, v = pool.get_kv_size_bytes()
+    assert k + v == sum(pool.store.nbytes().values())
+    assert pool.usage()["layout"]["layer_bits"] == [2, 4, 2]
 
 
 def test_token_row_paths_are_refused(hack_env):
@@ -158,6 +175,11 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
     resolved, _ = choose_prefill(default.prefill, default.attention, "cuda", torch.bfloat16, has_amx_bf16=True)
     assert resolved == PrefillMode.HOMOMORPHIC
     GpuAttention(store, default, resolved)
+    # per-layer bits: every layer's layout passes the kernels' spec check (2- and 4-bit pages)
+    from hack_ops.paged import HackKVStore
+
+    mixed = HackKVStore(HackConfig(four_bit_layers=(1,)), 3, HEADS, DIM, num_pages=4, num_rows=2)
+    GpuAttention(mixed, default, resolved)
 
 
 def test_decode_tail_append_matches_the_store_write(hack_env):

@@ -66,6 +66,22 @@ def test_unserved_model_feature_is_refused_at_startup(tmp_path):
     assert "Traceback" not in out
 
 
+def test_four_bit_layers_beyond_the_model_are_refused_at_startup(tmp_path):
+    """--hack-4bit-layers names layers by index: one the model lacks (a tiny 2-layer Llama
+    config, no weights) stops the launcher with the sentence, before anything loads."""
+    import json
+
+    model = tmp_path / "tiny-llama-2"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "intermediate_size": 64, "vocab_size": 128}))
+    out = _refused_launch(model, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "1,5,7"], tmp_path / "launch.log")
+    assert "--hack-4bit-layers names layers 5,7, but model LlamaForCausalLM has 2 layers (0..1)" in out, out[-2000:]
+    assert "Traceback" not in out
+
+
 def test_rotation_of_an_odd_head_dim_is_refused_at_startup(tmp_path):
     """--hack-rotation needs a power-of-two head_dim: a model with head_dim 96 (tiny Llama
     config, no weights) stops the launcher with the sentence, before anything loads."""

@@ -105,3 +105,41 @@ def test_cli_writes_report_and_json(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "16"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "at least 64 tokens" in bad.stderr
+
+
+def test_served_rows_count_per_context_and_depth():
+    from hack_eval.retrieval import Item
+    from hack_cli.retrieval_served import served_rows
+
+    items = [Item(c, d, "12345", (1, 2, 3), 2) for c in (256, 512) for d in (0.1, 0.5, 0.1)]
+    answers = [True, False, False, True, True, True]
+    rows = served_rows("hack", ["--kv-cache-dtype", "hack"], items, answers, seconds=12.0)
+    assert [(r["context"], r["items"], r["mode"], r["config"]) for r in rows] == [
+        (256, 3, "served", "--kv-cache-dtype hack"), (512, 3, "served", "--kv-cache-dtype hack")]
+    assert rows[0]["accuracy"] == pytest.approx(1 / 3) and rows[0]["by_depth"] == {"0.1": 0.5, "0.5": 0.0}
+    assert rows[1]["accuracy"] == 1.0 and rows[1]["seconds"] == pytest.approx(6.0)
+
+
+def test_served_retrieval_refuses_bad_methods_before_starting_servers():
+    from hack_cli.retrieval_served import run_served_retrieval
+
+    with pytest.raises(ValueError, match="--served takes methods"):
+        run_served_retrieval("smollm2", [256], 1, ["bf16", "int3"])
+    with pytest.raises(ValueError, match="needs --4bit-layers"):
+        run_served_retrieval("smollm2", [256], 1, ["hack-4bit-layers"])
+
+
+@pytest.mark.slow
+def test_cli_served_asks_real_servers(tmp_path):
+    """--served: one real server per method answers the same items; the BF16 server finds the
+    keys of short documents (as the exact model does), and the rows name each server's options."""
+    js = tmp_path / "s.json"
+    subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "256", "--items", "2",
+                    "--served", "bf16,hack-4bit-layers", "--4bit-layers", "1,2", "--out", "",
+                    "--json-out", str(js)], capture_output=True, text=True, timeout=900, check=True)
+    res = json.loads(js.read_text())
+    assert res["served"] and res["four_bit_layers"] == [1, 2]
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"bf16", "hack-4bit-layers"} and all(r["items"] == 2 for r in rows.values())
+    assert rows["hack-4bit-layers"]["config"] == "--kv-cache-dtype hack --hack-4bit-layers 1,2"
+    assert rows["bf16"]["accuracy"] == 1.0

@@ -41,7 +41,7 @@ class FakeManager:
 
 def _pool(cfg: HackConfig) -> SimpleNamespace:
     store = HackKVStore(cfg, LAYERS, HEADS, DIM, num_pages=PAGES, num_rows=2)
-    return SimpleNamespace(store=store, layout=store.layout, page_size=cfg.partition_size,
+    return SimpleNamespace(store=store, page_size=cfg.partition_size,
                            k_buffer=store.k_pages, v_buffer=store.v_pages)
 
 
@@ -101,7 +101,9 @@ def _transfer(cfg: HackConfig, n: int, seed: int, active) -> tuple:
 
 @pytest.mark.parametrize("cfg,n", [(HackConfig(partition_size=64), 3 * 64 + 20),
                                    (HackConfig(partition_size=32, sink_tokens=3, kv_bits=4), 4 * 32),
-                                   (HackConfig(partition_size=32, tail_tensors="per_channel"), 2 * 32 + 7)])
+                                   (HackConfig(partition_size=32, tail_tensors="per_channel"), 2 * 32 + 7),
+                                   (HackConfig(partition_size=32, four_bit_layers=(1,)), 3 * 32 + 9)],
+                         ids=lambda x: x.label() if isinstance(x, HackConfig) else str(x))
 def test_sent_pages_arrive_bitwise_with_fewer_bytes(cfg: HackConfig, n: int, active) -> None:
     pre_pool, dec_pool, src, dst, mgr, pre, dec = _transfer(cfg, n, seed=n, active=active)
     p = cfg.partition_size
@@ -110,8 +112,9 @@ def test_sent_pages_arrive_bitwise_with_fewer_bytes(cfg: HackConfig, n: int, act
     for a, b in zip(list(pre_pool.k_buffer) + list(pre_pool.v_buffer), list(dec_pool.k_buffer) + list(dec_pool.v_buffer)):
         for s, d in zip(sent, dst):
             assert torch.equal(a[s], b[d])
-    assert mgr.bytes == len(sent) * LAYERS * wire_page_bytes(pre.layout)
-    assert mgr.bytes < len(src) * LAYERS * pre.layout.page_bytes
+    lays = pre_pool.store.layouts  # layer 1 of the last case holds 4-bit pages, layer 0 2-bit ones
+    assert mgr.bytes == len(sent) * sum(wire_page_bytes(lay) for lay in lays)
+    assert mgr.bytes < len(src) * sum(lay.page_bytes for lay in lays)
     assert pre.stats["open_pages_skipped"] == (1 if open_skipped else 0)
     # the digest both sides compute agrees (the unsent open page left out of it) ...
     active(pre)

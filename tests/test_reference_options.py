@@ -1,8 +1,8 @@
-"""The options that only the dense reference implements (HackConfig.reference_only): dense-and-
-sparse K (k_outlier_channels), more bits for the first and last layer (edge_layer_bits) and for
-chosen layers (four_bit_layers).
-Each is checked against a dense computation, in the layout's bytes, in the study's runner, and
-refused by the paged store and at server startup."""
+"""The options the accuracy study measured first in the dense reference: dense-and-sparse K
+(k_outlier_channels: the reference only, refused by the paged store and at server startup), more
+bits for the first and last layer (edge_layer_bits) and for chosen layers (four_bit_layers: per
+layer, served; tests/test_layer_bits.py covers the paged paths).
+Each is checked against a dense computation, in the layout's bytes and in the study's runner."""
 from __future__ import annotations
 
 import types
@@ -20,7 +20,7 @@ P = 32
 def test_config_fields_validate_and_name_themselves():
     c = HackConfig(k_outlier_channels=2, edge_layer_bits=4)
     assert c.label() == "channel_k-P64-2bit-sink1-kout2-edge4bit"
-    assert c.reference_only() == ("k_outlier_channels", "edge_layer_bits")
+    assert c.reference_only() == ("k_outlier_channels",)
     assert HackConfig().reference_only() == () and HackConfig(edge_layer_bits=2).reference_only() == ()
     assert HackConfig(edge_layer_bits=2).label() == HackConfig().label()  # 2 = kv_bits: the default layout
     for bad in (-1, 33, True, 1.5):
@@ -47,13 +47,13 @@ def test_four_bit_layers_validate_resolve_and_name_themselves():
     c = HackConfig(four_bit_layers=[5, 1, 5])
     assert c.four_bit_layers == (1, 5) and c.per_layer
     assert c.label() == "channel_k-P64-2bit-sink1-L1,5-4bit"
-    assert c.reference_only() == ("four_bit_layers",)
+    assert c.reference_only() == ()  # served: each layer's pages are laid out with its bits
     assert [c.for_layer(i, 7).kv_bits for i in range(7)] == [2, 4, 2, 2, 2, 4, 2]
     assert all(not c.for_layer(i, 7).per_layer for i in range(7))
     both = HackConfig(edge_layer_bits=4, four_bit_layers=(2,))
     assert [both.for_layer(i, 5).kv_bits for i in range(5)] == [4, 2, 4, 2, 4]
-    assert both.reference_only() == ("edge_layer_bits", "four_bit_layers")
-    assert HackConfig(edge_layer_bits=2, four_bit_layers=(2,)).reference_only() == ("four_bit_layers",)
+    assert both._per_layer_fields() == ("edge_layer_bits", "four_bit_layers")
+    assert HackConfig(edge_layer_bits=2, four_bit_layers=(2,))._per_layer_fields() == ("four_bit_layers",)
     # every layer at 4 bits already: one layout, nothing per layer
     assert not HackConfig(kv_bits=4, four_bit_layers=(1,)).per_layer
     with pytest.raises(ValueError, match=r"four_bit_layers \[7\] are beyond the model's 7 layers"):
@@ -184,11 +184,9 @@ def test_per_layer_config_needs_resolving_and_the_runner_resolves_it():
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("cfg", [HackConfig(partition_size=P, k_outlier_channels=1),
-                                 HackConfig(partition_size=P, edge_layer_bits=4),
-                                 HackConfig(partition_size=P, four_bit_layers=(0,))], ids=lambda c: c.label())
-def test_the_paged_store_refuses_reference_only_options(cfg):
+def test_the_paged_store_refuses_reference_only_options():
     from hack_ops.paged.store import HackKVStore
 
     with pytest.raises(ValueError, match="reference"):
-        HackKVStore(cfg, num_layers=1, num_heads=1, head_dim=64, num_pages=4, num_rows=1)
+        HackKVStore(HackConfig(partition_size=P, k_outlier_channels=1), num_layers=1, num_heads=1, head_dim=64,
+                    num_pages=4, num_rows=1)

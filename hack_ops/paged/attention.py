@@ -97,7 +97,7 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
         row = int(plan.rows[b])
         npg = int(plan.num_pages[b])
         lo = first_page(seq_len - 1, window, p)  # pages before the window are not gathered
-        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer],
+        rp = request_pages(store.layout_for(layer), store.k_pages[layer], store.v_pages[layer],
                            plan.page_table[b, lo:npg].to(store.device))
         win_start = (seq_len // p) * p  # the open page (empty when the page just closed)
         ranges = {name: [(win_start, store.tails[name][layer][row, : seq_len - win_start].float())]
@@ -107,7 +107,7 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
                            sink_k=sk, sink_v=sv)
         qb = (q[b].float() * scale).reshape(1, h, rep, d)
         t = torch.tensor([seq_len - 1])
-        o = attend_request(qb, t, t.add(1).div(p, rounding_mode="floor"), rp, view, store.config, mode, generator,
+        o = attend_request(qb, t, t.add(1).div(p, rounding_mode="floor"), rp, view, store.config_for(layer), mode, generator,
                            window=window, logit_cap=logit_cap, page0=lo)
         out[b] = o.reshape(h * rep, d)
     return out.to(q.dtype)
@@ -158,7 +158,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         npg = int(plan.num_pages[b])
         pg0 = first_page(pre, window, p)  # the first new token's window: earlier pages are not gathered
-        rp = request_pages(store.layout, store.k_pages[layer], store.v_pages[layer],
+        rp = request_pages(store.layout_for(layer), store.k_pages[layer], store.v_pages[layer],
                            plan.page_table[b, pg0:npg].to(store.device))
         sk, sv = _sinks(store, layer, plan, b, seq_len)
         ranges = {name: [(pre, x[lo:hi])] for name, x in new.items()}  # the new tokens in FP16
@@ -169,7 +169,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         t = torch.arange(pre, seq_len)
         nc = torch.full_like(t, pre // p) if exact else (t + 1) // p
         qb = (q[lo:hi].float() * scale).reshape(hi - lo, h, rep, d)
-        o = attend_request(qb, t, nc, rp, view, store.config, mode, generator,
+        o = attend_request(qb, t, nc, rp, view, store.config_for(layer), mode, generator,
                            window=window, logit_cap=logit_cap, page0=pg0)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)

@@ -149,7 +149,7 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
     if lib is None:
         raise RuntimeError(cpu_kernel._errors.get(variant, "the CPU kernel is not available"))
     n, hq, d = q.shape
-    shared = cpu_kernel.shared_args(store, q, plan.page_table.shape[1])
+    shared = cpu_kernel.shared_args(store, layer, q, plan.page_table.shape[1])
     cpu_kernel.check_contiguous(store.k_pages[layer], store.v_pages[layer], k_win, v_win, store.sink_k[layer],
                                 store.sink_v[layer])
     if k_win.dtype != torch.float16 or v_win.dtype != torch.float16:

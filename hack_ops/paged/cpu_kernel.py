@@ -120,10 +120,11 @@ def usable(store, mode: AttentionMode | str, backend: str, generator=None, phase
                                                   logit_cap=logit_cap) is None
 
 
-def shared_args(store, q: torch.Tensor, max_pages: int) -> dict[str, int]:
+def shared_args(store, layer: int, q: torch.Tensor, max_pages: int) -> dict[str, int]:
     """The values of both kernels' shared argument fields (all but batch) for queries q
-    [N, Hq, D]; RuntimeError for more query heads per KV head than the kernels take."""
-    cfg, lay = store.config, store.layout
+    [N, Hq, D] of `layer` (its bits and page layout); RuntimeError for more query heads per KV
+    head than the kernels take."""
+    cfg, lay = store.config_for(layer), store.layout_for(layer)
     d = q.shape[2]
     rep = q.shape[1] // store.num_heads
     if rep > 16:
@@ -165,7 +166,7 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
     if lib is None:
         raise RuntimeError(_errors.get(variant, "the CPU kernel is not available"))
     n, hq, d = q.shape
-    shared = shared_args(store, q, torch.as_tensor(page_table).shape[1])
+    shared = shared_args(store, layer, q, torch.as_tensor(page_table).shape[1])
     check_contiguous(store.k_pages[layer], store.v_pages[layer], k_open, v_open, store.sink_k[layer],
                      store.sink_v[layer])
     qs = (q.float() * scale).contiguous()

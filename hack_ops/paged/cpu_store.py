@@ -137,7 +137,7 @@ def write(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v: Tenso
     lib = load(variant)
     if lib is None:
         raise RuntimeError(cpu_kernel.why_not_loaded(variant))
-    cfg, lay = store.config, store.layout
+    cfg, lay = store.config_for(layer), store.layout_for(layer)
     if k.dtype not in _IN_DTYPES or v.dtype != k.dtype:
         k, v = k.float(), v.float()
     k, v = k.contiguous(), v.contiguous()

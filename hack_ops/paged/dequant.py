@@ -42,7 +42,7 @@ def dense_kv(store, layer: int, plan: ForwardPlan, b: int, length: int, open_tok
     them, dense [H, length - first, D] in dtype: pages from their codes (none before `first`'s
     page), the open page from `open_tokens[name]` (its FP16 tokens from the page start to
     `length`) for a tensor whose open partition is read in FP16, sinks in FP16."""
-    cfg, lay = store.config, store.layout
+    cfg, lay = store.config_for(layer), store.layout_for(layer)
     p, d, h = cfg.partition_size, store.head_dim, store.num_heads
     gd = cfg.head_group(d)
     npg = -(-length // p)

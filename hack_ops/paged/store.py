@@ -1,7 +1,10 @@
 """HackKVStore: the paged HACK KV cache of all layers (pages, FP16 tails, FP16 sinks).
 
 Buffers (per layer, all on one device):
-  k_pages[l], v_pages[l]  uint8 [num_pages, page_bytes]   codes + side tables (hack_ops.layout)
+  k_pages[l], v_pages[l]  uint8 [num_pages, page_bytes_l] codes + side tables (hack_ops.layout),
+                                                          laid out by layout_for(l): layers may
+                                                          differ in bits (edge_layer_bits,
+                                                          four_bit_layers), hence in page bytes
   tails[name][l]          fp16  [num_rows, Π, H, D]       the open partition of K and/or V
                                                           (layout.tail_tensors: both by
                                                           default), per request row
@@ -66,7 +69,9 @@ class HackKVStore:
             raise ValueError(f"{', '.join(config.reference_only())} of {config.label()} is implemented in the dense "
                              "reference (hack_ops.attention) only; no paged path stores or reads it")
         self.config = config
-        self.layout: PageLayout = page_layout(config, num_heads, head_dim)
+        # One layout per layer (config.for_layer): a page id names the same tokens in every
+        # layer, only its bytes differ where a layer has other bits.
+        self.layouts: list[PageLayout] = _layer_layouts(config, num_layers, num_heads, head_dim)
         self.num_layers = num_layers
         self.num_pages = num_pages
         self.num_rows = num_rows
@@ -81,13 +86,12 @@ class HackKVStore:
         if num_sink_slots < 0:
             raise ValueError(f"num_sink_slots must be >= 0, got {num_sink_slots}")
         self.num_sink_slots = num_sink_slots
-        lay = self.layout
         kw = dict(device=self.device)
-        self.k_pages = [torch.zeros(num_pages, lay.k.page_bytes, dtype=torch.uint8, **kw) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(num_pages, lay.v.page_bytes, dtype=torch.uint8, **kw) for _ in range(num_layers)]
+        self.k_pages = [torch.zeros(num_pages, lay.k.page_bytes, dtype=torch.uint8, **kw) for lay in self.layouts]
+        self.v_pages = [torch.zeros(num_pages, lay.v.page_bytes, dtype=torch.uint8, **kw) for lay in self.layouts]
         self.tails: dict[str, list[Tensor]] = {
             name: [torch.zeros(num_rows, p, num_heads, head_dim, dtype=torch.float16, **kw) for _ in range(num_layers)]
-            for name in lay.tail_tensors
+            for name in self.layouts[0].tail_tensors
         }
         sink_shape = (num_sink_slots, s, num_heads, head_dim)
         self.sink_k = [torch.zeros(sink_shape, dtype=torch.float16, **kw) for _ in range(num_layers)]
@@ -106,11 +110,38 @@ class HackKVStore:
 
     @property
     def num_heads(self) -> int:
-        return self.layout.num_heads
+        return self.layouts[0].num_heads
 
     @property
     def head_dim(self) -> int:
-        return self.layout.head_dim
+        return self.layouts[0].head_dim
+
+    @property
+    def per_layer(self) -> bool:
+        """Layers differ in their page layout (HackConfig.per_layer, resolved over this store's
+        layers: edge bits on a one-layer store give that one layer its bits)."""
+        return len({id(lay) for lay in self.layouts}) > 1
+
+    def layout_for(self, layer: int) -> PageLayout:
+        """The page layout of `layer`."""
+        self._check_layer(layer)
+        return self.layouts[layer]
+
+    def config_for(self, layer: int) -> HackConfig:
+        """The uniform config of `layer` (its bits resolved): what its pages are written with."""
+        return self.layout_for(layer).config
+
+    @property
+    def layout(self) -> PageLayout:
+        """The page layout every layer shares; a ValueError for a store whose layers differ
+        (callers that work on one layer ask layout_for(layer))."""
+        if self.per_layer:
+            raise ValueError(f"the layers of {self.config.label()} differ in page layout: use layout_for(layer)")
+        return self.layouts[0]
+
+    def page_bytes(self) -> int:
+        """Bytes of one page id over all layers, K and V."""
+        return sum(lay.page_bytes for lay in self.layouts)
 
     def nbytes(self) -> dict:
         """Bytes held per kind of buffer, all layers together."""
@@ -238,6 +269,18 @@ class HackKVStore:
     def _check_layer(self, layer: int) -> None:
         if not isinstance(layer, int) or not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in 0..{self.num_layers - 1}, got {layer!r}")
+
+
+def _layer_layouts(config: HackConfig, num_layers: int, num_heads: int, head_dim: int) -> list[PageLayout]:
+    """Each layer's layout; layers with the same resolved config share one object."""
+    cache: dict[HackConfig, PageLayout] = {}
+    out = []
+    for layer in range(num_layers):
+        cfg = config.for_layer(layer, num_layers)
+        if cfg not in cache:
+            cache[cfg] = page_layout(cfg, num_heads, head_dim)
+        out.append(cache[cfg])
+    return out
 
 
 def _all_finite(t: Tensor) -> bool:

@@ -35,7 +35,6 @@ class KVBuffers(Protocol):
     """What the store step writes: HackKVStore's buffers (see store.py)."""
 
     config: HackConfig
-    layout: PageLayout
     device: torch.device
     k_pages: list[Tensor]
     v_pages: list[Tensor]
@@ -49,6 +48,10 @@ class KVBuffers(Protocol):
     def head_dim(self) -> int: ...
 
     def tail(self, name: str, layer: int) -> Tensor | None: ...
+
+    def config_for(self, layer: int) -> HackConfig: ...
+
+    def layout_for(self, layer: int) -> PageLayout: ...
 
 
 def appends_only(config: HackConfig, plan: ForwardPlan) -> bool:
@@ -68,7 +71,7 @@ def append_to_tails(store: KVBuffers, layer: int, plan: ForwardPlan, k: Tensor, 
 def write_tokens(store: KVBuffers, layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
                  generator: torch.Generator | None = None) -> None:
     """The reference store step for checked k, v [N, H, D] (any configuration)."""
-    cfg = store.config
+    cfg, lay = store.config_for(layer), store.layout_for(layer)
     dev = store.device
     s = cfg.sink_tokens
     pos = plan.tok_pos.to(dev)
@@ -78,28 +81,27 @@ def write_tokens(store: KVBuffers, layer: int, plan: ForwardPlan, k: Tensor, v: 
         store.sink_k[layer][slots, pos[is_sink]] = k.to(dev)[is_sink].to(torch.float16)
         store.sink_v[layer][slots, pos[is_sink]] = v.to(dev)[is_sink].to(torch.float16)
     for name, x in (("k", k), ("v", v)):
-        tl: TensorLayout = getattr(store.layout, name)
+        tl: TensorLayout = getattr(lay, name)
         buf = (store.k_pages if name == "k" else store.v_pages)[layer]
         tail = store.tail(name, layer)
         mode = cfg.open_mode(name)
         if mode == OpenMode.QUANT:  # per-token tensor read quantized as soon as it is written
-            _quantize_tokens(store, tl, buf, plan, x.to(dev), is_sink, name == "k", generator)
+            _quantize_tokens(store, cfg, tl, buf, plan, x.to(dev), is_sink, name == "k", generator)
         if tail is not None:
             pages = "none" if mode == OpenMode.QUANT else ("all" if mode == OpenMode.REQUANT else "closed")
-            _write_tail(store, tl, buf, tail, plan, x.to(dev), name == "k", pages, generator)
+            _write_tail(store, cfg, tl, buf, tail, plan, x.to(dev), name == "k", pages, generator)
 
 
-def _quantize_tokens(store, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x: Tensor, is_sink: Tensor,
-                     is_k: bool, gen) -> None:
-    """Per-token quantization of the new tokens straight into their page slots."""
-    cfg = store.config
+def _quantize_tokens(store, cfg: HackConfig, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x: Tensor,
+                     is_sink: Tensor, is_k: bool, gen) -> None:
+    """Per-token quantization of the new tokens straight into their page slots (cfg: the layer's)."""
     p, h, d = cfg.partition_size, store.num_heads, store.head_dim
     gd = cfg.head_group(d)
     ng = d // gd
     n_pages = buf.shape[0]
     mask = (~is_sink)[:, None, None].expand(x.shape)
     qt = quantize(x.float(), cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
-                  meta_dtype=store.layout.meta_dtype, mask=mask, range_search=cfg.range_search)
+                  meta_dtype=tl.minimum.dtype, mask=mask, range_search=cfg.range_search)
     scale = qt.scale.masked_fill(is_sink[:, None, None], 0)  # sinks: min 0, scale 0 (layout rule)
     pages = plan.tok_page.to(buf.device)
     offs = plan.tok_off.to(buf.device)
@@ -111,11 +113,10 @@ def _quantize_tokens(store, tl: TensorLayout, buf: Tensor, plan: ForwardPlan, x:
         sums.view(n_pages, h, p, ng)[pages, :, offs] = qt.sums.to(sums.dtype)
 
 
-def _write_tail(store, tl: TensorLayout, buf: Tensor, tail: Tensor, plan: ForwardPlan, x: Tensor, is_k: bool,
-                pages_to_quantize: str, gen) -> None:
+def _write_tail(store, cfg: HackConfig, tl: TensorLayout, buf: Tensor, tail: Tensor, plan: ForwardPlan, x: Tensor,
+                is_k: bool, pages_to_quantize: str, gen) -> None:
     """FP16 tail of the open page; pages are quantized whole when they close ('closed'), at
     every write ('all': RQE ablation), or not at all ('none': the tokens were quantized already)."""
-    cfg = store.config
     p = cfg.partition_size
     dev = buf.device
     x16 = x.to(torch.float16)
@@ -141,7 +142,7 @@ def _write_tail(store, tl: TensorLayout, buf: Tensor, tail: Tensor, plan: Forwar
             content[where[inv[mine]], offs[mine]] = x16[mine].float()
             j = torch.arange(p, device=dev)
             valid = (j[None, :] < fill[sel][:, None]) & ~(first_u[sel][:, None] & (j[None, :] < cfg.sink_tokens))
-            quantize_pages(store, tl, buf, upages[sel], content, valid, is_k, gen)
+            quantize_pages(store, cfg, tl, buf, upages[sel], content, valid, is_k, gen)
     if pages_to_quantize == "none":
         keep = torch.ones_like(pages, dtype=torch.bool)
     else:
@@ -150,16 +151,16 @@ def _write_tail(store, tl: TensorLayout, buf: Tensor, tail: Tensor, plan: Forwar
         tail[rows[keep], offs[keep]] = x16[keep]
 
 
-def quantize_pages(store, tl: TensorLayout, buf: Tensor, tpages: Tensor, content: Tensor, valid: Tensor,
-                   is_k: bool, gen) -> None:
-    """Quantize whole pages (content [C, Π, H, D], valid [C, Π]) into buf at page ids tpages."""
-    cfg = store.config
+def quantize_pages(store, cfg: HackConfig, tl: TensorLayout, buf: Tensor, tpages: Tensor, content: Tensor,
+                   valid: Tensor, is_k: bool, gen) -> None:
+    """Quantize whole pages (content [C, Π, H, D], valid [C, Π]) into buf at page ids tpages,
+    with the layer's config cfg."""
     p, h, d = cfg.partition_size, store.num_heads, store.head_dim
     gd = cfg.head_group(d)
     ng = d // gd
     c = content.shape[0]
     mask = valid[:, :, None, None].expand(content.shape)
-    meta = store.layout.meta_dtype
+    meta = tl.minimum.dtype
     if tl.per_channel:
         qt = quantize(content, cfg.kv_bits, dim=1, group_size=p, rounding=cfg.rounding, generator=gen,
                       meta_dtype=meta, mask=mask, range_search=cfg.range_search)

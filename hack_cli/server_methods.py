@@ -1,0 +1,24 @@
+"""The colocated server of each KV method that `hack bench serve` and `hack eval retrieval
+--served` start: the SGLang options that make the method (the rest of each command line is the
+caller's: budget, model, sleep on idle). See hack_cli/bench_serve.py for what each measures.
+"""
+from __future__ import annotations
+
+METHODS = {
+    "bf16": ["--attention-backend", "torch_native"],
+    "hack": ["--kv-cache-dtype", "hack"],
+    "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
+    "hack-homomorphic-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic"],
+    "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
+    "hack-dense-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "dense"],
+    "hack-4bit-layers": ["--kv-cache-dtype", "hack"],  # + --hack-4bit-layers (method_args)
+}
+
+
+def method_args(method: str, four_bit_layers: tuple[int, ...] | None) -> list[str]:
+    """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers)."""
+    if method != "hack-4bit-layers":
+        return list(METHODS[method])
+    if not four_bit_layers:
+        raise ValueError("--methods hack-4bit-layers needs --4bit-layers L,L,... (the layers to hold at 4 bits)")
+    return [*METHODS[method], "--hack-4bit-layers", ",".join(map(str, four_bit_layers))]

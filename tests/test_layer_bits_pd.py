@@ -1,0 +1,126 @@
+"""Per-layer bits through prefill/decode disaggregation: `hack up --4bit-layers` (SmolLM2, its
+retrieval-head layers at 4 bits, the rest at 2) gives the colocated server's greedy tokens with
+the same flags, and the bytes on the wire are each layer's own pages (4-bit layers' wider ones)
+in their wire form, its FP16 open partition and sinks.
+
+Why equality is the bar: both sides lay out every layer with the same bits (the layer bits are
+part of the PD layout fingerprint), so the only difference is the transfer; a page sent with
+another layer's item size, or K sums rebuilt with another layer's layout, changes the scores and,
+greedy, the tokens. Every server runs with --disable-radix-cache (cold prefill on both sides).
+One cluster, then one colocated server (memory), always stopped.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from disagg import cluster, procs
+from disagg.replay import generate
+from disagg.server_cmd import server_command
+from disagg.wire_meter import read_log
+from engine.cpu_runtime import shared_host_env
+from engine.launcher import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
+
+NO_RADIX = ["--disable-radix-cache"]
+LAYERS = "7,14,15,17,18,20,21,23"  # SmolLM2's retrieval heads (docs/accuracy.md, "Retrieval")
+MAX_TOTAL_TOKENS = 8192
+PROMPT_LENGTHS = (157, 700)  # neither a multiple of the page size: an FP16 open partition travels
+N_NEW = 8
+WIRE_TOLERANCE = 0.01  # measured bytes vs the layout's prediction (the metadata row is ~1 KB)
+STARTUP_TIMEOUT_S = 900.0
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from hack_eval.models import prepare
+
+    return str(prepare("smollm2", log=lambda *a, **k: None))
+
+
+def _prompt(model_path: str, n: int, index: int) -> list[int]:
+    from hack_eval.workloads import essay_ids
+
+    return essay_ids(model_path, n, index=index)
+
+
+@pytest.fixture(scope="module")
+def pd_runs(model_path, request) -> dict:
+    from hack_cli.cmd_cluster import spec_from_args
+    from hack_cli.main import build_parser
+
+    args = build_parser().parse_args(["up", "--model", "smollm2", "--kv", "hack", "--4bit-layers", LAYERS,
+                                      "--max-total-tokens", str(MAX_TOTAL_TOKENS)])
+    spec = spec_from_args(args)
+    assert spec.extra_server_args == ["--hack-4bit-layers", LAYERS]
+    spec.extra_server_args += NO_RADIX
+    spec.health_timeout_s = STARTUP_TIMEOUT_S
+    state = cluster.up(spec, log=lambda m: None)
+    request.addfinalizer(lambda: cluster.down(state))
+    wire = Path(state["run_dir"]) / "wire-prefill-0.jsonl"
+    out: dict = {"results": {}, "wire": {}}
+    for i, n in enumerate(PROMPT_LENGTHS):
+        before = len(read_log(wire))
+        out["results"][n] = generate(state["router_url"], _prompt(model_path, n, index=i), N_NEW, stream=False)
+        out["wire"][n] = read_log(wire)[before:]
+    cluster.down(state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def colocated_runs(model_path, pd_runs, request) -> dict:
+    run_dir = Path(cluster.default_run_root()) / f"layer-bits-colocated-{os.getpid()}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    cmd = server_command("colocated", "hack", model_path, "127.0.0.1", port, None, MAX_TOTAL_TOKENS,
+                         ["--hack-4bit-layers", LAYERS, *NO_RADIX])
+    log = run_dir / "colocated.log"
+    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), log)
+    request.addfinalizer(lambda: procs.stop(pid))
+    url = f"http://127.0.0.1:{port}"
+    cluster.wait_healthy([url + "/health"], [pid], STARTUP_TIMEOUT_S, [log])
+    out = {n: generate(url, _prompt(model_path, n, index=i), N_NEW, stream=False)
+           for i, n in enumerate(PROMPT_LENGTHS)}
+    procs.stop(pid)
+    return out
+
+
+def _predicted_wire_bytes(model_path: str, n: int) -> int:
+    """Each layer's full pages in their wire form (its own bits), FP16 open partition and sinks."""
+    import json
+
+    from hack_ops import HackConfig
+    from hack_ops.page_wire import request_bytes
+    from hack_ops.paged import HackKVStore
+
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    store = HackKVStore(HackConfig(four_bit_layers=tuple(int(x) for x in LAYERS.split(","))),
+                        cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+                        cfg["hidden_size"] // cfg["num_attention_heads"], num_pages=1, num_rows=1)
+    return sum(request_bytes(lay, 1, n) for lay in store.layouts)
+
+
+def test_pd_with_4bit_layers_gives_the_colocated_greedy_tokens(pd_runs, colocated_runs):
+    for n in PROMPT_LENGTHS:
+        got, ref = pd_runs["results"][n], colocated_runs[n]
+        assert got.ok and ref.ok, (got.error, ref.error)
+        assert len(ref.output_ids) == N_NEW
+        assert got.output_ids == ref.output_ids, f"{n}-token prompt: PD {got.output_ids} vs colocated {ref.output_ids}"
+
+
+def test_each_layer_crossed_the_wire_with_its_own_page_size(pd_runs, model_path):
+    from hack_ops import HackConfig
+    from hack_ops.layout import page_layout
+    from hack_ops.page_wire import request_bytes
+
+    for n in PROMPT_LENGTHS:
+        recs = pd_runs["wire"][n]
+        assert len(recs) == 1
+        predicted = _predicted_wire_bytes(model_path, n)
+        assert abs(recs[0]["bytes"] - predicted) <= WIRE_TOLERANCE * predicted, (n, recs[0]["bytes"], predicted)
+        if n >= 2 * 64:  # two full pages or more: the 4-bit layers' pages make a visible difference
+            uniform = request_bytes(page_layout(HackConfig(), 3, 64), 30, n)
+            assert recs[0]["bytes"] > uniform * (1 + 2 * WIRE_TOLERANCE), (recs[0]["bytes"], uniform)
