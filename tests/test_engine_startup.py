@@ -66,17 +66,22 @@ def test_unserved_model_feature_is_refused_at_startup(tmp_path):
     assert "Traceback" not in out
 
 
+def _tiny_llama(folder, hidden_size: int, num_hidden_layers: int):
+    """A Llama config without weights (2 query heads, 1 KV head): refusals come before loading."""
+    import json
+
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden_size,
+        "num_hidden_layers": num_hidden_layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "intermediate_size": 64, "vocab_size": 128}))
+    return folder
+
+
 def test_four_bit_layers_beyond_the_model_are_refused_at_startup(tmp_path):
     """--hack-4bit-layers names layers by index: one the model lacks (a tiny 2-layer Llama
     config, no weights) stops the launcher with the sentence, before anything loads."""
-    import json
-
-    model = tmp_path / "tiny-llama-2"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "intermediate_size": 64, "vocab_size": 128}))
+    model = _tiny_llama(tmp_path / "tiny-llama-2", hidden_size=128, num_hidden_layers=2)
     out = _refused_launch(model, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "1,5,7"], tmp_path / "launch.log")
     assert "--hack-4bit-layers names layers 5,7, but model LlamaForCausalLM has 2 layers (0..1)" in out, out[-2000:]
     assert "Traceback" not in out
@@ -85,14 +90,7 @@ def test_four_bit_layers_beyond_the_model_are_refused_at_startup(tmp_path):
 def test_rotation_of_an_odd_head_dim_is_refused_at_startup(tmp_path):
     """--hack-rotation needs a power-of-two head_dim: a model with head_dim 96 (tiny Llama
     config, no weights) stops the launcher with the sentence, before anything loads."""
-    import json
-
-    model = tmp_path / "tiny-llama-96"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 192,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-        "intermediate_size": 64, "vocab_size": 128}))
+    model = _tiny_llama(tmp_path / "tiny-llama-96", hidden_size=192, num_hidden_layers=1)
     out = _refused_launch(model, ["--kv-cache-dtype", "hack", "--hack-partition-size", "32",
                                   "--hack-rotation", "hadamard_v"], tmp_path / "launch.log")
     assert ("--hack-rotation hadamard_v needs a head_dim that is a power of two (a Walsh-Hadamard rotation), "

@@ -15,19 +15,14 @@ colocated server serve all assertions, one after the other (memory), and are alw
 """
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
-from disagg import cluster, procs
-from disagg.replay import generate
-from disagg.server_cmd import server_command
-from disagg.wire_meter import read_log
-from engine.cpu_runtime import shared_host_env
-from engine.launcher import free_port
+from pd_compare import cluster_runs
+from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 
@@ -63,42 +58,27 @@ def _pd_spec(model_path: str):
     return spec
 
 
+def _prompts(model_path: str) -> dict[int, list[int]]:
+    return {n: _prompt(model_path, n, index=i) for i, n in enumerate(PROMPT_LENGTHS)}
+
+
 # Memory: a Gemma-3 server is ~1.5 GB of processes and this host is shared, so the cluster
 # serves every prompt and is stopped before the colocated server starts (peak: two servers).
 @pytest.fixture(scope="module")
 def pd_runs(model_path, request) -> dict:
     """Every prompt through one 1P1D cluster: output ids, wire records, and each side's KV
     usage once the requests are done."""
-    state = cluster.up(_pd_spec(model_path), log=lambda m: None)
-    request.addfinalizer(lambda: cluster.down(state))
-    wire = Path(state["run_dir"]) / "wire-prefill-0.jsonl"
-    out: dict = {"results": {}, "wire": {}, "usage": {}}
-    for i, n in enumerate(PROMPT_LENGTHS):
-        before = len(read_log(wire))
-        out["results"][n] = generate(state["router_url"], _prompt(model_path, n, index=i), N_NEW, stream=False)
-        out["wire"][n] = read_log(wire)[before:]
-    for role in ("prefill", "decode"):
-        out["usage"][role] = _idle_usage(_url(state, role))
-    cluster.down(state)
-    return out
+    def usage(state: dict, out: dict) -> None:
+        out["usage"] = {role: _idle_usage(_url(state, role)) for role in ("prefill", "decode")}
+
+    return cluster_runs(_pd_spec(model_path), _prompts(model_path), N_NEW, request, before_down=usage)
 
 
 @pytest.fixture(scope="module")
 def colocated_runs(model_path, pd_runs, request) -> dict:
     """The same prompts through one colocated HACK server with the cluster's server flags."""
-    run_dir = Path(cluster.default_run_root()) / f"gemma3-colocated-{os.getpid()}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    cmd = server_command("colocated", "hack", model_path, "127.0.0.1", port, None, MAX_TOTAL_TOKENS, NO_RADIX)
-    log = run_dir / "colocated.log"
-    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), log)
-    request.addfinalizer(lambda: procs.stop(pid))
-    url = f"http://127.0.0.1:{port}"
-    cluster.wait_healthy([url + "/health"], [pid], STARTUP_TIMEOUT_S, [log])
-    out = {n: generate(url, _prompt(model_path, n, index=i), N_NEW, stream=False)
-           for i, n in enumerate(PROMPT_LENGTHS)}
-    procs.stop(pid)
-    return out
+    return colocated_runs_of(model_path, "gemma3", NO_RADIX, _prompts(model_path), N_NEW, MAX_TOTAL_TOKENS,
+                             STARTUP_TIMEOUT_S, request)
 
 
 def _prompt(model_path: str, n: int, index: int) -> list[int]:

@@ -11,17 +11,12 @@ One cluster, then one colocated server (memory), always stopped.
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-from disagg import cluster, procs
-from disagg.replay import generate
-from disagg.server_cmd import server_command
-from disagg.wire_meter import read_log
-from engine.cpu_runtime import shared_host_env
-from engine.launcher import free_port
+from pd_compare import cluster_runs
+from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 
@@ -41,10 +36,10 @@ def model_path() -> str:
     return str(prepare("smollm2", log=lambda *a, **k: None))
 
 
-def _prompt(model_path: str, n: int, index: int) -> list[int]:
+def _prompts(model_path: str) -> dict[int, list[int]]:
     from hack_eval.workloads import essay_ids
 
-    return essay_ids(model_path, n, index=index)
+    return {n: essay_ids(model_path, n, index=i) for i, n in enumerate(PROMPT_LENGTHS)}
 
 
 @pytest.fixture(scope="module")
@@ -58,34 +53,13 @@ def pd_runs(model_path, request) -> dict:
     assert spec.extra_server_args == ["--hack-4bit-layers", LAYERS]
     spec.extra_server_args += NO_RADIX
     spec.health_timeout_s = STARTUP_TIMEOUT_S
-    state = cluster.up(spec, log=lambda m: None)
-    request.addfinalizer(lambda: cluster.down(state))
-    wire = Path(state["run_dir"]) / "wire-prefill-0.jsonl"
-    out: dict = {"results": {}, "wire": {}}
-    for i, n in enumerate(PROMPT_LENGTHS):
-        before = len(read_log(wire))
-        out["results"][n] = generate(state["router_url"], _prompt(model_path, n, index=i), N_NEW, stream=False)
-        out["wire"][n] = read_log(wire)[before:]
-    cluster.down(state)
-    return out
+    return cluster_runs(spec, _prompts(model_path), N_NEW, request)
 
 
 @pytest.fixture(scope="module")
 def colocated_runs(model_path, pd_runs, request) -> dict:
-    run_dir = Path(cluster.default_run_root()) / f"layer-bits-colocated-{os.getpid()}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    cmd = server_command("colocated", "hack", model_path, "127.0.0.1", port, None, MAX_TOTAL_TOKENS,
-                         ["--hack-4bit-layers", LAYERS, *NO_RADIX])
-    log = run_dir / "colocated.log"
-    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), log)
-    request.addfinalizer(lambda: procs.stop(pid))
-    url = f"http://127.0.0.1:{port}"
-    cluster.wait_healthy([url + "/health"], [pid], STARTUP_TIMEOUT_S, [log])
-    out = {n: generate(url, _prompt(model_path, n, index=i), N_NEW, stream=False)
-           for i, n in enumerate(PROMPT_LENGTHS)}
-    procs.stop(pid)
-    return out
+    return colocated_runs_of(model_path, "layer-bits", ["--hack-4bit-layers", LAYERS, *NO_RADIX],
+                             _prompts(model_path), N_NEW, MAX_TOTAL_TOKENS, STARTUP_TIMEOUT_S, request)
 
 
 def _predicted_wire_bytes(model_path: str, n: int) -> int:
