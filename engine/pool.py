@@ -24,11 +24,10 @@ import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+from hack_ops.layout import describe_layouts
 from hack_ops.paged.store import HackKVStore
 
 from . import settings as settings_mod
-from hack_ops.layout import describe_layouts
-
 from .capacity import capacity_report
 from .pool_geometry import num_sink_slots, unit_bytes
 from .server_state import PoolBuild, state

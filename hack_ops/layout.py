@@ -228,10 +228,10 @@ def model_bytes_per_token(config: HackConfig, num_layers: int, num_heads: int, h
 
 
 def describe_layouts(store) -> dict:
-    """describe() of a store's layouts (anything with `layouts`, one per layer): the shared
-    description, plus for layers whose bits differ, `layer_bits` (one entry per layer) and the
-    page bytes of all layers together. A uniform store describes exactly as its one layout, so
-    its fingerprint does not change."""
+    """describe() of a store's layouts (anything with `config` and `layouts`, one per layer):
+    layer 0's description; where layers differ in bits, `layer_bits` and the K and V page bytes
+    as one entry per layer, `kv_bits` the config's. A uniform store describes exactly as its
+    one layout, so its PD fingerprint does not change."""
     layouts = store.layouts
     desc = layouts[0].describe()
     if any(lay.config.kv_bits != layouts[0].config.kv_bits for lay in layouts):
