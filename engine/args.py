@@ -14,6 +14,7 @@ from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS
 from hack_ops.modes import SERVING_MODES, PrefillMode
 from hack_ops.rotation import Rotation
 
+from .layer_sets import LayerSet, LayerSpec, parse_layer_set
 from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
 
 
@@ -41,12 +42,17 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
-def layer_list(text: str) -> tuple[int, ...]:
-    """'1,5' -> (1, 5): 0-based layer indices."""
+def layer_list(text: str) -> LayerSpec:
+    """'1,5' -> (1, 5): 0-based layer indices; a set's name ('full') -> that LayerSet, resolved
+    from the model's config when the server or command starts (engine.layer_sets)."""
+    named = parse_layer_set(text)
+    if named is not None:
+        return named
     try:
         return tuple(_non_negative_int(t.strip()) for t in text.split(","))
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices (integers >= 0), got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer indices (integers >= 0) or "
+                                         f"{', '.join(repr(m.value) for m in LayerSet)}, got {text!r}") from None
 
 
 def _positive_float(text: str) -> float:
@@ -109,11 +115,13 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Bits per K/V code of the first and last layer (default: --hack-kv-bits); those layers' "
              "pages are laid out with their own bits.")),
     "hack_four_bit_layers": ("--hack-4bit-layers", dict(
-        type=layer_list, metavar="L,L,...",
+        type=layer_list, metavar="L,L,...|full",
         help="0-based indices of the layers whose K/V codes use 4 bits (the few layers where a model's "
              "2-bit error sits or its retrieval heads read: `hack eval layers`, `hack eval retrieval "
-             "--needle-attention`); each such layer's pages are laid out with 4 bits, the others keep "
-             "--hack-kv-bits. Indices beyond the model's layers are refused at startup.")),
+             "--needle-attention`), or 'full': the layers without a sliding window, read from the "
+             "model's config (Gemma-3-270M: 5,11,17); each such layer's pages are laid out with 4 bits, "
+             "the others keep --hack-kv-bits. Indices beyond the model's layers, and 'full' on a model "
+             "without both kinds of layer, are refused at startup.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_attention": ("--hack-attention", dict(

@@ -12,6 +12,7 @@ from typing import Any
 
 from . import settings as settings_mod
 from .args import HackArgumentError, check_combination, settings_from_options
+from .layer_sets import LayerSet, resolve_for_model_path
 from .settings import KV_CACHE_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 def apply_cli_namespace(ns: Any) -> None:
     """Validate and complete a parsed SGLang namespace in place; publish the settings."""
     enabled = getattr(ns, "kv_cache_dtype", None) == KV_CACHE_DTYPE
+    _resolve_layer_set(ns)
     settings = None
     if enabled or getattr(ns, "hack_kv_budget_mb", None) is not None:
         settings = settings_from_options(ns, enabled=enabled)
@@ -33,6 +35,20 @@ def apply_cli_namespace(ns: Any) -> None:
             logger.info("sglang-hack: HACK KV cache %s (prefill %s, attention %s), page size %d",
                         settings.config.label(), settings.prefill, settings.attention,
                         settings.page_size)
+
+
+def _resolve_layer_set(ns: Any) -> None:
+    """`--hack-4bit-layers full` becomes the model's full-attention layers here, in the launching
+    process, so that the published settings (and every child) hold plain indices."""
+    spec = getattr(ns, "hack_four_bit_layers", None)
+    if not isinstance(spec, LayerSet):
+        return
+    try:
+        ns.hack_four_bit_layers = resolve_for_model_path(spec, getattr(ns, "model_path", None),
+                                                         bool(getattr(ns, "trust_remote_code", False)))
+    except ValueError as exc:
+        raise HackArgumentError(str(exc)) from None
+    logger.info("sglang-hack: --hack-4bit-layers %s = layers %s", spec.value, ",".join(map(str, ns.hack_four_bit_layers)))
 
 
 def apply_server_args(server_args: Any) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 import requests
 
 from engine.args import layer_list
+from engine.layer_sets import resolve_for_model_path
 from hack_eval.models import MODELS
 from .server_methods import METHODS, method_args
 from hack_metrics import rundir
@@ -50,8 +51,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
     p.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
-    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...",
-                   help="0-based layers the hack-4bit-layers method holds at 4 bits")
+    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
+                   help="0-based layers the hack-4bit-layers method holds at 4 bits, or 'full' (the model's "
+                        "layers without a sliding window)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
@@ -181,11 +183,12 @@ def run(args: argparse.Namespace) -> int:
     layers = getattr(args, "four_bit_layers", None)
     if "hack-4bit-layers" in methods:
         method_args("hack-4bit-layers", layers)  # refuses a missing --4bit-layers before any server starts
-        cfg["four_bit_layers"] = list(layers)
     if cfg["decode_tokens"] < 2 or cfg["concurrency"] < 1 or cfg["requests"] < 1:
         raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1")
     say = (lambda *a: None) if args.json else print
     model_path = str(prepare(args.model, log=say))
+    if "hack-4bit-layers" in methods:  # 'full' as the model's indices, for the record and the servers
+        cfg["four_bit_layers"] = list(resolve_for_model_path(layers, model_path))
     result = {"bench": "serve", "model": args.model, "machine": platform.processor() or platform.machine(),
               "config": cfg, "methods": {}}
     result["methods"] = _measure_all(methods, model_path, cfg, say,

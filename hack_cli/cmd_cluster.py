@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
 from engine.args import layer_list
+from engine.layer_sets import resolve_for_model_path
 from disagg.server_cmd import METHODS
 from hack_eval.models import MODELS
 from hack_metrics.rundir import RUNS_ROOT_HELP
@@ -39,9 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", default="hack", choices=list(METHODS),
                    help="KV cache method (hack sends its pages without K's code sums and the unread open "
                         "page, --hack-kv-codec hack-pages; hack-full-pages sends every page as stored)")
-    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...",
+    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
                    help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
-                        "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names)")
+                        "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names, "
+                        "or 'full': the model's layers without a sliding window)")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")
@@ -150,6 +152,7 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
     if layers:
         if not args.kv.startswith("hack") and args.kv != "dequant":
             raise ValueError(f"--4bit-layers sets HACK page bits; --kv {args.kv} has no HACK pages")
+        layers = resolve_for_model_path(layers, _model_path(args.model))  # 'full': the model's indices
         extra = ["--hack-4bit-layers", ",".join(map(str, layers))]
     return cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
                                extra_server_args=extra,

@@ -84,10 +84,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...",
+    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
                         help="also score the default format with these 0-based layers at 4 bits (the ones "
-                             "`hack eval layers` ranks first; the server's --hack-4bit-layers), in hack and "
-                             "dequant mode or those --modes names")
+                             "`hack eval layers` ranks first, or 'full': the model's layers without a sliding "
+                             "window; the server's --hack-4bit-layers), in hack and dequant mode or those "
+                             "--modes names")
 
 
 def _add_report_flags(parser: argparse.ArgumentParser, stem: str, attention_path: bool = True) -> None:
@@ -160,9 +161,19 @@ def _accuracy(args: argparse.Namespace) -> int:
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
-                    path=args.attention_path, four_bit_layers=args.four_bit_layers)
+                    path=args.attention_path, four_bit_layers=_layer_indices(args))
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
+
+
+def _layer_indices(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """--4bit-layers as indices: a set's name ('full') read from the model's config."""
+    from engine.layer_sets import LayerSet, resolve_for_model_path
+    from hack_eval.models import prepare
+
+    if not isinstance(args.four_bit_layers, LayerSet):
+        return args.four_bit_layers
+    return resolve_for_model_path(args.four_bit_layers, str(prepare(args.model, log=lambda *a, **k: None)))
 
 
 def _patterns(value: str | None) -> list[str] | None:
@@ -203,13 +214,13 @@ def _retrieval(args: argparse.Namespace) -> int:
         if args.needle_attention:
             raise ValueError("--needle-attention reads the HF model's attention; it does not combine with --served")
         res = run_served_retrieval(args.model, contexts, args.items, _csv(args.served), seed=args.seed,
-                                   four_bit_layers=args.four_bit_layers, budget_mb=args.budget_mb, log=log)
+                                   four_bit_layers=_layer_indices(args), budget_mb=args.budget_mb, log=log)
         _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
         return 0
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path,
-                              four_bit_layers=args.four_bit_layers, needle=args.needle_attention)
+                              four_bit_layers=_layer_indices(args), needle=args.needle_attention)
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0
 

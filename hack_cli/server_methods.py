@@ -4,6 +4,11 @@ caller's: budget, model, sleep on idle). See hack_cli/bench_serve.py for what ea
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.layer_sets import LayerSet
+
 METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
     "hack": ["--kv-cache-dtype", "hack"],
@@ -15,10 +20,14 @@ METHODS = {
 }
 
 
-def method_args(method: str, four_bit_layers: tuple[int, ...] | None) -> list[str]:
-    """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers)."""
+def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None") -> list[str]:
+    """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers: indices,
+    or a set's name that the server resolves from the model's config)."""
+    from engine.layer_sets import LayerSet
+
     if method != "hack-4bit-layers":
         return list(METHODS[method])
     if not four_bit_layers:
-        raise ValueError("--methods hack-4bit-layers needs --4bit-layers L,L,... (the layers to hold at 4 bits)")
-    return [*METHODS[method], "--hack-4bit-layers", ",".join(map(str, four_bit_layers))]
+        raise ValueError("--methods hack-4bit-layers needs --4bit-layers L,L,...|full (the layers to hold at 4 bits)")
+    shown = four_bit_layers.value if isinstance(four_bit_layers, LayerSet) else ",".join(map(str, four_bit_layers))
+    return [*METHODS[method], "--hack-4bit-layers", shown]

@@ -59,6 +59,30 @@ def essay_ids(model_path: str | Path, length: int, index: int = 0) -> list[int]:
     return ids[index * length:(index + 1) * length]
 
 
+@dataclass(frozen=True)
+class RecallPrompt:
+    """A prompt whose continuation its own context fixes: an essay passage, other text, then the
+    passage's first `cue` tokens again. `source` is what follows the cue in the passage."""
+
+    ids: list[int]
+    source: list[int]
+    distance: int  # tokens from the passage's continuation to the end of the prompt
+
+
+def recall_prompt(model_path: str | Path, index: int, passage: int = 400, gap: int = 300, cue: int = 128,
+                  n_new: int = 24) -> RecallPrompt:
+    """Recall prompt `index`: passage from essay window 2*index, gap text from window 2*index+1.
+    A greedy continuation that agrees with the reference here means the model read the passage
+    back through every layer that can reach it (for a window model with window < distance: its
+    full-attention layers only), where an open-ended cut of an essay can leave the reference's
+    own top two tokens tied."""
+    if not 0 < cue < cue + n_new <= passage:
+        raise ValueError(f"need 0 < cue < cue + n_new <= passage, got cue {cue}, n_new {n_new}, passage {passage}")
+    a = essay_ids(model_path, passage, index=2 * index)
+    b = essay_ids(model_path, gap, index=2 * index + 1)
+    return RecallPrompt(ids=a + b + a[:cue], source=a[cue:cue + n_new], distance=passage + gap)
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):

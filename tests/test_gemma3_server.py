@@ -1,24 +1,29 @@
 """A real Gemma-3-270M server (`hack model prepare gemma3`: 18 layers, 5 of 6 with a 512-token
 sliding window, one KV head, head_dim 256, query_pre_attn_scalar scaling) with
 `--kv-cache-dtype hack` next to a BF16 server (torch_native, which applies the same inclusive
-window), same fixed KV budget, prompts longer than the window.
+window), same fixed KV budget, prompts longer than the window; and a third server with the
+model's full-attention layers at 4 bits (`--hack-4bit-layers full` = 5,11,17).
 
-Radix-cache state is controlled: both servers run with --disable-radix-cache, so every request
-is a cold prefill on both sides (cached-prefix and cold prefill are numerically different paths
-on the CPU; /flush_cache between requests stalled a --sleep-on-idle server here). Extend over a
-cached prefix with windows is checked against the reference in tests/test_window_attention.py.
+Radix-cache state is controlled: every server runs with --disable-radix-cache, so every request
+is a cold prefill (cached-prefix and cold prefill are numerically different paths on the CPU;
+/flush_cache between requests stalled a --sleep-on-idle server here). Extend over a cached
+prefix with windows is checked against the reference in tests/test_window_attention.py.
 
-Bars (measured on this machine, 2026-11-23): teacher-forced top-1 agreement with BF16 over the
-positions after the first window was 0.682 over 302 positions; the bar is TEACHER_FORCED_MIN.
-Greedy continuations are meant to agree with BF16 for at least GREEDY_MIN of their length, but
-with the default 2-bit format they diverged within the first token or two (common prefixes 1
-and 0 of 24): a known accuracy defect of the 2-bit format on this model (the kernels match the
-reference with windows, tests/test_window_attention.py). The test reports that as an expected
-failure, with the measured prefixes, until the format closes the gap; it passes once it does.
-How fragile the greedy bar is on these prompts (2026-11-25, 4 essay prompts of 640 tokens):
-with `--hack-kv-bits 4` teacher-forced agreement is 0.91-0.96, yet greedy common prefixes are
-19, 0, 4 and 0 of 24, because BF16's own top two at the first generated token are 0.00 and
-0.12 nat apart on the second and fourth prompts; the teacher-forced bar is the robust one.
+Two kinds of prompt, because greedy agreement only means something where the reference's own
+choice is decisive:
+- Essay cuts (640 tokens): open-ended, and BF16's top two first tokens can be tied (0.00 and
+  0.12 nat apart on two of four such prompts, 2026-11-25), so even a 4-bit server's greedy
+  prefixes were 19, 0, 4 and 0 of 24 there. They carry the teacher-forced bar: top-1 agreement
+  with BF16 over the positions after the first window, measured 0.682 over 302 positions
+  (2026-11-23); the bar is TEACHER_FORCED_MIN. Their greedy prefixes are printed, not held.
+- Recall prompts (hack_eval.workloads.recall_prompt, 824 tokens): an essay passage, 300 tokens of
+  another essay, then the passage's first 128 tokens again; the continuation is the passage,
+  ~700 tokens back, which only the 3 full-attention layers can read. Of 6 such prompts BF16
+  reproduced the passage for all 24 tokens in 4 (2026-11-25); the greedy bar GREEDY_MIN holds
+  on those 4. Measured there (common prefix with BF16, of 24): default 2-bit 0, 5, 0, 0 (0.05
+  of the length: the 2-bit full layers lose the passage; a known accuracy defect, reported as
+  an expected failure until the format closes it), full layers at 4 bits 0, 18, 24, 24 (0.69),
+  4 bits everywhere 16, 24, 24, 2 (0.69, not run here).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import pytest
 import requests
 
 from engine.launcher import SGLangServer
-from hack_eval.workloads import common_prefix, essay_ids
+from hack_eval.workloads import common_prefix, essay_ids, recall_prompt
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,7 +39,9 @@ BUDGET_MB = "128"
 PROMPT_TOKENS = 640  # > the 512-token window: the window layers drop the first 128 keys
 N_NEW = 24
 N_PROMPTS = 2
-STARTUP_TIMEOUT_S = 600.0  # two servers warming up a 270M model on a shared 2-core machine
+N_RECALL = 6
+RECALL_DECISIVE_MIN = 3  # prompts where BF16 must reproduce the passage (measured 4 of 6)
+STARTUP_TIMEOUT_S = 900.0  # three servers warming up a 270M model on a shared 2-core machine
 TEACHER_FORCED_MIN = 0.60
 GREEDY_MIN = 0.5
 
@@ -50,17 +57,22 @@ def model_path() -> str:
 def servers(model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gemma3")
     common = ["--hack-kv-budget-mb", BUDGET_MB, "--sleep-on-idle", "--random-seed", "0", "--disable-radix-cache"]
-    hack = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log")
-    bf16 = SGLangServer(model_path, ["--attention-backend", "torch_native", *common], log_path=logs / "bf16.log")
+    started = {
+        "hack": SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log"),
+        "hack-full": SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "full",
+                                                "--hack-prefill", "homomorphic", *common],
+                                  log_path=logs / "hack-full.log"),
+        "bf16": SGLangServer(model_path, ["--attention-backend", "torch_native", *common], log_path=logs / "bf16.log"),
+    }
     try:
-        hack.start()
-        bf16.start()
-        hack.wait_ready(STARTUP_TIMEOUT_S)
-        bf16.wait_ready(STARTUP_TIMEOUT_S)
-        yield {"hack": hack, "bf16": bf16}
+        for server in started.values():
+            server.start()
+        for server in started.values():
+            server.wait_ready(STARTUP_TIMEOUT_S)
+        yield started
     finally:
-        hack.stop()
-        bf16.stop()
+        for server in started.values():
+            server.stop()
 
 
 def _argmax_over(server: SGLangServer, ids: list[int], start: int) -> list[int]:
@@ -93,7 +105,7 @@ def test_prefill_auto_is_resolved_at_startup(servers):
         assert "path: dense (" not in lines[0] and "this CPU has no AMX-BF16" in lines[0], lines[0]
 
 
-def test_agreement_with_bf16_past_the_window(servers, model_path):
+def test_teacher_forced_agreement_with_bf16_past_the_window(servers, model_path):
     hack, bf16 = servers["hack"], servers["bf16"]
     prefixes, tf_hits, tf_total = [], 0, 0
     for i in range(N_PROMPTS):
@@ -107,10 +119,43 @@ def test_agreement_with_bf16_past_the_window(servers, model_path):
         assert n >= PROMPT_TOKENS - 512
         tf_hits += sum(int(x == y) for x, y in zip(a[:n], b[:n]))
         tf_total += n
-    tf, greedy = tf_hits / tf_total, sum(prefixes) / (N_NEW * N_PROMPTS)
-    print(f"\ngreedy common prefix (of {N_NEW}) per prompt: {prefixes} -> {greedy:.2f} of the length; "
+    tf = tf_hits / tf_total
+    print(f"\nessay prompts: greedy common prefix (of {N_NEW}) {prefixes} (open-ended, not a bar); "
           f"teacher-forced top-1 agreement past the window over {tf_total} positions: {tf:.3f}")
     assert tf >= TEACHER_FORCED_MIN
-    if greedy < GREEDY_MIN:
-        pytest.xfail(f"known: 2-bit HACK greedy continuations on Gemma-3-270M agree with BF16 for "
-                     f"{greedy:.2f} of their length (bar {GREEDY_MIN}); see docs/engine.md")
+
+
+def test_greedy_recall_past_the_window(servers, model_path):
+    """On the recall prompts where BF16 reproduces the passage, the server with its full-attention
+    layers at 4 bits agrees with BF16 for at least GREEDY_MIN of the length; the default 2-bit
+    server's agreement is measured and, below the bar, reported as the known defect."""
+    prompts = [recall_prompt(model_path, i, n_new=N_NEW) for i in range(N_RECALL)]
+    assert all(len(p.ids) > 512 and p.distance > 512 for p in prompts)
+    refs = [list(servers["bf16"].generate(p.ids, N_NEW)["output_ids"]) for p in prompts]
+    decisive = [i for i, (p, ref) in enumerate(zip(prompts, refs)) if ref == p.source]
+    assert len(decisive) >= RECALL_DECISIVE_MIN, f"BF16 reproduced the passage in {decisive} only"
+    agree = {}
+    for name in ("hack-full", "hack"):
+        pre = [common_prefix(refs[i], list(servers[name].generate(prompts[i].ids, N_NEW)["output_ids"]))
+               for i in decisive]
+        agree[name] = sum(pre) / (N_NEW * len(decisive))
+        print(f"\n{name}: greedy common prefix with BF16 (of {N_NEW}) on the {len(decisive)} recall prompts "
+              f"BF16 reproduces: {pre} -> {agree[name]:.2f} of the length (bar {GREEDY_MIN})")
+    assert agree["hack-full"] >= GREEDY_MIN
+    if agree["hack"] < GREEDY_MIN:
+        pytest.xfail(f"known: 2-bit HACK on Gemma-3-270M recalls a passage ~700 tokens back for {agree['hack']:.2f} "
+                     f"of the length (bar {GREEDY_MIN}); --hack-4bit-layers full reaches {agree['hack-full']:.2f}; "
+                     "see docs/engine.md")
+
+
+def test_full_layers_are_resolved_at_startup(servers):
+    """`--hack-4bit-layers full` is Gemma-3-270M's full-attention layers, read from its config by
+    the launcher; its pool costs what their 4-bit pages cost (capacity between the 2-bit and
+    the 4-bit pool's)."""
+    log = servers["hack-full"].log_path.read_text(errors="replace")
+    assert "--hack-4bit-layers full = layers 5,11,17" in log, log[-2000:]
+    full, two = servers["hack-full"].kv_usage(), servers["hack"].kv_usage()
+    ratio = full["max_total_num_tokens"] / two["max_total_num_tokens"]
+    print(f"\nmax total tokens, {BUDGET_MB} MB: full layers at 4 bits {full['max_total_num_tokens']}, "
+          f"2-bit {two['max_total_num_tokens']} (x{ratio:.3f})")
+    assert 0.80 < ratio < 0.95  # 3 of 18 layers with ~1.8x the bytes per page: ~x0.88

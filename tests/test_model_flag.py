@@ -13,8 +13,10 @@ import pytest
 from hack_cli.main import build_parser
 
 # Gemma-3-270M's attention geometry as its converted config.json states it.
-GEMMA3_CONFIG = {"architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 18, "num_attention_heads": 4,
-                 "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640, "sliding_window": 512}
+GEMMA3_CONFIG = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 18,
+                 "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640,
+                 "sliding_window": 512,
+                 "layer_types": ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(18)]}
 
 
 class Reached(Exception):
@@ -80,6 +82,37 @@ def test_hack_up_spec_is_what_the_command_starts(prepared):
     spec = spec_from_args(args)
     assert (spec.model, spec.kv, spec.max_total_tokens) == ("gemma3", "bf16", 4096)
     assert Path(spec.model_path) == prepared["folder"]
+
+
+def test_four_bit_layers_full_is_the_models_full_attention_layers(prepared, monkeypatch):
+    """`--4bit-layers full` reaches each command as Gemma-3's full-attention layers, read from the
+    prepared model's config: the cluster's server flags, the bench's servers and record, the study."""
+    from hack_cli.cmd_cluster import spec_from_args
+
+    spec = spec_from_args(build_parser().parse_args(["up", "--model", "gemma3", "--kv", "hack", "--4bit-layers", "full"]))
+    assert spec.extra_server_args == ["--hack-4bit-layers", "5,11,17"]
+
+    import hack_cli.bench_serve as bench_serve
+
+    seen = {}
+
+    def fake_measure(methods, model_path, cfg, say, run_meta=None):
+        seen["cfg"] = cfg
+        raise Reached
+
+    monkeypatch.setattr(bench_serve, "_measure_all", fake_measure)
+    _run(["bench", "serve", "--model", "gemma3", "--methods", "bf16,hack-4bit-layers", "--4bit-layers", "full", "--no-doc"])
+    assert seen["cfg"]["four_bit_layers"] == [5, 11, 17]
+
+    import hack_eval.accuracy as accuracy
+
+    def fake_study(**kwargs):
+        seen["study"] = kwargs["four_bit_layers"]
+        raise Reached
+
+    monkeypatch.setattr(accuracy, "run_study", fake_study)
+    _run(["eval", "accuracy", "--model", "gemma3", "--4bit-layers", "full", "--out", "", "--json-out", ""])
+    assert seen["study"] == (5, 11, 17)
 
 
 def test_hack_up_refuses_an_unknown_model_name(prepared):

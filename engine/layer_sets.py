@@ -1,0 +1,80 @@
+"""Named layer sets for `--hack-4bit-layers` (and the CLI's `--4bit-layers`): a word that the
+model's own config turns into 0-based layer indices, so a user need not know them.
+
+`full`: the layers without a sliding window. In a model that mixes window and full-attention
+layers (Gemma-2/3: one full layer in six), the full layers are the only ones that read keys
+further back than the window, so the pass key and the in-context copy of a passage seen
+earlier live there (docs/accuracy.md, "Retrieval"), and they are few, so their 4-bit pages
+cost little. The word is resolved once, at startup (the server) or when a command starts (the
+CLI), from the HF config; a model where it would name no layer or every layer is refused with
+a sentence.
+"""
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any, Union
+
+
+class LayerSet(str, enum.Enum):
+    FULL_ATTENTION = "full"
+
+
+LayerSpec = Union[tuple[int, ...], LayerSet]
+
+# HF `layer_types` entries that attend over a bounded span of keys.
+_WINDOWED = frozenset({"sliding_attention", "chunked_attention"})
+
+
+def parse_layer_set(text: str) -> LayerSet | None:
+    """The named set `text` names, or None when it is not a name (then it is a list of indices)."""
+    try:
+        return LayerSet(text.strip().lower())
+    except ValueError:
+        return None
+
+
+def full_attention_layers(hf_config: Any) -> tuple[int, ...]:
+    """0-based indices of the layers with no sliding window, from an HF config (its text config
+    for a multimodal one): `layer_types` where the config has it; otherwise every layer is windowed
+    when the config sets `sliding_window` (Mistral-style; Qwen2's `use_sliding_window` honoured)
+    and full when it does not."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    types = getattr(text, "layer_types", None)
+    if types:
+        return tuple(i for i, t in enumerate(types) if t not in _WINDOWED)
+    windowed = bool(getattr(text, "sliding_window", None)) and getattr(text, "use_sliding_window", True) is not False
+    return () if windowed else tuple(range(n))
+
+
+def resolve_layers(spec: LayerSpec | None, hf_config: Any) -> tuple[int, ...] | None:
+    """Indices for a spec: a tuple passes through; a named set is resolved from the config, and a
+    set that names no layer or every layer is refused (ValueError) with what would work instead."""
+    if spec is None or not isinstance(spec, LayerSet):
+        return spec
+    arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+    layers = full_attention_layers(hf_config)
+    text = getattr(hf_config, "text_config", None) or hf_config
+    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    if not layers:
+        raise ValueError(f"--hack-4bit-layers full names the layers without a sliding window, and every layer of "
+                         f"model {arch} has one; name the layers as indices (e.g. those `hack eval layers` ranks "
+                         "first) or use --hack-kv-bits 4")
+    if len(layers) == n:
+        raise ValueError(f"--hack-4bit-layers full names the layers without a sliding window, and model {arch} has no "
+                         "sliding-window layers, so it would name all of them; use --hack-kv-bits 4 for every layer, "
+                         "or name the layers as indices")
+    return layers
+
+
+def resolve_for_model_path(spec: LayerSpec | None, model_path: str, trust_remote_code: bool = False) -> tuple[int, ...] | None:
+    """resolve_layers with the HF config of a local model folder; a named set needs that config."""
+    if spec is None or not isinstance(spec, LayerSet):
+        return spec
+    if not model_path or not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ValueError(f"--hack-4bit-layers {spec.value} is resolved from the model's config.json, and "
+                         f"{model_path!r} has none; name the layers as indices")
+    from transformers import AutoConfig
+
+    return resolve_layers(spec, AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
