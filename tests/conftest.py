@@ -68,3 +68,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture()
+def sglang_parser():
+    """SGLang's real server parser with the plugin's options added (engine.args.add_arguments)."""
+    import argparse
+
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from engine import cpu_runtime
+
+    cpu_runtime.prepare()
+    from sglang.srt.server_args import ServerArgs
+
+    from engine.args import add_arguments
+
+    p = argparse.ArgumentParser(prog="sglang serve")
+    ServerArgs.add_cli_args(p)
+    add_arguments(p)
+    return p

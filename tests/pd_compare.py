@@ -49,3 +49,20 @@ def colocated_runs(model_path: str, label: str, extra: list[str], prompts: dict[
     out = {n: generate(url, ids, n_new, stream=False) for n, ids in prompts.items()}
     procs.stop(pid)
     return out
+
+
+def assert_same_greedy_tokens(pd_runs: dict, colocated: dict, lengths: tuple[int, ...], n_new: int) -> None:
+    """The cluster's greedy tokens equal the colocated server's, prompt by prompt."""
+    for n in lengths:
+        got, ref = pd_runs["results"][n], colocated[n]
+        assert got.ok and ref.ok, (got.error, ref.error)
+        assert len(ref.output_ids) == n_new
+        assert got.output_ids == ref.output_ids, f"{n}-token prompt: PD {got.output_ids} vs colocated {ref.output_ids}"
+
+
+def checked_wire_bytes(pd_runs: dict, n: int, predicted: int, tolerance: float) -> int:
+    """Bytes of the n-token prompt's one wire record, held to the layout's prediction."""
+    recs = pd_runs["wire"][n]
+    assert len(recs) == 1
+    assert abs(recs[0]["bytes"] - predicted) <= tolerance * predicted, (n, recs[0]["bytes"], predicted)
+    return recs[0]["bytes"]

@@ -14,20 +14,15 @@ from engine import cpu_runtime  # noqa: E402
 
 cpu_runtime.prepare()
 
-from sglang.srt.server_args import ServerArgs  # noqa: E402
-
 from engine import settings as settings_mod  # noqa: E402
-from engine.args import HackArgumentError, add_arguments  # noqa: E402
+from engine.args import HackArgumentError  # noqa: E402
 from engine.server_options import apply_cli_namespace  # noqa: E402
 from hack_ops import HackConfig  # noqa: E402
 
 
 @pytest.fixture()
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(p)
-    add_arguments(p)
-    return p
+def parser(sglang_parser) -> argparse.ArgumentParser:
+    return sglang_parser
 
 
 @pytest.fixture(autouse=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pd_compare import cluster_runs
+from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs
 from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
@@ -122,19 +122,13 @@ def _idle_usage(url: str) -> dict:
 def test_pd_gives_the_colocated_greedy_tokens_past_the_window(pd_runs, colocated_runs, model_path):
     for i, n in enumerate(PROMPT_LENGTHS):
         assert len(_prompt(model_path, n, index=i)) == n > WINDOW
-        got, ref = pd_runs["results"][n], colocated_runs[n]
-        assert got.ok and ref.ok, (got.error, ref.error)
-        assert len(ref.output_ids) == N_NEW
-        assert got.output_ids == ref.output_ids, f"{n}-token prompt: PD {got.output_ids} vs colocated {ref.output_ids}"
+    assert_same_greedy_tokens(pd_runs, colocated_runs, PROMPT_LENGTHS, N_NEW)
 
 
 def test_every_page_tail_and_sink_crossed_the_wire(pd_runs, model_path):
     for n in PROMPT_LENGTHS:
-        recs = pd_runs["wire"][n]
-        assert len(recs) == 1
-        predicted = _predicted_wire_bytes(model_path, n)
-        assert abs(recs[0]["bytes"] - predicted) <= WIRE_TOLERANCE * predicted, (n, recs[0]["bytes"], predicted)
-        assert recs[0]["bytes"] < _predicted_wire_bytes(model_path, n, full_pages=True)
+        sent = checked_wire_bytes(pd_runs, n, _predicted_wire_bytes(model_path, n), WIRE_TOLERANCE)
+        assert sent < _predicted_wire_bytes(model_path, n, full_pages=True)
 
 
 def test_both_sides_free_the_requests(pd_runs):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_compare import cluster_runs
+from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs
 from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
@@ -78,11 +78,7 @@ def _predicted_wire_bytes(model_path: str, n: int) -> int:
 
 
 def test_pd_with_4bit_layers_gives_the_colocated_greedy_tokens(pd_runs, colocated_runs):
-    for n in PROMPT_LENGTHS:
-        got, ref = pd_runs["results"][n], colocated_runs[n]
-        assert got.ok and ref.ok, (got.error, ref.error)
-        assert len(ref.output_ids) == N_NEW
-        assert got.output_ids == ref.output_ids, f"{n}-token prompt: PD {got.output_ids} vs colocated {ref.output_ids}"
+    assert_same_greedy_tokens(pd_runs, colocated_runs, PROMPT_LENGTHS, N_NEW)
 
 
 def test_each_layer_crossed_the_wire_with_its_own_page_size(pd_runs, model_path):
@@ -91,10 +87,7 @@ def test_each_layer_crossed_the_wire_with_its_own_page_size(pd_runs, model_path)
     from hack_ops.page_wire import request_bytes
 
     for n in PROMPT_LENGTHS:
-        recs = pd_runs["wire"][n]
-        assert len(recs) == 1
-        predicted = _predicted_wire_bytes(model_path, n)
-        assert abs(recs[0]["bytes"] - predicted) <= WIRE_TOLERANCE * predicted, (n, recs[0]["bytes"], predicted)
+        sent = checked_wire_bytes(pd_runs, n, _predicted_wire_bytes(model_path, n), WIRE_TOLERANCE)
         if n >= 2 * 64:  # two full pages or more: the 4-bit layers' pages make a visible difference
             uniform = request_bytes(page_layout(HackConfig(), 3, 64), 30, n)
-            assert recs[0]["bytes"] > uniform * (1 + 2 * WIRE_TOLERANCE), (recs[0]["bytes"], uniform)
+            assert sent > uniform * (1 + 2 * WIRE_TOLERANCE), (sent, uniform)

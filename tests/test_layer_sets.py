@@ -16,11 +16,10 @@ from engine import cpu_runtime  # noqa: E402
 
 cpu_runtime.prepare()
 
-from sglang.srt.server_args import ServerArgs  # noqa: E402
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
 
 from engine import settings as settings_mod  # noqa: E402
-from engine.args import HackArgumentError, add_arguments, layer_list  # noqa: E402
+from engine.args import HackArgumentError, layer_list  # noqa: E402
 from engine.layer_sets import LayerSet, full_attention_layers, resolve_layers  # noqa: E402
 from engine.server_options import apply_cli_namespace  # noqa: E402
 from hack_cli.server_methods import method_args  # noqa: E402
@@ -69,15 +68,8 @@ def _model(folder, config) -> str:
     return str(folder)
 
 
-@pytest.fixture()
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sglang serve")
-    ServerArgs.add_cli_args(p)
-    add_arguments(p)
-    return p
-
-
-def test_the_server_resolves_full_before_publishing(parser, tmp_path):
+def test_the_server_resolves_full_before_publishing(sglang_parser, tmp_path):
+    parser = sglang_parser
     model = _model(tmp_path / "gemma3-config", Gemma3TextConfig(num_hidden_layers=12, head_dim=64, hidden_size=128,
                                                                 num_attention_heads=2, num_key_value_heads=1))
     ns = parser.parse_args(["--model-path", model, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "full"])
@@ -87,7 +79,8 @@ def test_the_server_resolves_full_before_publishing(parser, tmp_path):
     assert published.config.for_layer(5, 12).kv_bits == 4 and published.config.for_layer(4, 12).kv_bits == 2
 
 
-def test_the_server_refuses_full_on_a_model_without_windows(parser, tmp_path):
+def test_the_server_refuses_full_on_a_model_without_windows(sglang_parser, tmp_path):
+    parser = sglang_parser
     model = _model(tmp_path / "llama-config", LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2,
                                                           num_key_value_heads=1, intermediate_size=64, vocab_size=128))
     ns = parser.parse_args(["--model-path", model, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "full"])
