@@ -10,7 +10,7 @@ install:
 
 # The whole suite, slow real-model and real-server tests included (that is what CI runs).
 test: install
-	$(PYTEST) -q
+	$(PYTEST) -q --durations=20
 
 # Everything but the tests marked slow, for a quick loop while developing.
 test-fast: install
