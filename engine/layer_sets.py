@@ -34,13 +34,18 @@ def parse_layer_set(text: str) -> LayerSet | None:
         return None
 
 
+def _num_layers(hf_config: Any) -> tuple[Any, int]:
+    """The text config (a multimodal config's language part) and its layer count."""
+    text = getattr(hf_config, "text_config", None) or hf_config
+    return text, int(getattr(text, "num_hidden_layers", 0) or 0)
+
+
 def full_attention_layers(hf_config: Any) -> tuple[int, ...]:
     """0-based indices of the layers with no sliding window, from an HF config (its text config
     for a multimodal one): `layer_types` where the config has it; otherwise every layer is windowed
     when the config sets `sliding_window` (Mistral-style; Qwen2's `use_sliding_window` honoured)
     and full when it does not."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    text, n = _num_layers(hf_config)
     types = getattr(text, "layer_types", None)
     if types:
         return tuple(i for i, t in enumerate(types) if t not in _WINDOWED)
@@ -54,9 +59,7 @@ def resolve_layers(spec: LayerSpec | None, hf_config: Any) -> tuple[int, ...] | 
     if spec is None or not isinstance(spec, LayerSet):
         return spec
     arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
-    layers = full_attention_layers(hf_config)
-    text = getattr(hf_config, "text_config", None) or hf_config
-    n = int(getattr(text, "num_hidden_layers", 0) or 0)
+    layers, (_, n) = full_attention_layers(hf_config), _num_layers(hf_config)
     if not layers:
         raise ValueError(f"--hack-4bit-layers full names the layers without a sliding window, and every layer of "
                          f"model {arch} has one; name the layers as indices (e.g. those `hack eval layers` ranks "
