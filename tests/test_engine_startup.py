@@ -87,6 +87,16 @@ def test_four_bit_layers_beyond_the_model_are_refused_at_startup(tmp_path):
     assert "Traceback" not in out
 
 
+def test_full_layer_set_on_a_model_without_windows_is_refused_at_startup(tmp_path):
+    """`--hack-4bit-layers full` on a model with no sliding-window layer (a tiny Llama config, no
+    weights) would name every layer: the launcher stops with the sentence, before anything loads."""
+    model = _tiny_llama(tmp_path / "tiny-llama-full", hidden_size=128, num_hidden_layers=2)
+    out = _refused_launch(model, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "full"], tmp_path / "launch.log")
+    assert ("model LlamaForCausalLM has no sliding-window layers, so it would name all of them; "
+            "use --hack-kv-bits 4") in out, out[-2000:]
+    assert "Traceback" not in out
+
+
 def test_rotation_of_an_odd_head_dim_is_refused_at_startup(tmp_path):
     """--hack-rotation needs a power-of-two head_dim: a model with head_dim 96 (tiny Llama
     config, no weights) stops the launcher with the sentence, before anything loads."""
