@@ -263,7 +263,7 @@ def test_cpu_context_covers_every_project_directory() -> None:
     # `COPY . .` with an allow-list: a new top-level directory must be listed or excluded here.
     ignore = DOCKER / "cpu.Dockerfile.dockerignore"
     not_needed_by_the_demo = {"tests", "docs", "docker", ".ci", ".git", ".venv", "runs",
-                              "artifacts", ".pytest_cache"}
+                              "artifacts", ".pytest_cache", ".hypothesis"}
     for entry in sorted(ROOT.iterdir()):
         if entry.is_dir() and entry.name not in not_needed_by_the_demo \
                 and not entry.name.endswith(".egg-info") and entry.name != "__pycache__":
