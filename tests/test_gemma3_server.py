@@ -2,7 +2,8 @@
 sliding window, one KV head, head_dim 256, query_pre_attn_scalar scaling) with
 `--kv-cache-dtype hack` next to a BF16 server (torch_native, which applies the same inclusive
 window), same fixed KV budget, prompts longer than the window; and a third server with the
-model's full-attention layers at 4 bits (`--hack-4bit-layers full` = 5,11,17).
+model's full-attention layers at 4 bits (`--hack-4bit-layers full` = 5,11,17; it names
+`--hack-prefill homomorphic`, so its bar means the same on a host with AMX, where `auto` is dense).
 
 Radix-cache state is controlled: every server runs with --disable-radix-cache, so every request
 is a cold prefill (cached-prefix and cold prefill are numerically different paths on the CPU;
