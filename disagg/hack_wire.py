@@ -154,7 +154,7 @@ def attach(kv_args: Any, pool: Any) -> HackWire:
 
     logger.info("sglang-hack PD: HACK pages sent without derived bytes (%d of %d B per page, all layers%s); "
                 "format %s", sum(page_wire.wire_page_bytes(lay) for lay in wire.layouts),
-                sum(lay.page_bytes for lay in wire.layouts),
+                wire.pool.store.page_bytes(),
                 ", open page not sent" if wire.skip_open else "", kv_args.kv_cache_dtype_str)
     return wire
 

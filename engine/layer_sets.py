@@ -15,6 +15,8 @@ import enum
 import os
 from typing import Any, Union
 
+from .model_checks import architecture, text_config
+
 
 class LayerSet(str, enum.Enum):
     FULL_ATTENTION = "full"
@@ -36,7 +38,7 @@ def parse_layer_set(text: str) -> LayerSet | None:
 
 def _num_layers(hf_config: Any) -> tuple[Any, int]:
     """The text config (a multimodal config's language part) and its layer count."""
-    text = getattr(hf_config, "text_config", None) or hf_config
+    text = text_config(hf_config)
     return text, int(getattr(text, "num_hidden_layers", 0) or 0)
 
 
@@ -58,7 +60,7 @@ def resolve_layers(spec: LayerSpec | None, hf_config: Any) -> tuple[int, ...] | 
     set that names no layer or every layer is refused (ValueError) with what would work instead."""
     if spec is None or not isinstance(spec, LayerSet):
         return spec
-    arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+    arch = architecture(hf_config)
     layers, (_, n) = full_attention_layers(hf_config), _num_layers(hf_config)
     if not layers:
         raise ValueError(f"--hack-4bit-layers full names the layers without a sliding window, and every layer of "

@@ -30,6 +30,16 @@ class UnsupportedModelError(ValueError):
     """A model feature the HACK KV cache does not serve (refused at startup)."""
 
 
+def text_config(hf_config: Any) -> Any:
+    """The language model's config (a multimodal config's text part, else the config itself)."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
+def architecture(hf_config: Any) -> str:
+    """The name a refusal gives the model: its architectures, else its model_type."""
+    return ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+
+
 def _sentence(feature: str, model: str, hint: str = BF16_HINT) -> str:
     return f"--kv-cache-dtype hack does not serve {feature} (model {model}); {hint}"
 
@@ -38,8 +48,7 @@ def config_refusal(hf_config: Any, disable_hybrid_swa_memory: bool = False,
                    rotation: Rotation | str = Rotation.NONE, four_bit_layers: tuple[int, ...] = ()) -> Optional[str]:
     """The refusal sentence for an HF config's attention features (and the head_dim the
     rotation needs, the layers --hack-4bit-layers names), or None when served."""
-    text = getattr(hf_config, "text_config", None) or hf_config
-    arch = ",".join(getattr(hf_config, "architectures", None) or [getattr(hf_config, "model_type", "?")])
+    text, arch = text_config(hf_config), architecture(hf_config)
     if getattr(text, "kv_lora_rank", None) or getattr(hf_config, "kv_lora_rank", None):
         return _sentence("multi-head latent attention (MLA)", arch)
     if getattr(hf_config, "is_encoder_decoder", False) or getattr(text, "cross_attention_layers", None):

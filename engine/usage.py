@@ -103,7 +103,7 @@ def memory_sample(scheduler: Any) -> dict:
         codes = sum(lay.k.codes.nbytes + lay.v.codes.nbytes for lay in lays)
         pages = used // page
         tail_per_row = pool.store.nbytes()["tails"] // max(1, pool.store.num_rows)
-        out.update(bytes_codes=pages * codes, bytes_side=pages * (sum(lay.page_bytes for lay in lays) - codes),
+        out.update(bytes_codes=pages * codes, bytes_side=pages * (pool.store.page_bytes() - codes),
                    bytes_tail=_rows_in_use(scheduler) * tail_per_row)
     return out
 
