@@ -10,7 +10,7 @@ import argparse
 from typing import Any
 
 from hack_ops import HackConfig
-from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS
+from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS, RaisedTensors
 from hack_ops.modes import SERVING_MODES, PrefillMode
 from hack_ops.rotation import Rotation
 
@@ -122,8 +122,18 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "model's config (Gemma-3-270M: 5,11,17); each such layer's pages are laid out with 4 bits, "
              "the others keep --hack-kv-bits. Indices beyond the model's layers, and 'full' on a model "
              "without both kinds of layer, are refused at startup.")),
+    "hack_four_bit_tensors": ("--hack-4bit-tensors", dict(
+        choices=[t.value for t in RaisedTensors],
+        help="Which tensors of the --hack-4bit-layers (and --hack-edge-layer-bits) layers take their "
+             "bits: kv (K and V, default) or k (K alone, V keeps --hack-kv-bits: fewer bytes where K "
+             "carries the error). Measured by `hack eval accuracy|retrieval --4bit-tensors`; the serving "
+             "paths refuse k.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
+    "hack_k_bits": ("--hack-k-bits", dict(
+        type=int, choices=[2, 4],
+        help="Bits per K code where K's differ from V's (default: --hack-kv-bits for both). Measured by "
+             "`hack eval accuracy`; the serving paths refuse K bits other than V's.")),
     "hack_attention": ("--hack-attention", dict(
         choices=[m.value for m in SERVING_MODES],
         help="hack: homomorphic attention on codes (default); dequant: the strawman baseline "
@@ -142,6 +152,8 @@ _CONFIG_FIELDS = {
     "hack_tail_tensors": "tail_tensors",
     "hack_sink_tokens": "sink_tokens",
     "hack_kv_bits": "kv_bits",
+    "hack_k_bits": "k_bits",
+    "hack_four_bit_tensors": "raised_tensors",
     "hack_rotation": "rotation",
     "hack_k_outlier_channels": "k_outlier_channels",
     "hack_edge_layer_bits": "edge_layer_bits",
@@ -151,6 +163,8 @@ _CONFIG_FIELDS = {
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
 _REFERENCE_ONLY_FLAGS = {
     "k_outlier_channels": "--hack-k-outlier-channels",
+    "k_bits": "--hack-k-bits",
+    "raised_tensors": "--hack-4bit-tensors",
 }
 
 
@@ -160,7 +174,10 @@ def reference_only_refusal(cfg: HackConfig) -> str | None:
     fields = cfg.reference_only()
     if not fields:
         return None
-    shown = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v  # noqa: E731  as typed
+
+    def shown(v: Any) -> Any:  # as typed
+        return ",".join(map(str, v)) if isinstance(v, tuple) else getattr(v, "value", v)
+
     flags = ", ".join(f"{_REFERENCE_ONLY_FLAGS[f]} {shown(getattr(cfg, f))}" for f in fields)
     return (f"{flags}: implemented in the reference attention only (hack_ops.attention, measured by "
             "`hack eval accuracy`); the compiled CPU store and kernels, the Triton kernels and the paged "

@@ -89,6 +89,10 @@ def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
                              "`hack eval layers` ranks first, or 'full': the model's layers without a sliding "
                              "window; the server's --hack-4bit-layers), in hack and dequant mode or those "
                              "--modes names")
+    parser.add_argument("--4bit-tensors", dest="four_bit_tensors", default="kv", metavar="kv|k[,..]",
+                        help="which tensors of the --4bit-layers rows take 4 bits: 'kv' (K and V, default), 'k' "
+                             "(K alone, V stays at 2 bits: fewer bytes), or 'kv,k' for a row of each (the "
+                             "server's --hack-4bit-tensors)")
 
 
 def _add_report_flags(parser: argparse.ArgumentParser, stem: str, attention_path: bool = True) -> None:
@@ -161,7 +165,8 @@ def _accuracy(args: argparse.Namespace) -> int:
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
-                    path=args.attention_path, four_bit_layers=_layer_indices(args))
+                    path=args.attention_path, four_bit_layers=_layer_indices(args),
+                    raised=_raised(args))
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
 
@@ -174,6 +179,13 @@ def _layer_indices(args: argparse.Namespace) -> tuple[int, ...] | None:
     if not isinstance(args.four_bit_layers, LayerSet):
         return args.four_bit_layers
     return resolve_for_model_path(args.four_bit_layers, str(prepare(args.model, log=lambda *a, **k: None)))
+
+
+def _raised(args: argparse.Namespace) -> tuple:
+    """--4bit-tensors as RaisedTensors (ValueError naming the choices for another word)."""
+    from hack_ops.config import raised_tensors
+
+    return tuple(raised_tensors(t.strip()) for t in args.four_bit_tensors.split(",") if t.strip())
 
 
 def _patterns(value: str | None) -> list[str] | None:
@@ -220,7 +232,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path,
-                              four_bit_layers=_layer_indices(args), needle=args.needle_attention)
+                              four_bit_layers=_layer_indices(args), needle=args.needle_attention,
+                              raised=_raised(args))
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0
 

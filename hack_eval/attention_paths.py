@@ -67,8 +67,12 @@ def fast_refusal(config: HackConfig | None, mode: AttentionMode | str) -> str | 
     mode = attention_mode(mode)
     if mode == AttentionMode.EXACT or config is None:
         return None
-    if config.reference_only():
-        return f"{', '.join(config.reference_only())} is implemented in the reference only"
+    # Split K/V bits: the dequant views quantize K and V each with its own bits; the paged
+    # stores behind the 'hack' fast path lay a page out with one bit count.
+    only = tuple(f for f in config.reference_only()
+                 if mode != AttentionMode.DEQUANT or f not in ("k_bits", "raised_tensors"))
+    if only:
+        return f"{', '.join(only)} is implemented in the reference only"
     if OpenMode.REQUANT in (config.open_mode("k"), config.open_mode("v")):
         return "the open partition is re-quantized at every step (RQE off)"
     return None
@@ -137,7 +141,7 @@ def dequant_views(k: Tensor, v: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor
         # Per token: groups along head_dim, each token on its own; per channel: over whole pages.
         keep = not_sink if per_token else not_sink & full_page
         dim, group = (-1, cfg.head_group(x.shape[-1])) if per_token else (-2, p)
-        deq = dequantize(quantize_kv(xp, dim, group, cfg, None, keep[:, None].expand(xp.shape))) * keep[:, None]
+        deq = dequantize(quantize_kv(xp, dim, group, cfg, None, keep[:, None].expand(xp.shape), name)) * keep[:, None]
         exact16 = xp.half().float()
         sink = ~not_sink[:, None] & (j < n)[:, None]
         closed = torch.where(sink, exact16, deq)

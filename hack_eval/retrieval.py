@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from hack_ops.config import RaisedTensors, raised_tensors
+
 from .attention_paths import AttentionPath, attention_path
 from .report import report_head
 from .runner import EXACT, Variant, probe_attention, row_path, use_variant
@@ -164,9 +166,10 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
                         variant_patterns: list[str] | None = None, threads: int | None = None,
                         log: Callable[[str], None] = print, path: AttentionPath | str = AttentionPath.FAST,
                         modes: list[str] | None = None, four_bit_layers: tuple[int, ...] | None = None,
-                        needle: bool = False) -> dict:
+                        needle: bool = False, raised: tuple[RaisedTensors | str, ...] = (RaisedTensors.KV,)) -> dict:
     """`hack eval retrieval`: load the model, score exact plus the selected study rows (and the
-    default format with `four_bit_layers` at 4 bits, variants.layer_bits_variants)."""
+    default format with `four_bit_layers` at 4 bits, variants.layer_bits_variants, one row per
+    entry of `raised`)."""
     from .accuracy import MODEL_TITLES
     from .models import prepare
     from .runner import load_model
@@ -174,7 +177,7 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
 
     variants = select_variants(study_variants(), variant_patterns or ["=default"], modes)  # fails before loading
     if four_bit_layers:
-        variants = variants + layer_bits_variants(four_bit_layers, modes)
+        variants = variants + layer_bits_variants(four_bit_layers, modes, raised)
     torch.manual_seed(seed)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -186,6 +189,7 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
     return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
             "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
             "four_bit_layers": list(four_bit_layers or []),
+            "raised_tensors": [raised_tensors(t).value for t in raised] if four_bit_layers else [],
             "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
             "rows": rows, "needle_attention": attn}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import re
 
 from hack_ops import HackConfig
+from hack_ops.config import RaisedTensors, raised_tensors
 from hack_ops.layout import model_bytes_per_token
 from hack_ops.modes import attention_mode
 from hack_ops.rotation import Rotation
@@ -54,14 +55,21 @@ def option_variants() -> list[Variant]:
     ]
 
 
-def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | None = None) -> list[Variant]:
+def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | None = None,
+                        tensors: "list[RaisedTensors | str] | tuple[RaisedTensors | str, ...]" = (RaisedTensors.KV,)
+                        ) -> list[Variant]:
     """The default format with `layers` (0-based) at 4 bits and the rest at 2 (HackConfig
     four_bit_layers), in 'hack' and 'dequant' or only the given modes: the layers a model's
-    per-layer breakdown (`hack eval layers`) names. Model-specific, so not in study_variants()."""
-    cfg = DEFAULT.replace(four_bit_layers=tuple(layers))
-    name = f"default, layers {','.join(map(str, cfg.four_bit_layers))} at 4 bits"
+    per-layer breakdown (`hack eval layers`) names. One row per entry of `tensors`: K and V
+    raised ('kv') or K alone ('k', V stays at 2 bits). Model-specific, so not in study_variants()."""
     wanted = None if modes is None else {attention_mode(m.strip()) for m in modes if m.strip()}
-    return [Variant(name, m, cfg) for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
+    rows = []
+    for t in dict.fromkeys(raised_tensors(t) for t in tensors):
+        cfg = DEFAULT.replace(four_bit_layers=tuple(layers), raised_tensors=t)
+        which = "" if t == RaisedTensors.KV else " K"
+        name = f"default, layers {','.join(map(str, cfg.four_bit_layers))}{which} at 4 bits"
+        rows += [Variant(name, m, cfg) for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
+    return rows
 
 
 def rotation_variants() -> list[Variant]:

@@ -105,7 +105,7 @@ def attention(
     logit_cap = check_logit_cap(logit_cap)
     cfg = config or HackConfig()
     d = q.shape[-1]
-    if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * cfg.kv_bits) % 8):
+    if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * max(cfg.bits("k"), cfg.bits("v"))) % 8):
         raise ValueError(f"head_dim {d} must be a multiple of the head_dim group {cfg.head_group(d)}")
     if mode != AttentionMode.EXACT and cfg.per_layer:
         raise ValueError(f"{cfg.label()} differs per layer: pass config.for_layer(layer, num_layers)")
@@ -183,11 +183,11 @@ def _pad(x: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, n - x.shape[-2])) if n > x.shape[-2] else x
 
 
-def quantize_kv(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor) -> QTensor:
-    """K or V quantized as the format says (bits, rounding, meta dtype, range search), in
-    groups of `group` along `dim`, over the elements where `mask` is True."""
+def quantize_kv(x: Tensor, dim: int, group: int, cfg: HackConfig, gen, mask: Tensor, name: str) -> QTensor:
+    """K or V (`name` 'k' or 'v') quantized as the format says (its bits, rounding, meta dtype,
+    range search), in groups of `group` along `dim`, over the elements where `mask` is True."""
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
-    return quantize(x, cfg.kv_bits, dim=dim, group_size=group, rounding=cfg.rounding,
+    return quantize(x, cfg.bits(name), dim=dim, group_size=group, rounding=cfg.rounding,
                     generator=gen, meta_dtype=meta, mask=mask, range_search=cfg.range_search)
 
 
@@ -236,10 +236,10 @@ def _quantize_channel_k(k: Tensor, kmask: Tensor, cfg: HackConfig, gen) -> tuple
     mask = kmask[:, None].expand(k.shape)
     n = cfg.k_outlier_channels
     if not n:
-        return quantize_kv(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask), torch.zeros(())
+        return quantize_kv(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask, name="k"), torch.zeros(())
     wide = widest_channels(k, n, p, mask)  # [B, H, npg, D]
     sparse = wide.repeat_interleave(p, -2) & mask
-    qk = quantize_kv(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask & ~sparse)
+    qk = quantize_kv(k, dim=-2, group=p, cfg=cfg, gen=gen, mask=mask & ~sparse, name="k")
     qk.scale = qk.scale.masked_fill(wide, 0)
     return qk, k.half().float() * sparse
 
@@ -247,7 +247,7 @@ def _scores_token_k(qs: Tensor, k: Tensor, kmask: Tensor, cfg: HackConfig, mode:
     """Scores against K quantized per token in head_dim groups (Eq. 4 directly)."""
     gd = cfg.head_group(k.shape[-1])
     kt = k.transpose(-1, -2)
-    qk = quantize_kv(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape))
+    qk = quantize_kv(kt, dim=-2, group=gd, cfg=cfg, gen=gen, mask=kmask[None, :].expand(kt.shape), name="k")
     if mode == AttentionMode.DEQUANT:
         return qs @ _heads(dequantize(qk), rep)
     qq = quantize_qp(qs, -1, gd, cfg, gen, check=False)
@@ -263,7 +263,7 @@ def _pv_token_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConfig
     p, dd = cfg.partition_size, v.shape[-1]
     gd = cfg.head_group(dd)
     pw = pr * w
-    qv = quantize_kv(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
+    qv = quantize_kv(v, dim=-1, group=gd, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape), name="v")
     if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     b, h, sq, skp = pw.shape
@@ -281,7 +281,7 @@ def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConf
     """P·V with V quantized per channel over each page (Eq. 4, groups along the sequence)."""
     p = cfg.partition_size
     pw = pr * w
-    qv = quantize_kv(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape))
+    qv = quantize_kv(v, dim=-2, group=p, cfg=cfg, gen=gen, mask=vmask[:, None].expand(v.shape), name="v")
     if mode == AttentionMode.DEQUANT:
         return pw @ _heads(dequantize(qv) * vmask[:, None], rep)
     qp = quantize_qp(pw, -1, p, cfg, gen, zero_min=True, check=False)

@@ -23,6 +23,22 @@ META_DTYPES = ("float16", "float32")
 MAX_K_OUTLIER_CHANNELS = 32  # a few per head; indices are stored as uint8 (head_dim <= 256)
 
 
+class RaisedTensors(str, Enum):
+    """Which tensors of a raised layer (four_bit_layers, edge_layer_bits) take the raised bits
+    (HackConfig.raised_tensors)."""
+
+    KV = "kv"  # K and V
+    K = "k"  # K only; V keeps kv_bits (K carries most of the 2-bit error on the models studied)
+
+
+def raised_tensors(value: "RaisedTensors | str") -> RaisedTensors:
+    """The RaisedTensors named by `value` ('kv' or 'k'), or ValueError listing the choices."""
+    try:
+        return RaisedTensors(value)
+    except ValueError:
+        raise ValueError(f"raised_tensors must be one of {[m.value for m in RaisedTensors]}, got {value!r}") from None
+
+
 class OpenMode(str, Enum):
     """How attention reads a tensor (K or V) in a query's open partition (HackConfig.open_mode)."""
 
@@ -37,6 +53,9 @@ class HackConfig:
 
     partition_size: tokens per partition Π = tokens per KV page (multiple of 16, 16..256).
     kv_bits: bits per K/V code (2, or 4 for accuracy-sensitive users).
+    k_bits: bits per K code where K's differ from V's (0 = kv_bits for both; 2 or 4): a
+        uniform config's K bits, which for_layer() sets on a raised layer whose
+        raised_tensors is 'k'. bits('k') / bits('v') are what every path reads.
     qp_bits: bits of the quantized Q and P operands (8).
     rounding: 'nearest' or 'stochastic' (the paper's; unbiased, seeded by a torch.Generator).
     summation_elimination: keep code sums next to min/scale instead of recomputing them
@@ -74,6 +93,9 @@ class HackConfig:
         kv_bits, the first and last edge_layer_bits where set): the few layers where a model's
         2-bit error sits, found by `hack eval layers`. () = none. Per layer like
         edge_layer_bits, and served the same way.
+    raised_tensors: which tensors a raised layer (four_bit_layers, edge_layer_bits) gives the
+        raised bits: 'kv' (K and V) or 'k' (K only, V keeps kv_bits: fewer bytes where K
+        carries the error).
     """
 
     partition_size: int = 64
@@ -91,6 +113,8 @@ class HackConfig:
     k_outlier_channels: int = 0
     edge_layer_bits: int = 0
     four_bit_layers: tuple[int, ...] = ()
+    k_bits: int = 0
+    raised_tensors: RaisedTensors = RaisedTensors.KV
 
     def __post_init__(self) -> None:
         p = self.partition_size
@@ -117,6 +141,11 @@ class HackConfig:
         if n and self.orientation != "channel_k":
             raise ValueError("k_outlier_channels needs orientation 'channel_k' (outlier channels are chosen "
                              f"over a page's tokens, which per-token K does not group), got {self.orientation!r}")
+        if self.k_bits not in (0, 2, 4) or isinstance(self.k_bits, bool):
+            raise ValueError(f"k_bits must be 0 (= kv_bits), 2 or 4, got {self.k_bits!r}")
+        object.__setattr__(self, "raised_tensors", raised_tensors(self.raised_tensors))
+        if self.k_bits == self.kv_bits:  # frozen: one spelling of "K as V", so equal configs compare equal
+            object.__setattr__(self, "k_bits", 0)
         if self.edge_layer_bits not in (0, 2, 4) or isinstance(self.edge_layer_bits, bool):
             raise ValueError(f"edge_layer_bits must be 0 (off), 2 or 4, got {self.edge_layer_bits!r}")
         layers = self.four_bit_layers
@@ -143,15 +172,31 @@ class HackConfig:
             raise ValueError(f"four_bit_layers {list(beyond)} are beyond the model's {num_layers} layers (0-based)")
         if not self.edge_layer_bits and not self.four_bit_layers:
             return self
-        bits = self.edge_layer_bits if self.edge_layer_bits and layer in (0, num_layers - 1) else self.kv_bits
+        raised = self.edge_layer_bits if self.edge_layer_bits and layer in (0, num_layers - 1) else 0
         if layer in self.four_bit_layers:
-            bits = 4
-        return replace(self, kv_bits=bits, edge_layer_bits=0, four_bit_layers=())
+            raised = 4
+        k, v = self.bits("k"), self.bits("v")
+        if raised:
+            k = raised
+            v = raised if self.raised_tensors == RaisedTensors.KV else v
+        return replace(self, kv_bits=v, k_bits=0 if k == v else k, edge_layer_bits=0, four_bit_layers=(),
+                       raised_tensors=RaisedTensors.KV)
+
+    def bits(self, name: str) -> int:
+        """Bits per code of tensor `name` ('k' or 'v') in a uniform config."""
+        if name == "k":
+            return self.k_bits or self.kv_bits
+        if name == "v":
+            return self.kv_bits
+        raise ValueError(f"name must be 'k' or 'v', got {name!r}")
 
     def _per_layer_fields(self) -> tuple[str, ...]:
         """The per-layer fields that give some layer other bits than kv_bits."""
-        return tuple(name for name, on in (("edge_layer_bits", self.edge_layer_bits not in (0, self.kv_bits)),
-                                           ("four_bit_layers", bool(self.four_bit_layers) and self.kv_bits != 4))
+        def differs(raised: int) -> bool:
+            return raised != self.bits("k") or (self.raised_tensors == RaisedTensors.KV and raised != self.bits("v"))
+
+        return tuple(name for name, on in (("edge_layer_bits", self.edge_layer_bits != 0 and differs(self.edge_layer_bits)),
+                                           ("four_bit_layers", bool(self.four_bit_layers) and differs(4)))
                      if on)
 
     @property
@@ -164,7 +209,15 @@ class HackConfig:
         """The fields set here that only the dense reference (hack_ops.attention, hence the
         accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
         Triton) does, so HackKVStore and the server refuse a config that sets them."""
-        return ("k_outlier_channels",) if self.k_outlier_channels else ()
+        fields = ("k_outlier_channels",) if self.k_outlier_channels else ()
+        if self.k_bits or (self.raised_tensors == RaisedTensors.K and self.per_layer):
+            fields += ("k_bits",) if self.k_bits else ("raised_tensors",)
+        return fields
+
+    @property
+    def split_bits(self) -> bool:
+        """Some layer's K codes have other bits than its V codes (k_bits, or raised_tensors 'k')."""
+        return bool(self.k_bits) or (self.raised_tensors == RaisedTensors.K and self.per_layer)
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""
@@ -207,7 +260,8 @@ class HackConfig:
         return self.open_mode("k") == OpenMode.FP16 and self.open_mode("v") == OpenMode.FP16
 
     def label(self) -> str:
-        parts = [f"{self.orientation}", f"P{self.partition_size}", f"{self.kv_bits}bit"]
+        bits = f"{self.kv_bits}bit" if not self.k_bits or self.k_bits == self.kv_bits else f"K{self.k_bits}V{self.kv_bits}bit"
+        parts = [f"{self.orientation}", f"P{self.partition_size}", bits]
         if self.tail_tensors != "kv":
             parts.append("tail-" + self.tail_tensors)
         if self.sink_tokens:
@@ -227,4 +281,6 @@ class HackConfig:
             parts.append(f"edge{self.edge_layer_bits}bit")
         if "four_bit_layers" in per_layer:
             parts.append("L" + ",".join(map(str, self.four_bit_layers)) + "-4bit")
+        if per_layer and self.raised_tensors != RaisedTensors.KV:
+            parts.append("raised-" + self.raised_tensors.value)
         return "-".join(parts)

@@ -138,11 +138,13 @@ class PageLayout:
         }
         if self.config.k_outlier_channels:
             desc["k_outlier_channels"] = self.config.k_outlier_channels
+        if self.config.k_bits:
+            desc["k_bits"] = self.config.k_bits
         return desc
 
 
 def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool, is_k: bool) -> TensorLayout:
-    p, b = cfg.partition_size, cfg.kv_bits
+    p, b = cfg.partition_size, cfg.bits("k" if is_k else "v")
     gd = cfg.head_group(head_dim)
     ng = head_dim // gd
     meta = _META[cfg.meta_dtype]
@@ -183,7 +185,7 @@ def page_layout(config: HackConfig, num_heads: int, head_dim: int) -> PageLayout
     if config.k_outlier_channels >= head_dim:
         raise ValueError(f"k_outlier_channels ({config.k_outlier_channels}) must be below head_dim {head_dim}")
     gd = config.head_group(head_dim)
-    if head_dim % gd or (head_dim * config.kv_bits) % 8:
+    if head_dim % gd or (head_dim * min(config.bits("k"), config.bits("v"))) % 8:
         raise ValueError(f"head_dim {head_dim} must be a multiple of {gd} and pack into whole bytes")
     k_chan = not config.k_per_token
     return PageLayout(
@@ -234,9 +236,15 @@ def describe_layouts(store) -> dict:
     one layout, so its PD fingerprint does not change."""
     layouts = store.layouts
     desc = layouts[0].describe()
-    if any(lay.config.kv_bits != layouts[0].config.kv_bits for lay in layouts):
+    def bits(lay) -> tuple[int, int]:
+        return lay.config.bits("k"), lay.config.bits("v")
+
+    if any(bits(lay) != bits(layouts[0]) for lay in layouts):
         desc["kv_bits"] = store.config.kv_bits
+        desc.pop("k_bits", None)
         desc["layer_bits"] = [lay.config.kv_bits for lay in layouts]
+        if store.config.split_bits:
+            desc["layer_k_bits"] = [lay.config.bits("k") for lay in layouts]
         desc["k_page_bytes"] = [lay.k.page_bytes for lay in layouts]
         desc["v_page_bytes"] = [lay.v.page_bytes for lay in layouts]
     return desc

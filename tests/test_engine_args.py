@@ -83,6 +83,9 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--hack-orientation", "token_k", "--hack-k-outlier-channels", "1"],
      "k_outlier_channels needs orientation 'channel_k'"),
     (["--hack-k-outlier-channels", "1"], "only apply with --kv-cache-dtype hack"),
+    (["--kv-cache-dtype", "hack", "--hack-k-bits", "4"], "--hack-k-bits 4: implemented in the reference attention only"),
+    (["--kv-cache-dtype", "hack", "--hack-4bit-layers", "1", "--hack-4bit-tensors", "k"],
+     "--hack-4bit-tensors k: implemented in the reference attention only"),
 ])
 def test_bad_combinations_are_refused(parser, argv, message):
     ns = _parse(parser, *argv)
@@ -100,6 +103,8 @@ def test_bad_combinations_are_refused(parser, argv, message):
     ["--hack-4bit-layers", "1,-5"],
     ["--hack-4bit-layers", "first"],
     ["--hack-k-outlier-channels", "-1"],
+    ["--hack-k-bits", "3"],
+    ["--hack-4bit-tensors", "v"],
     ["--hack-kv-budget-mb", "0"],
     ["--kv-cache-dtype", "int3"],
 ])
@@ -124,6 +129,11 @@ def test_study_options_parse_into_the_config_the_study_measures(parser):
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "4")
     apply_cli_namespace(ns)
     assert settings_mod.active().config == HackConfig(edge_layer_bits=4)
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "5", "--hack-4bit-tensors", "k",
+                "--hack-k-bits", "4")
+    split = settings_from_options(ns, enabled=True)
+    assert split.config == HackConfig(four_bit_layers=(5,), raised_tensors="k", k_bits=4)
+    assert settings_mod.EngineSettings.from_json(split.to_json()) == split  # the enum travels as its value
 
 
 def test_budget_alone_applies_to_any_kv_dtype(parser):

@@ -1,0 +1,135 @@
+"""K and V with their own bits (HackConfig.k_bits; raised_tensors 'k': the raised layers give K
+alone 4 bits): the config, the layout's bytes, the reference against the study's fast dequant
+views, and the refusals of the paths that lay a page out with one bit count (the paged store,
+the server's flags). The accuracy study measures it (docs/accuracy.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hack_ops import HackConfig, attention
+from hack_ops.config import RaisedTensors
+from hack_ops.layout import describe_layouts, model_bytes_per_token, page_layout
+
+
+def test_k_bits_validate_and_default_to_kv_bits():
+    assert HackConfig().bits("k") == HackConfig().bits("v") == 2
+    c = HackConfig(k_bits=4)
+    assert (c.bits("k"), c.bits("v")) == (4, 2) and c.label() == "channel_k-P64-K4V2bit-sink1"
+    assert HackConfig(k_bits=2) == HackConfig()  # K as V: one spelling, the same config
+    assert HackConfig(kv_bits=4, k_bits=2).bits("k") == 2
+    for bad in (1, 3, 8, True):
+        with pytest.raises(ValueError, match="k_bits"):
+            HackConfig(k_bits=bad)
+    with pytest.raises(ValueError, match="raised_tensors must be one of"):
+        HackConfig(raised_tensors="v")
+    with pytest.raises(ValueError, match="name must be 'k' or 'v'"):
+        c.bits("q")
+
+
+def test_raised_layers_give_k_alone_four_bits():
+    c = HackConfig(four_bit_layers=(1, 3), raised_tensors="k")
+    assert c.raised_tensors is RaisedTensors.K and c.per_layer and c.split_bits
+    assert c.label() == "channel_k-P64-2bit-sink1-L1,3-4bit-raised-k"
+    assert [(c.for_layer(i, 5).bits("k"), c.for_layer(i, 5).bits("v")) for i in range(5)] == [
+        (2, 2), (4, 2), (2, 2), (4, 2), (2, 2)]
+    assert c.for_layer(0, 5) == HackConfig() and c.for_layer(1, 5) == HackConfig(k_bits=4)
+    edges = HackConfig(edge_layer_bits=4, raised_tensors="k")
+    assert [edges.for_layer(i, 3).bits("k") for i in range(3)] == [4, 2, 4]
+    assert [edges.for_layer(i, 3).bits("v") for i in range(3)] == [2, 2, 2]
+    # K at 4 everywhere already: the raised layers change nothing, one layout
+    assert not HackConfig(k_bits=4, four_bit_layers=(1,), raised_tensors="k").per_layer
+    # K and V raised (the default) is served; K alone is the reference's
+    assert HackConfig(four_bit_layers=(1,)).reference_only() == ()
+    assert c.reference_only() == ("raised_tensors",) and HackConfig(k_bits=4).reference_only() == ("k_bits",)
+    assert not HackConfig(raised_tensors="k").split_bits  # nothing raised: nothing split
+
+
+def test_layout_counts_each_tensor_with_its_bits():
+    h, d = 2, 128
+    two, four, split = (page_layout(HackConfig(**kw), h, d) for kw in ({}, {"kv_bits": 4}, {"k_bits": 4}))
+    assert split.k.page_bytes == four.k.page_bytes and split.v.page_bytes == two.v.page_bytes
+    assert split.k.sums.dtype == four.k.sums.dtype  # code sums sized for K's 4-bit codes
+    assert split.describe()["k_bits"] == 4 and "k_bits" not in two.describe()
+    # Gemma-3-270M (18 layers, 1 KV head, head_dim 256), layers 5,11,17 raised, 4K context
+    ratios = [model_bytes_per_token(HackConfig(four_bit_layers=(5, 11, 17), raised_tensors=t), 18, 1, 256,
+                                    4096)["ratio"] for t in ("kv", "k")]
+    base = model_bytes_per_token(HackConfig(), 18, 1, 256, 4096)["ratio"]
+    assert base < ratios[1] < ratios[0]
+    assert ratios[1] == pytest.approx(0.1804, abs=5e-4) and ratios[0] == pytest.approx(0.1909, abs=5e-4)
+
+
+def test_store_description_lists_k_bits_per_layer():
+    import types
+
+    cfg = HackConfig(four_bit_layers=(1,), raised_tensors="k")
+    store = types.SimpleNamespace(config=cfg, layouts=[page_layout(cfg.for_layer(i, 3), 1, 64) for i in range(3)])
+    desc = describe_layouts(store)
+    assert desc["layer_bits"] == [2, 2, 2] and desc["layer_k_bits"] == [2, 4, 2] and "k_bits" not in desc
+
+
+def _qkv(seq: int, hq: int, hk: int, d: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, h, seq, d, generator=g) for h in (hq, hk, hk))
+    k[..., 3] *= 8  # an outlier channel, as real K has
+    return q, k, v
+
+
+def test_dequant_views_quantize_each_tensor_with_its_bits():
+    """The fast path's K views are the 4-bit config's, its V views the 2-bit config's, exactly."""
+    from hack_eval.attention_paths import dequant_views
+
+    _, k, v = _qkv(150, 2, 2, 64, seed=1)
+    split = dequant_views(k, v, HackConfig(k_bits=4))
+    four, two = dequant_views(k, v, HackConfig(kv_bits=4)), dequant_views(k, v, HackConfig())
+    for got, want in zip(split, (*four[:2], *two[2:])):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["dequant", "hack"])
+def test_reference_error_lies_between_the_uniform_formats(mode):
+    """K at 4 bits with V at 2 (the reference, both modes) is more accurate than 2 bits for both
+    and less than 4 for both, on a GQA head layout with an outlier K channel."""
+    q, k, v = _qkv(200, 4, 2, 64, seed=2)
+    exact = attention(q, k, v, None, "exact")
+
+    def err(cfg: HackConfig) -> float:
+        return (attention(q, k, v, cfg, mode) - exact).pow(2).mean().item()
+
+    e2, e42, e4 = err(HackConfig()), err(HackConfig(k_bits=4)), err(HackConfig(kv_bits=4))
+    assert e4 < e42 < e2
+
+
+def test_study_fast_path_matches_the_reference_with_split_bits():
+    from hack_eval.attention_paths import AttentionPath, fast_refusal, study_attention
+    from hack_eval.runner import Variant, row_path
+
+    cfg = HackConfig(k_bits=4)
+    q, k, v = _qkv(170, 4, 2, 64, seed=3)
+    fast = study_attention(q, k, v, cfg, "dequant")
+    ref = attention(q, k, v, cfg, "dequant")
+    assert torch.allclose(fast, ref, atol=1e-4, rtol=1e-4)
+    # 'hack' rows run on the reference: the paged store lays a page out with one bit count
+    assert "k_bits is implemented in the reference only" in fast_refusal(cfg, "hack")
+    assert fast_refusal(cfg, "dequant") is None
+    raised = HackConfig(four_bit_layers=(1,), raised_tensors="k")
+    assert row_path(Variant("r", "hack", raised), AttentionPath.FAST) == AttentionPath.REFERENCE
+    assert row_path(Variant("r", "dequant", raised), AttentionPath.FAST) == AttentionPath.FAST
+
+
+def test_paged_store_refuses_split_bits():
+    from hack_ops.paged.store import HackKVStore
+
+    with pytest.raises(ValueError, match="raised_tensors of .* implemented in the dense"):
+        HackKVStore(HackConfig(four_bit_layers=(1,), raised_tensors="k"), num_layers=3, num_heads=1, head_dim=64,
+                    num_pages=4, num_rows=1)
+
+
+def test_study_rows_for_each_raised_set():
+    from hack_eval.variants import layer_bits_variants
+
+    rows = layer_bits_variants((5, 11), ["dequant"], ("kv", "k", "k"))
+    assert [r.name for r in rows] == ["default, layers 5,11 at 4 bits", "default, layers 5,11 K at 4 bits"]
+    assert [r.config.raised_tensors for r in rows] == [RaisedTensors.KV, RaisedTensors.K]
+    with pytest.raises(ValueError, match="raised_tensors must be one of"):
+        layer_bits_variants((5,), None, ("v",))
