@@ -126,14 +126,14 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         choices=[t.value for t in RaisedTensors],
         help="Which tensors of the --hack-4bit-layers (and --hack-edge-layer-bits) layers take their "
              "bits: kv (K and V, default) or k (K alone, V keeps --hack-kv-bits: fewer bytes where K "
-             "carries the error). Measured by `hack eval accuracy|retrieval --4bit-tensors`; the serving "
-             "paths refuse k.")),
+             "carries the error; `hack eval accuracy|retrieval --4bit-tensors`). Each layer's pages are "
+             "laid out with its K and V bits.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_k_bits": ("--hack-k-bits", dict(
         type=int, choices=[2, 4],
-        help="Bits per K code where K's differ from V's (default: --hack-kv-bits for both). Measured by "
-             "`hack eval accuracy`; the serving paths refuse K bits other than V's.")),
+        help="Bits per K code where they differ from V's (default: --hack-kv-bits for both; "
+             "--hack-kv-bits then sets V's).")),
     "hack_attention": ("--hack-attention", dict(
         choices=[m.value for m in SERVING_MODES],
         help="hack: homomorphic attention on codes (default); dequant: the strawman baseline "
@@ -163,8 +163,6 @@ _CONFIG_FIELDS = {
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
 _REFERENCE_ONLY_FLAGS = {
     "k_outlier_channels": "--hack-k-outlier-channels",
-    "k_bits": "--hack-k-bits",
-    "raised_tensors": "--hack-4bit-tensors",
 }
 
 
@@ -174,10 +172,7 @@ def reference_only_refusal(cfg: HackConfig) -> str | None:
     fields = cfg.reference_only()
     if not fields:
         return None
-
-    def shown(v: Any) -> Any:  # as typed
-        return ",".join(map(str, v)) if isinstance(v, tuple) else getattr(v, "value", v)
-
+    shown = lambda v: ",".join(map(str, v)) if isinstance(v, tuple) else v  # noqa: E731  as typed
     flags = ", ".join(f"{_REFERENCE_ONLY_FLAGS[f]} {shown(getattr(cfg, f))}" for f in fields)
     return (f"{flags}: implemented in the reference attention only (hack_ops.attention, measured by "
             "`hack eval accuracy`); the compiled CPU store and kernels, the Triton kernels and the paged "
@@ -249,6 +244,11 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
     refusal = reference_only_refusal(settings.config)
     if refusal:
         raise HackArgumentError(refusal)
+    cfg = settings.config
+    if cfg.raised_tensors != RaisedTensors.KV and not (cfg.four_bit_layers or cfg.edge_layer_bits):
+        raise HackArgumentError(f"--hack-4bit-tensors {cfg.raised_tensors.value} says which tensors of the raised "
+                                "layers take their bits; name those layers with --hack-4bit-layers or "
+                                "--hack-edge-layer-bits")
     out: dict[str, Any] = {}
     page = getattr(ns, "page_size", None)
     if page is None:

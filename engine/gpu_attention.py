@@ -5,12 +5,13 @@ all checks), turned into the CSR page table the Triton wrappers take (ForwardPla
 the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
 which stores the chunk's pages, attends, then appends the tails. Each call takes the layer's
 scaling, sliding window and logit soft-cap (engine.backend.layer_features) and its own page
-layout (store.layout_for: layers may differ in bits); the kernels skip the pages before the
-window.
+layout (store.layout_for: layers may differ in bits, K's and V's apart); the kernels skip the
+pages before the window.
 
-This module cannot run on the project's CI machine (no GPU). What can be checked there is
-checked: the format is accepted by kernel_spec at startup, and the plan conversion is pure
-torch. Formats the kernels do not implement are refused when the server starts.
+The project's CI machine has no GPU. What can be checked there is checked: the format is
+accepted by kernel_spec at startup, the plan conversion is pure torch, and the kernels run on
+CPU tensors in Triton's interpreter (tests/test_triton_prefill.py). Formats the kernels do not
+implement are refused when the server starts.
 """
 from __future__ import annotations
 
@@ -36,10 +37,11 @@ class GpuAttention:
             kernel_spec(lay)  # refuses formats the kernels do not implement, with the reason
         self.store = store
         self.device = store.device
-        # Planned kernels by (query heads, the layer's bits): layers with more bits
-        # (--hack-4bit-layers) have their own page layout, hence their own kernel object.
-        self._decode: dict[tuple[int, int], Any] = {}
-        self._prefill: dict[tuple[int, int], Any] = {}
+        # Planned kernels by (query heads, the layer's K bits, its V bits): layers with more bits
+        # (--hack-4bit-layers, for K alone or K and V) have their own page layout, hence their
+        # own kernel object.
+        self._decode: dict[tuple[int, int, int], Any] = {}
+        self._prefill: dict[tuple[int, int, int], Any] = {}
         self._csr: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
 
     def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
@@ -64,7 +66,7 @@ class GpuAttention:
 
         indptr, indices, lens, _, rows = self._csr
         hq, lay = q.shape[1], self.store.layout_for(layer)
-        key = (hq, lay.config.kv_bits)
+        key = (hq, lay.config.bits("k"), lay.config.bits("v"))
         attn = self._decode.get(key)
         if attn is None:
             attn = HackDecodeAttention(lay, hq, sm_scale=scale)
@@ -81,7 +83,7 @@ class GpuAttention:
 
         indptr, indices, lens, qo, rows = self._csr
         hq, lay = q.shape[1], self.store.layout_for(layer)
-        key = (hq, lay.config.kv_bits)
+        key = (hq, lay.config.bits("k"), lay.config.bits("v"))
         attn = self._prefill.get(key)
         if attn is None:
             attn = HackPrefillAttention(lay, hq, sm_scale=scale)

@@ -54,6 +54,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
                    help="0-based layers the hack-4bit-layers method holds at 4 bits, or 'full' (the model's "
                         "layers without a sliding window)")
+    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k"], default="kv",
+                   help="which tensors of the --4bit-layers layers the hack-4bit-layers method holds at 4 bits: "
+                        "kv (K and V, default) or k (K alone, V at 2 bits; --hack-4bit-tensors)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
@@ -62,7 +65,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
                                   decode_tokens=None, concurrency=8, requests=None, budget_mb=256.0,
-                                  model="smollm2", four_bit_layers=None, out=None, no_doc=False))
+                                  model="smollm2", four_bit_layers=None, four_bit_tensors="kv", out=None,
+                                  no_doc=False))
 
 
 def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) -> dict:
@@ -119,7 +123,7 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
     # One run directory per method (the dashboard compares two runs side by side).
     runs = {m: rundir.create_run(f"bench-serve-{m}", m, extra={"model_path": model_path, "bench": "serve",
                                                                 **(run_meta or {})}) for m in methods}
-    servers = {m: SGLangServer(model_path, [*method_args(m, cfg.get("four_bit_layers")),
+    servers = {m: SGLangServer(model_path, [*method_args(m, cfg.get("four_bit_layers"), cfg.get("four_bit_tensors", "kv")),
                                             "--hack-kv-budget-mb", str(cfg["budget_mb"]),
                                             "--sleep-on-idle"], env=metrics_env(runs[m])) for m in methods}
     res: dict[str, dict] = {m: {"contexts": {}} for m in methods}
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     model_path = str(prepare(args.model, log=say))
     if "hack-4bit-layers" in methods:  # 'full' as the model's indices, for the record and the servers
         cfg["four_bit_layers"] = list(resolve_for_model_path(layers, model_path))
+        cfg["four_bit_tensors"] = getattr(args, "four_bit_tensors", "kv")
     result = {"bench": "serve", "model": args.model, "machine": platform.processor() or platform.machine(),
               "config": cfg, "methods": {}}
     result["methods"] = _measure_all(methods, model_path, cfg, say,

@@ -44,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
                         "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names, "
                         "or 'full': the model's layers without a sliding window)")
+    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k"], default="kv",
+                   help="with --4bit-layers: kv (K and V at 4 bits, default) or k (K alone; --hack-4bit-tensors)")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")
@@ -154,6 +156,8 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
             raise ValueError(f"--4bit-layers sets HACK page bits; --kv {args.kv} has no HACK pages")
         layers = resolve_for_model_path(layers, _model_path(args.model))  # 'full': the model's indices
         extra = ["--hack-4bit-layers", ",".join(map(str, layers))]
+        if getattr(args, "four_bit_tensors", "kv") != "kv":
+            extra += ["--hack-4bit-tensors", args.four_bit_tensors]
     return cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
                                extra_server_args=extra,
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,

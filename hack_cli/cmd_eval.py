@@ -225,8 +225,12 @@ def _retrieval(args: argparse.Namespace) -> int:
 
         if args.needle_attention:
             raise ValueError("--needle-attention reads the HF model's attention; it does not combine with --served")
+        raised = _raised(args)
+        if len(raised) != 1:
+            raise ValueError("--served starts one hack-4bit-layers server: give --4bit-tensors kv or k, not both")
         res = run_served_retrieval(args.model, contexts, args.items, _csv(args.served), seed=args.seed,
-                                   four_bit_layers=_layer_indices(args), budget_mb=args.budget_mb, log=log)
+                                   four_bit_layers=_layer_indices(args), budget_mb=args.budget_mb, log=log,
+                                   raised=raised[0].value)
         _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
         return 0
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,

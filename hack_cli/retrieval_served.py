@@ -43,7 +43,7 @@ def served_rows(method: str, args: list[str], items: list[Item], answers: list[b
 
 def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, methods: list[str], seed: int = 0,
                          four_bit_layers: tuple[int, ...] | None = None, budget_mb: float = 256.0,
-                         log: Callable[[str], None] = print) -> dict:
+                         log: Callable[[str], None] = print, raised: str = "kv") -> dict:
     """Exact-match accuracy of each method's server on the study's items (see the module)."""
     from transformers import AutoTokenizer
 
@@ -54,7 +54,7 @@ def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, me
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not methods:
         raise ValueError(f"--served takes methods of {list(METHODS)}, got {methods!r}")
-    server_args = {m: method_args(m, four_bit_layers) for m in methods}  # refuses a missing --4bit-layers now
+    server_args = {m: method_args(m, four_bit_layers, raised) for m in methods}  # refuses a missing --4bit-layers now
     path = prepare(model_name, log=log)
     items = build_items(AutoTokenizer.from_pretrained(str(path)), contexts, per_cell, seed)
     longest = max(len(item.ids) for item in items)

@@ -20,14 +20,18 @@ METHODS = {
 }
 
 
-def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None") -> list[str]:
+def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None", raised: str = "kv") -> list[str]:
     """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers: indices,
-    or a set's name that the server resolves from the model's config)."""
+    or a set's name that the server resolves from the model's config; and with raised 'k' only K
+    of those layers takes 4 bits: --hack-4bit-tensors k)."""
     from engine.layer_sets import LayerSet
+    from hack_ops.config import RaisedTensors, raised_tensors
 
     if method != "hack-4bit-layers":
         return list(METHODS[method])
     if not four_bit_layers:
         raise ValueError("--methods hack-4bit-layers needs --4bit-layers L,L,...|full (the layers to hold at 4 bits)")
     shown = four_bit_layers.value if isinstance(four_bit_layers, LayerSet) else ",".join(map(str, four_bit_layers))
-    return [*METHODS[method], "--hack-4bit-layers", shown]
+    tensors = raised_tensors(raised)
+    extra = [] if tensors == RaisedTensors.KV else ["--hack-4bit-tensors", tensors.value]
+    return [*METHODS[method], "--hack-4bit-layers", shown, *extra]

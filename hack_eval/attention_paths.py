@@ -67,12 +67,8 @@ def fast_refusal(config: HackConfig | None, mode: AttentionMode | str) -> str | 
     mode = attention_mode(mode)
     if mode == AttentionMode.EXACT or config is None:
         return None
-    # Split K/V bits: the dequant views quantize K and V each with its own bits; the paged
-    # stores behind the 'hack' fast path lay a page out with one bit count.
-    only = tuple(f for f in config.reference_only()
-                 if mode != AttentionMode.DEQUANT or f not in ("k_bits", "raised_tensors"))
-    if only:
-        return f"{', '.join(only)} is implemented in the reference only"
+    if config.reference_only():
+        return f"{', '.join(config.reference_only())} is implemented in the reference only"
     if OpenMode.REQUANT in (config.open_mode("k"), config.open_mode("v")):
         return "the open partition is re-quantized at every step (RQE off)"
     return None

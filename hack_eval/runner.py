@@ -86,8 +86,6 @@ def row_path(v: Variant, path: AttentionPath) -> AttentionPath:
     reaches the attention resolved into one uniform config per layer, which is what is asked)."""
     cfg = v.config
     if cfg is not None and cfg.per_layer:
-        if fast_refusal(cfg, v.mode) is not None:  # split K/V bits in the raised layers
-            return AttentionPath.REFERENCE
         cfg = cfg.replace(edge_layer_bits=0, four_bit_layers=())
     return AttentionPath.REFERENCE if fast_refusal(cfg, v.mode) is not None else path
 

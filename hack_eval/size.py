@@ -30,6 +30,7 @@ def size_table(name: str, context: int) -> list[dict]:
         ("hack default " + DEFAULT.label(), DEFAULT),
         ("hack paper layout " + PAPER.label(), PAPER),
         ("hack 4-bit " + DEFAULT.replace(kv_bits=4).label(), DEFAULT.replace(kv_bits=4)),
+        ("hack 4-bit K, 2-bit V " + DEFAULT.replace(k_bits=4).label(), DEFAULT.replace(k_bits=4)),
     ]
     formats += [(f"hack partition {p}", DEFAULT.replace(partition_size=p)) for p in (32, 128)]
     for label, cfg in formats:

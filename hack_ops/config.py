@@ -209,10 +209,7 @@ class HackConfig:
         """The fields set here that only the dense reference (hack_ops.attention, hence the
         accuracy study) implements; no paged path (PyTorch, compiled CPU store and kernels,
         Triton) does, so HackKVStore and the server refuse a config that sets them."""
-        fields = ("k_outlier_channels",) if self.k_outlier_channels else ()
-        if self.k_bits or (self.raised_tensors == RaisedTensors.K and self.per_layer):
-            fields += ("k_bits",) if self.k_bits else ("raised_tensors",)
-        return fields
+        return ("k_outlier_channels",) if self.k_outlier_channels else ()
 
     @property
     def split_bits(self) -> bool:

@@ -5,7 +5,8 @@ A page holds Π = partition_size tokens of one layer. Each layer has one uint8 b
 one for V, shaped [num_pages, page_bytes]. Inside a page, sections follow each other, each
 starting at a 16-byte aligned offset, and each is head-major:
 
-  codes  [H, Π, D*bits/8]  uint8  codes packed along head_dim (see hack_ops.packing)
+  codes  [H, Π, D*bits/8]  uint8  codes packed along head_dim (see hack_ops.packing); K and V
+                                  may have different bits (HackConfig.k_bits)
   minimum[H, M]            meta   (fp16 by default)
   scale  [H, M]            meta
   sums   [H, Π*ng]         int    K only: code sums per token and head_dim group
@@ -70,6 +71,7 @@ class TensorLayout:
     scale: Section
     sums: Section | None  # None for V (no sums section)
     page_bytes: int
+    bits: int = 2  # bits per code of this tensor (K and V may differ: HackConfig.bits)
     outlier_index: Section | None = None  # K with k_outlier_channels only
     outlier_values: Section | None = None
 
@@ -171,7 +173,7 @@ def _tensor_layout(cfg: HackConfig, heads: int, head_dim: int, per_channel: bool
         off = _align(off + nbytes)
     if not is_k:
         secs.append(None)
-    return TensorLayout(per_channel, *secs[:4], page_bytes=off, outlier_index=secs[4] if n_out else None,
+    return TensorLayout(per_channel, *secs[:4], page_bytes=off, bits=b, outlier_index=secs[4] if n_out else None,
                         outlier_values=secs[5] if n_out else None)
 
 

@@ -56,8 +56,8 @@ def page_code_sums(layout: PageLayout, tensor: PageTensor, buf: Tensor, pages: T
     cfg = layout.config
     d = layout.head_dim
     gd = cfg.head_group(d)
-    codes = unpack(tl.view(buf, "codes")[pages], cfg.kv_bits, d)  # [n, H, Π, D]
-    sums = group_code_sums(codes, cfg.kv_bits, gd)  # [n, H, Π, ng]
+    codes = unpack(tl.view(buf, "codes")[pages], tl.bits, d)  # [n, H, Π, D]
+    sums = group_code_sums(codes, tl.bits, gd)  # [n, H, Π, ng]
     return sums.reshape(pages.shape[0], layout.num_heads, -1).to(tl.sums.dtype)
 
 

@@ -66,7 +66,9 @@ def test_mixed_batch(p, head_dim, rep, bits, sinks):
     dict(tail_tensors="per_channel", sink_tokens=4, kv_bits=4),
     dict(meta_dtype="float32", sink_tokens=5, kv_bits=4),
     dict(range_search=True),  # the default format
-], ids=["v-codes-open", "v-codes-open-4bit-sink4", "meta-fp32", "default-format"])
+    dict(k_bits=4, sink_tokens=1),
+    dict(kv_bits=4, k_bits=2, tail_tensors="per_channel", sink_tokens=2),
+], ids=["v-codes-open", "v-codes-open-4bit-sink4", "meta-fp32", "default-format", "k4-v2", "k2-v4-v-codes-open"])
 def test_format_options(kw):
     _run_mixed(make_cfg(partition_size=32, **kw), 64, 2, seed=21)
 

@@ -79,6 +79,8 @@ def _schedule(p: int) -> list[list[int]]:
     (32, 2, 256, {"tail_tensors": "per_channel", "sink_tokens": 2}),
     (64, 3, 64, {"tail_tensors": "per_channel", "range_search": False, "meta_dtype": "float32"}),
     (128, 1, 256, {"meta_dtype": "float32", "sink_tokens": 128}),  # a page of sinks only
+    (64, 2, 128, {"k_bits": 4}),  # K at 4 bits, V at 2
+    (32, 1, 64, {"kv_bits": 4, "k_bits": 2, "tail_tensors": "per_channel", "sink_tokens": 2}),
 ])
 def test_bytes_equal_the_reference_store(page, heads, d, kw):
     cfg = HackConfig(partition_size=page, **kw)

@@ -78,7 +78,8 @@ def test_fingerprint_names_version_partition_and_model():
     assert fp(HackConfig(rotation="hadamard_v")) != fp(HackConfig(rotation="signed_hadamard_v"))
     # which layers hold 4-bit pages is part of the format; a uniform store describes as its layout
     assert len({base, fp(HackConfig(four_bit_layers=(1,))), fp(HackConfig(four_bit_layers=(2,))),
-                fp(HackConfig(edge_layer_bits=4))}) == 4
+                fp(HackConfig(edge_layer_bits=4)), fp(HackConfig(four_bit_layers=(1,), raised_tensors="k")),
+                fp(HackConfig(k_bits=4))}) == 6
     uniform = HackKVStore(HackConfig(), 3, 3, 64, num_pages=1, num_rows=1)
     assert describe_layouts(uniform) == uniform.layout.describe()
     mixed = describe_layouts(HackKVStore(HackConfig(four_bit_layers=(1,)), 3, 3, 64, num_pages=1, num_rows=1))

@@ -83,9 +83,9 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--hack-orientation", "token_k", "--hack-k-outlier-channels", "1"],
      "k_outlier_channels needs orientation 'channel_k'"),
     (["--hack-k-outlier-channels", "1"], "only apply with --kv-cache-dtype hack"),
-    (["--kv-cache-dtype", "hack", "--hack-k-bits", "4"], "--hack-k-bits 4: implemented in the reference attention only"),
-    (["--kv-cache-dtype", "hack", "--hack-4bit-layers", "1", "--hack-4bit-tensors", "k"],
-     "--hack-4bit-tensors k: implemented in the reference attention only"),
+    (["--kv-cache-dtype", "hack", "--hack-4bit-tensors", "k"],
+     "--hack-4bit-tensors k says which tensors of the raised layers take their bits; name those layers"),
+    (["--hack-k-bits", "4"], "only apply with --kv-cache-dtype hack"),
 ])
 def test_bad_combinations_are_refused(parser, argv, message):
     ns = _parse(parser, *argv)
@@ -129,11 +129,13 @@ def test_study_options_parse_into_the_config_the_study_measures(parser):
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-edge-layer-bits", "4")
     apply_cli_namespace(ns)
     assert settings_mod.active().config == HackConfig(edge_layer_bits=4)
+    # K and V with their own bits: served, and what children receive round-trips (the enum as its value)
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "5", "--hack-4bit-tensors", "k",
-                "--hack-k-bits", "4")
-    split = settings_from_options(ns, enabled=True)
-    assert split.config == HackConfig(four_bit_layers=(5,), raised_tensors="k", k_bits=4)
-    assert settings_mod.EngineSettings.from_json(split.to_json()) == split  # the enum travels as its value
+                "--hack-kv-bits", "4", "--hack-k-bits", "2")
+    apply_cli_namespace(ns)
+    split = settings_mod.active()
+    assert split.config == HackConfig(four_bit_layers=(5,), raised_tensors="k", kv_bits=4, k_bits=2)
+    assert settings_mod.EngineSettings.from_json(split.to_json()) == split
 
 
 def test_budget_alone_applies_to_any_kv_dtype(parser):

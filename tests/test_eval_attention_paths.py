@@ -41,10 +41,12 @@ CASES = [
     (200, 4, 1, 256, HackConfig(), {"window": 70, "scale": 256 ** -0.5}),
     (260, 4, 2, 64, HackConfig(partition_size=32, sink_tokens=4), {"window": 45, "logit_cap": 5.0}),
     (190, 4, 2, 64, HackConfig(kv_bits=4), {}),
+    (210, 4, 2, 64, HackConfig(k_bits=4), {}),  # K at 4 bits, V at 2
+    (170, 2, 1, 128, HackConfig(kv_bits=4, k_bits=2), {"window": 90}),
     (256, 4, 2, 64, HackConfig(rotation="hadamard_kv"), {}),
     (150, 2, 2, 64, HackConfig(range_search=False, sink_tokens=0), {}),
 ]
-IDS = ["gqa", "d256-window", "p32-sinks4-window-cap", "4bit", "rotation", "minmax-nosink"]
+IDS = ["gqa", "d256-window", "p32-sinks4-window-cap", "4bit", "k4-v2", "k2-v4-window", "rotation", "minmax-nosink"]
 
 
 @pytest.mark.parametrize("n,hq,h,d,cfg,feat", CASES, ids=IDS)
@@ -68,7 +70,7 @@ def test_dequant_layouts_match_reference(cfg):
     assert (fast - _ref(q, k, v, cfg, "dequant", window=100)).abs().max().item() < DENSE_TOL
 
 
-@pytest.mark.parametrize("n,hq,h,d,cfg,feat", CASES[:5], ids=IDS[:5])
+@pytest.mark.parametrize("n,hq,h,d,cfg,feat", CASES[:7], ids=IDS[:7])
 def test_hack_runs_the_serving_extend(n, hq, h, d, cfg, feat):
     path, why = cpu_extend.choose(_store(cfg, h, d), "hack", window=feat.get("window"))
     if path not in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE):

@@ -41,6 +41,9 @@ def test_size_table_matches_layout():
     assert rows[0]["format"] == "bf16" and rows[0]["bytes_per_token_layer"] == 2 * 2 * 3 * 64
     default = next(r for r in rows if r["format"].startswith("hack default channel_k"))
     assert 0.16 < default["ratio"] <= 0.18  # the byte budget the defaults were chosen under
+    four = next(r for r in rows if r["format"].startswith("hack 4-bit channel_k"))
+    split = next(r for r in rows if r["format"].startswith("hack 4-bit K, 2-bit V"))
+    assert default["ratio"] < split["ratio"] < four["ratio"]
 
 
 def test_cli_size_json():

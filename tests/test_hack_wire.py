@@ -102,7 +102,8 @@ def _transfer(cfg: HackConfig, n: int, seed: int, active) -> tuple:
 @pytest.mark.parametrize("cfg,n", [(HackConfig(partition_size=64), 3 * 64 + 20),
                                    (HackConfig(partition_size=32, sink_tokens=3, kv_bits=4), 4 * 32),
                                    (HackConfig(partition_size=32, tail_tensors="per_channel"), 2 * 32 + 7),
-                                   (HackConfig(partition_size=32, four_bit_layers=(1,)), 3 * 32 + 9)],
+                                   (HackConfig(partition_size=32, four_bit_layers=(1,)), 3 * 32 + 9),
+                                   (HackConfig(partition_size=32, four_bit_layers=(1,), raised_tensors="k"), 2 * 32 + 5)],
                          ids=lambda x: x.label() if isinstance(x, HackConfig) else str(x))
 def test_sent_pages_arrive_bitwise_with_fewer_bytes(cfg: HackConfig, n: int, active) -> None:
     pre_pool, dec_pool, src, dst, mgr, pre, dec = _transfer(cfg, n, seed=n, active=active)

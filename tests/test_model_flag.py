@@ -115,6 +115,51 @@ def test_four_bit_layers_full_is_the_models_full_attention_layers(prepared, monk
     assert seen["study"] == (5, 11, 17)
 
 
+def test_four_bit_tensors_k_reaches_each_command(prepared, monkeypatch):
+    """`--4bit-tensors k` (K alone at 4 bits in the raised layers) becomes the servers'
+    --hack-4bit-tensors k, the study's rows; two values are refused where one server starts."""
+    from hack_cli.cmd_cluster import spec_from_args
+    from hack_cli.server_methods import method_args
+    from hack_ops.config import RaisedTensors
+
+    spec = spec_from_args(build_parser().parse_args(["up", "--model", "gemma3", "--kv", "hack", "--4bit-layers", "full",
+                                                     "--4bit-tensors", "k"]))
+    assert spec.extra_server_args == ["--hack-4bit-layers", "5,11,17", "--hack-4bit-tensors", "k"]
+    assert method_args("hack-4bit-layers", (5,), "k")[-2:] == ["--hack-4bit-tensors", "k"]
+    assert "--hack-4bit-tensors" not in method_args("hack-4bit-layers", (5,))
+
+    import hack_cli.bench_serve as bench_serve
+
+    seen = {}
+
+    def fake_measure(methods, model_path, cfg, say, run_meta=None):
+        seen["cfg"] = cfg
+        raise Reached
+
+    monkeypatch.setattr(bench_serve, "_measure_all", fake_measure)
+    _run(["bench", "serve", "--model", "gemma3", "--methods", "bf16,hack-4bit-layers", "--4bit-layers", "full",
+          "--4bit-tensors", "k", "--no-doc"])
+    assert seen["cfg"]["four_bit_tensors"] == "k"
+
+    import hack_eval.accuracy as accuracy
+
+    def fake_study(**kwargs):
+        seen["raised"] = kwargs["raised"]
+        raise Reached
+
+    monkeypatch.setattr(accuracy, "run_study", fake_study)
+    _run(["eval", "accuracy", "--model", "gemma3", "--4bit-layers", "full", "--4bit-tensors", "kv,k",
+          "--out", "", "--json-out", ""])
+    assert seen["raised"] == (RaisedTensors.KV, RaisedTensors.K)
+    for argv, why in ((["eval", "retrieval", "--model", "gemma3", "--served", "hack-4bit-layers", "--4bit-layers",
+                        "full", "--4bit-tensors", "kv,k"], "give --4bit-tensors kv or k, not both"),
+                      (["eval", "accuracy", "--model", "gemma3", "--4bit-layers", "full", "--4bit-tensors", "v"],
+                       "raised_tensors must be one of")):
+        args = build_parser().parse_args(argv)
+        with pytest.raises(ValueError, match=why):
+            args.func(args)
+
+
 def test_hack_up_refuses_an_unknown_model_name(prepared):
     args = build_parser().parse_args(["up", "--model", "gemma9"])
     with pytest.raises(ValueError, match="unknown model 'gemma9'; known: smollm2, gemma3"):

@@ -21,6 +21,7 @@ CONFIGS = [  # (config, KV heads, head_dim)
     (HackConfig(partition_size=32, orientation="token_k", tail_tensors="per_channel"), 2, 64),
     (HackConfig(partition_size=64, sink_tokens=0, range_search=False), 1, 256),
     (HackConfig(partition_size=32, kv_bits=4, orientation="token_k", tail_tensors="kv", sink_tokens=2), 3, 64),
+    (HackConfig(partition_size=32, k_bits=4, sink_tokens=1), 2, 64),  # K's codes and sums at 4 bits, V's at 2
 ]
 
 

@@ -131,6 +131,9 @@ CONFIGS = [
     dict(orientation="token_k", sink_tokens=4, tail_tensors="per_channel", requant_elimination=False),
     dict(orientation="channel_k", sink_tokens=4, kv_bits=4),
     dict(orientation="token_k", sink_tokens=0, kv_bits=4),
+    dict(orientation="channel_k", sink_tokens=1, k_bits=4),  # K at 4 bits, V at 2
+    dict(orientation="token_k", sink_tokens=2, kv_bits=4, k_bits=2),  # K at 2 bits, V at 4
+    dict(orientation="channel_k", sink_tokens=0, tail_tensors="per_channel", kv_bits=4, k_bits=2),
 ]
 
 
@@ -220,11 +223,11 @@ def _exact_reference(case: Case, i: int, prefix: int) -> torch.Tensor:
     for pg in range(nc):
         sl = slice(pg * p, (pg + 1) * p)
         m = ns[sl][:, None, None].expand(p, *k.shape[1:])
-        kd[sl] = torch.where(m, dequantize(quantize(k[sl], cfg.kv_bits, 0, p, mask=m, **store_quant_kw(cfg))), k[sl])
+        kd[sl] = torch.where(m, dequantize(quantize(k[sl], cfg.bits("k"), 0, p, mask=m, **store_quant_kw(cfg))), k[sl])
     c = nc * p
     m = ns[:c][:, None, None].expand(c, *v.shape[1:])
     gd = cfg.head_group(v.shape[-1])
-    vd[:c] = torch.where(m, dequantize(quantize(v[:c], cfg.kv_bits, -1, gd, mask=m, **store_quant_kw(cfg))), v[:c])
+    vd[:c] = torch.where(m, dequantize(quantize(v[:c], cfg.bits("v"), -1, gd, mask=m, **store_quant_kw(cfg))), v[:c])
     return attention(t(q), t(kd), t(vd), cfg, mode="exact")[0].transpose(0, 1)
 
 
@@ -311,7 +314,7 @@ def _need_kernel(variant: str) -> None:
         pytest.skip(f"the CPU kernel could not be built here: {cpu_kernel._errors.get(variant)}")
 
 
-KERNEL_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5], CONFIGS[8], CONFIGS[10]]
+KERNEL_CONFIGS = [CONFIGS[0], CONFIGS[2], CONFIGS[4], CONFIGS[5], CONFIGS[8], CONFIGS[10], CONFIGS[12], CONFIGS[14]]
 
 
 @pytest.mark.parametrize("backend", ["cpu", "portable"])

@@ -33,10 +33,12 @@ def _store(cfg, pages=16, rows=4, sink_slots=None):
 
 @pytest.mark.parametrize("orientation", ["channel_k", "token_k"])
 @pytest.mark.parametrize("tails", ["kv", "per_channel"])
-def test_pages_hold_the_reference_quantization(orientation, tails):
+@pytest.mark.parametrize("bits", [{}, {"k_bits": 4}, {"kv_bits": 4, "k_bits": 2}], ids=["2bit", "k4v2", "k2v4"])
+def test_pages_hold_the_reference_quantization(orientation, tails, bits):
     """Closed pages hold exactly quantize()'s codes and side tables (sinks masked out, with
-    code 0 / min 0 / scale 0 on the per-token side); K's stored sums are its code sums."""
-    cfg = HackConfig(partition_size=P, orientation=orientation, tail_tensors=tails, sink_tokens=3)
+    code 0 / min 0 / scale 0 on the per-token side), each tensor with its bits; K's stored sums
+    are its code sums."""
+    cfg = HackConfig(partition_size=P, orientation=orientation, tail_tensors=tails, sink_tokens=3, **bits)
     store = _store(cfg)
     n = 3 * P + 5
     table = scattered_table([n], P, 4, [2], 16, generator=torch.Generator().manual_seed(1))
@@ -59,14 +61,14 @@ def test_pages_hold_the_reference_quantization(orientation, tails):
             xs = x[pg * P:(pg + 1) * P]
             m = (~sink[pg * P:(pg + 1) * P])[:, None, None].expand(xs.shape)
             if tl.per_channel:
-                qt = quantize(xs, cfg.kv_bits, 0, P, mask=m, **store_quant_kw(cfg))
+                qt = quantize(xs, cfg.bits(name), 0, P, mask=m, **store_quant_kw(cfg))
                 mn, sc = qt.minimum[0], qt.scale[0]
             else:
-                qt = quantize(xs, cfg.kv_bits, -1, gd, mask=m, **store_quant_kw(cfg))
+                qt = quantize(xs, cfg.bits(name), -1, gd, mask=m, **store_quant_kw(cfg))
                 sc = qt.scale.masked_fill(~m[:, :, :1], 0)
                 mn, sc = qt.minimum.transpose(0, 1).reshape(2, -1), sc.transpose(0, 1).reshape(2, -1)
             codes = qt.codes.transpose(0, 1).contiguous()
-            assert torch.equal(tl.view(buf, "codes")[page_id], pack(codes, cfg.kv_bits)), (name, pg)
+            assert torch.equal(tl.view(buf, "codes")[page_id], pack(codes, cfg.bits(name))), (name, pg)
             assert torch.equal(tl.view(buf, "minimum")[page_id], mn)
             assert torch.equal(tl.view(buf, "scale")[page_id], sc)
             if name == "k":

@@ -1,7 +1,9 @@
 """K and V with their own bits (HackConfig.k_bits; raised_tensors 'k': the raised layers give K
-alone 4 bits): the config, the layout's bytes, the reference against the study's fast dequant
-views, and the refusals of the paths that lay a page out with one bit count (the paged store,
-the server's flags). The accuracy study measures it (docs/accuracy.md)."""
+alone 4 bits): the config, the layout's bytes, the reference against the study's fast paths,
+a mixed store against uniform ones. The paged paths are held to the reference with split bits
+where they are tested for every format (tests/test_paged_attention.py, test_paged_store.py,
+test_cpu_store.py, test_cpu_extend_kernel.py, the Triton tests); the PD wire in
+tests/test_hack_wire.py. The accuracy study measures it (docs/accuracy.md)."""
 from __future__ import annotations
 
 import pytest
@@ -39,9 +41,7 @@ def test_raised_layers_give_k_alone_four_bits():
     assert [edges.for_layer(i, 3).bits("v") for i in range(3)] == [2, 2, 2]
     # K at 4 everywhere already: the raised layers change nothing, one layout
     assert not HackConfig(k_bits=4, four_bit_layers=(1,), raised_tensors="k").per_layer
-    # K and V raised (the default) is served; K alone is the reference's
-    assert HackConfig(four_bit_layers=(1,)).reference_only() == ()
-    assert c.reference_only() == ("raised_tensors",) and HackConfig(k_bits=4).reference_only() == ("k_bits",)
+    assert c.reference_only() == () and HackConfig(k_bits=4).reference_only() == ()  # served
     assert not HackConfig(raised_tensors="k").split_bits  # nothing raised: nothing split
 
 
@@ -100,29 +100,38 @@ def test_reference_error_lies_between_the_uniform_formats(mode):
     assert e4 < e42 < e2
 
 
-def test_study_fast_path_matches_the_reference_with_split_bits():
-    from hack_eval.attention_paths import AttentionPath, fast_refusal, study_attention
+def test_study_rows_with_split_bits_run_on_the_fast_paths():
+    """Both modes (tests/test_eval_attention_paths.py holds them to the reference with split bits)."""
+    from hack_eval.attention_paths import AttentionPath, fast_refusal
     from hack_eval.runner import Variant, row_path
 
-    cfg = HackConfig(k_bits=4)
-    q, k, v = _qkv(170, 4, 2, 64, seed=3)
-    fast = study_attention(q, k, v, cfg, "dequant")
-    ref = attention(q, k, v, cfg, "dequant")
-    assert torch.allclose(fast, ref, atol=1e-4, rtol=1e-4)
-    # 'hack' rows run on the reference: the paged store lays a page out with one bit count
-    assert "k_bits is implemented in the reference only" in fast_refusal(cfg, "hack")
-    assert fast_refusal(cfg, "dequant") is None
+    assert fast_refusal(HackConfig(k_bits=4), "hack") is None and fast_refusal(HackConfig(k_bits=4), "dequant") is None
     raised = HackConfig(four_bit_layers=(1,), raised_tensors="k")
-    assert row_path(Variant("r", "hack", raised), AttentionPath.FAST) == AttentionPath.REFERENCE
-    assert row_path(Variant("r", "dequant", raised), AttentionPath.FAST) == AttentionPath.FAST
+    assert row_path(Variant("r", "hack", raised), AttentionPath.FAST) == AttentionPath.FAST
 
 
-def test_paged_store_refuses_split_bits():
-    from hack_ops.paged.store import HackKVStore
+def test_a_layer_of_a_mixed_store_equals_a_uniform_store_of_its_bits():
+    """Layers 1 and 3 with K at 4 bits and V at 2 in a 4-layer store: every byte and output of
+    such a layer equals a one-layer store of HackConfig(k_bits=4) (tests/test_layer_bits.py's
+    check, with raised_tensors 'k'), on the PyTorch paths and the compiled ones."""
+    from test_layer_bits import LAYERS, MIXED, _need_compiled, _run
 
-    with pytest.raises(ValueError, match="raised_tensors of .* implemented in the dense"):
-        HackKVStore(HackConfig(four_bit_layers=(1,), raised_tensors="k"), num_layers=3, num_heads=1, head_dim=64,
-                    num_pages=4, num_rows=1)
+    from hack_ops.paged.store import StoreBackend
+
+    mixed_cfg = MIXED.replace(raised_tensors="k")
+    for store_backend, attn in ((StoreBackend.TORCH, "torch"), (StoreBackend.CPU, "cpu")):
+        if attn == "cpu":
+            _need_compiled()
+        mixed, outs = _run(mixed_cfg, [0, 1], LAYERS, store_backend, attn)
+        ref, ref_outs = _run(mixed_cfg.for_layer(1, LAYERS), [0], 1, store_backend, attn)
+        assert (ref.config_for(0).bits("k"), ref.config_for(0).bits("v")) == (4, 2)
+        for name in ("k_pages", "v_pages"):
+            assert torch.equal(getattr(mixed, name)[1], getattr(ref, name)[0]), name
+        for got, want in zip(outs[1], ref_outs[0]):
+            assert torch.equal(got, want)
+        # the K buffer is the 4-bit layout's, the V buffer the 2-bit one's
+        assert mixed.k_pages[1].shape[1] > mixed.k_pages[0].shape[1]
+        assert mixed.v_pages[1].shape == mixed.v_pages[0].shape
 
 
 def test_study_rows_for_each_raised_set():

@@ -5,7 +5,8 @@ compiles it with triton.compile(..., target=GPUTarget("cuda", cc, 32)) for sm80/
 (INT8 MMA) and sm70/75 (the fp16 fallback). It runs in a subprocess: this test process runs
 Triton in its CPU interpreter, and compiling needs the normal mode. What is checked: every
 kernel compiles for every target (a kernel that only works in the interpreter fails here),
-fits the target's shared memory, does not spill, and docs/kernels.md shows these numbers.
+fits the target's shared memory, does not spill, and docs/kernels.md shows these numbers; the
+kernels with K codes of other bits than V's (HackConfig.k_bits) compile without spills too.
 On a CUDA machine (tests/conftest.py), the same launches also run on the GPU and the driver's
 register counts are checked against the AOT numbers for that GPU's architecture.
 """
@@ -21,9 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hack_ops import HackConfig
 from hack_ops.triton.aot import (DOC_BEGIN, DOC_END, DOT_KERNELS, FALLBACK_TARGETS, SMEM_LIMIT, TARGETS, VARIANTS,
-                                 Compiled, _resource_usage, _signature, compile_launch, example_launches, markdown,
-                                 update_docs)
+                                 Compiled, Variant, _resource_usage, _signature, compile_launch, example_launches,
+                                 markdown, update_docs)
 from hack_ops.triton.spec import int8_mma_supported
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "kernels.md"
@@ -92,6 +94,47 @@ def test_window_and_soft_cap_variants_compile_without_spills():
     for r in rows:
         assert r.shared <= SMEM_LIMIT[r.arch], r
         assert r.stack == 0, f"{r.kernel} sm{r.arch} spills {r.stack} B per thread"
+
+
+# K and V with their own bits (HackConfig.k_bits) at the serving default's shape: 4-bit K with
+# 2-bit V and the reverse. Compiled in a subprocess like the CLI (no interpreter there).
+SPLIT_BITS_AOT = """
+import json
+from dataclasses import asdict
+from hack_ops.config import HackConfig
+from hack_ops.triton.aot import Variant, compile_all
+vs = [Variant("P64-D128-gqa4-K4V2", HackConfig(k_bits=4), 8, 32, 128),
+      Variant("P64-D128-gqa4-K2V4", HackConfig(kv_bits=4, k_bits=2), 8, 32, 128)]
+rows = compile_all(vs, (80, 90), (), ("store", "prefill", "decode"))
+print(json.dumps([asdict(r) for r in rows]))
+"""
+
+
+@pytest.mark.slow
+def test_split_bits_variants_compile_without_spills():
+    """The store, prefill and decode kernels with K codes of other bits than V's compile for
+    sm80 and sm90, fit shared memory and keep everything in registers."""
+    env = {k: x for k, x in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", SPLIT_BITS_AOT], env=env, capture_output=True, text=True,
+                         timeout=3600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = [Compiled(**r) for r in json.loads(res.stdout.strip().splitlines()[-1])]
+    assert {(r.kernel, r.variant, r.arch) for r in rows} == {
+        (k, v, a) for k in ("store", "prefill", "decode") for v in ("P64-D128-gqa4-K4V2", "P64-D128-gqa4-K2V4")
+        for a in (80, 90)}
+    for r in rows:
+        assert r.shared <= SMEM_LIMIT[r.arch], r
+        assert r.stack == 0, f"{r.kernel} {r.variant} sm{r.arch} spills {r.stack} B per thread"
+
+
+def test_split_bits_launches_carry_each_tensors_bits():
+    """The launches the wrappers build pass K's bits and V's bits as separate constants."""
+    v = Variant("K4V2", HackConfig(k_bits=4), 2, 4, 64)
+    for name, launch in example_launches(v).items():
+        if "K_BITS" in launch.constexprs:
+            assert (launch.constexprs["K_BITS"], launch.constexprs["V_BITS"]) == (4, 2), name
+    assert {"store", "prefill", "decode", "decode_1split"} <= {
+        n for n, launch in example_launches(v).items() if "K_BITS" in launch.constexprs}
 
 
 def test_signature_follows_launcher_specialization():

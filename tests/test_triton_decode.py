@@ -89,6 +89,16 @@ def test_format_options(kernel_device):
         assert_matches_reference(out, ref, cfg.label())
 
 
+@pytest.mark.parametrize("cfg", [
+    HackConfig(partition_size=32, k_bits=4, sink_tokens=2),  # K 4-bit, V 2-bit
+    HackConfig(partition_size=32, kv_bits=4, k_bits=2, tail_tensors="per_channel"),  # K 2-bit, V 4-bit (open page too)
+], ids=["K4V2", "K2V4"])
+def test_split_bits(kernel_device, cfg):
+    """K and V codes with their own bits (HackConfig.k_bits), closed pages and open partitions."""
+    out, ref, *_ = _run_decode(kernel_device, cfg, 64, 2, [5, 32, 90], num_splits=2)
+    assert_matches_reference(out, ref, cfg.label())
+
+
 def test_fp16_mma_fallback_is_identical(kernel_device):
     """The V100 path (integer products through fp16 MMA) gives the same numbers as INT8 MMA."""
     cfg = HackConfig(partition_size=32)

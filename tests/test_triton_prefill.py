@@ -93,6 +93,17 @@ def test_format_options(kernel_device):
         assert_matches_reference(out, ref, cfg.label())
 
 
+@pytest.mark.parametrize("cfg", [
+    HackConfig(partition_size=32, k_bits=4, sink_tokens=2, range_search=False),  # K 4-bit, V 2-bit
+    HackConfig(partition_size=32, kv_bits=4, k_bits=2, tail_tensors="per_channel"),  # K 2-bit, V 4-bit, no V tail
+], ids=["K4V2", "K2V4"])
+def test_split_bits(kernel_device, cfg):
+    """K and V codes with their own bits (HackConfig.k_bits): run() stores them (pages, tails)
+    and attends over cached prefix pages, aligned or not, and the new tokens."""
+    out, ref, *_ = _extend(kernel_device, cfg, 64, 2, [0, 37], [45, 30])
+    assert_matches_reference(out, ref, cfg.label())
+
+
 def test_prefill_then_decode_steps(kernel_device):
     """A served request: chunked prefill, then decode steps (store + decode kernel), each step
     against the dense reference over the whole sequence so far."""
@@ -123,6 +134,43 @@ def test_prefill_then_decode_steps(kernel_device):
         out = dec.run(q.to(dev), **cache, out=torch.empty(q.shape, device=dev)).cpu()
         assert_matches_reference(out, dense_reference(q, k[: done + 1], v[: done + 1], lay), f"step {done}")
         done += 1
+
+
+def test_serving_path_with_a_layer_of_4bit_k(kernel_device):
+    """engine.gpu_attention (the `hack` backend's kernel path) over a store whose layer 1 gives
+    K alone 4 bits (four_bit_layers, raised_tensors='k'): a prompt, then a decode step, per
+    layer, write the same page bytes as the CPU path's store and attend like it; each layer's
+    bits get their own planned kernels."""
+    from engine.gpu_attention import GpuAttention
+    from engine.settings import EngineSettings
+    from hack_ops import PrefillMode
+    from hack_ops.paged import HackKVStore, decode, extend
+
+    cfg = HackConfig(partition_size=32, four_bit_layers=(1,), raised_tensors="k")
+    d, hq, dev = 64, 2 * H, kernel_device
+    mine = HackKVStore(cfg, 2, H, d, num_pages=8, num_rows=2, device=dev)
+    ref = HackKVStore(cfg, 2, H, d, num_pages=8, num_rows=2)
+    gpu = GpuAttention(mine, EngineSettings(), PrefillMode.HOMOMORPHIC)
+    r2t = torch.zeros(2, 128, dtype=torch.int64)
+    r2t[1] = torch.arange(128) + 3 * 32  # pages 3..6
+    g = torch.Generator().manual_seed(4)
+    done = 0
+    for n in (40, 1):
+        q, k, v = (torch.randn(n, heads, d, generator=g) for heads in (hq, H, H))
+        plan, rplan = gpu.plan(r2t, [1], [done + n], [n]), ref.plan(r2t, [1], [done + n], [n])
+        for layer in range(2):
+            if n > 1:
+                out = gpu.extend(layer, plan, q.to(dev), k.to(dev), v.to(dev), 0.2)
+                want = extend(ref, layer, rplan, q, k, v, scale=0.2)
+            else:
+                out = gpu.decode(layer, plan, q.to(dev), k.to(dev), v.to(dev), 0.2)
+                want = decode(ref, layer, rplan, q, k, v, scale=0.2)
+            assert_matches_reference(out.cpu(), want, f"layer {layer}, {n} new")
+            assert torch.equal(mine.k_pages[layer].cpu(), ref.k_pages[layer]), f"layer {layer} K pages"
+            assert torch.equal(mine.v_pages[layer].cpu(), ref.v_pages[layer]), f"layer {layer} V pages"
+        planned = gpu._prefill if n > 1 else gpu._decode  # keys (query heads, K bits, V bits)
+        assert sorted(planned) == [(hq, 2, 2), (hq, 4, 2)]
+        done += n
 
 
 def test_bad_input_is_refused(kernel_device):

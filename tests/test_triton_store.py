@@ -1,7 +1,8 @@
 """Triton store kernel on the kernel device (tests/conftest.py: a CUDA GPU when present, else
 TRITON_INTERPRET=1 on CPU tensors): byte-identical pages, tails and sinks to the CPU path's store
 (hack_ops.paged.HackKVStore, on the CPU) and to pages built directly with hack_ops.quantize,
-over prefill chunks, multi-page extends and decode steps."""
+over prefill chunks, multi-page extends and decode steps; K and V with the same bits or with
+their own (HackConfig.k_bits: 4-bit K with 2-bit V, and the reverse)."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from hack_ops.layout import page_layout
 from hack_ops.paged import HackKVStore
 from hack_ops.paged.fill import scattered_table
 from hack_ops.triton.batch import batch_from_plan, plan_batch
+from hack_ops.triton.spec import kernel_spec
 from hack_ops.triton.store import cache_kwargs, new_buffers, store
 from hack_ops.triton.testing import fill_sequence, require_kernel_device, to_device
 
@@ -70,6 +72,8 @@ def _compare_with_cpu_store(device, cfg: HackConfig, d: int, schedule: list[list
     (64, 128, {"sink_tokens": 4, "range_search": False}),
     (32, 64, {"tail_tensors": "per_channel", "sink_tokens": 2}),
     (32, 64, {"kv_bits": 4, "meta_dtype": "float32", "sink_tokens": 0}),
+    (32, 64, {"k_bits": 4, "sink_tokens": 2}),  # K 4-bit, V 2-bit
+    (32, 64, {"kv_bits": 4, "k_bits": 2, "tail_tensors": "per_channel"}),  # K 2-bit, V 4-bit written at once
     pytest.param(128, 256, {"sink_tokens": 3}, marks=pytest.mark.slow),
 ])
 def test_byte_identical_to_cpu_store(kernel_device, page, d, kw):
@@ -79,9 +83,11 @@ def test_byte_identical_to_cpu_store(kernel_device, page, d, kw):
     _compare_with_cpu_store(kernel_device, cfg, d, schedule)
 
 
-def test_byte_identical_to_direct_quantization(kernel_device):
-    """Pages after incremental stores equal pages quantized in one go from the whole sequence."""
-    cfg = HackConfig(partition_size=32, sink_tokens=3)
+@pytest.mark.parametrize("bits", [{}, {"k_bits": 4}, {"kv_bits": 4, "k_bits": 2}], ids=["K2V2", "K4V2", "K2V4"])
+def test_byte_identical_to_direct_quantization(kernel_device, bits):
+    """Pages after incremental stores equal pages quantized in one go from the whole sequence
+    (K's codes with K's bits, V's with V's)."""
+    cfg = HackConfig(partition_size=32, sink_tokens=3, **bits)
     lay = page_layout(cfg, H, 128)
     lens = [70, 33]
     kv = [_kv(n, 128, 5 + i) for i, n in enumerate(lens)]
@@ -108,6 +114,16 @@ def test_byte_identical_to_direct_quantization(kernel_device):
     for row, n in ((2, 70), (0, 33)):
         assert torch.equal(mine["tail_k"][row, : n % 32], ref["tail_k"][row, : n % 32])
         assert torch.equal(mine["tail_v"][row, : n % 32], ref["tail_v"][row, : n % 32])
+
+
+def test_kernel_spec_takes_each_tensors_bits():
+    """The kernels' constants carry K's and V's bits apart, also for a layer raised by
+    four_bit_layers with raised_tensors='k'."""
+    for cfg, want in ((HackConfig(), (2, 2)), (HackConfig(kv_bits=4), (4, 4)), (HackConfig(k_bits=4), (4, 2)),
+                      (HackConfig(kv_bits=4, k_bits=2), (2, 4)),
+                      (HackConfig(four_bit_layers=(1,), raised_tensors="k").for_layer(1, 3), (4, 2))):
+        spec = kernel_spec(page_layout(cfg, H, 64))
+        assert (spec.k_bits, spec.v_bits) == want, cfg.label()
 
 
 def test_pages_then_tail_equals_all(kernel_device):

@@ -8,7 +8,7 @@ place. `scripts/install.sh` builds it ahead of time (`python -m hack_ops.paged.c
 build`); otherwise the first decode builds it. Without a compiler, or for what the kernel does
 not cover, decode falls back to the portable PyTorch path ('auto'), or raises ('cpu').
 
-Covered: orientation 'channel_k', nearest rounding, kv_bits 2/4, head_dim a multiple of 64 up
+Covered: orientation 'channel_k', nearest rounding, 2 or 4 bits for K and for V (each its own), head_dim a multiple of 64 up
 to 256, up to 16 query heads per KV head, sliding windows and logit soft-capping; decode 'hack'
 with any tails / sinks / RQE setting; extend 'hack' (RQE on), prefill 'homomorphic' or 'exact' (the
 latter with K and V tails, RQE on):
@@ -42,7 +42,7 @@ _P = ctypes.c_void_p
 
 # Argument fields the decode (hack_args) and extend (hack_xargs) structs of csrc/ share, in
 # their C order: the model's geometry and format, then where each part of a page lies.
-GEOMETRY_FIELDS = ("batch", "heads", "rep", "head_dim", "page_size", "bits", "group", "sink_tokens")
+GEOMETRY_FIELDS = ("batch", "heads", "rep", "head_dim", "page_size", "k_bits", "v_bits", "group", "sink_tokens")
 PAGE_FIELDS = ("k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
                "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off", "nthreads")
 
@@ -130,8 +130,8 @@ def shared_args(store, layer: int, q: torch.Tensor, max_pages: int) -> dict[str,
     if rep > 16:
         raise RuntimeError(f"{rep} query heads per KV head (the kernel takes up to 16)")
     return dict(
-        heads=store.num_heads, rep=rep, head_dim=d, page_size=cfg.partition_size, bits=cfg.kv_bits,
-        group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
+        heads=store.num_heads, rep=rep, head_dim=d, page_size=cfg.partition_size,
+        k_bits=lay.k.bits, v_bits=lay.v.bits, group=cfg.head_group(d), sink_tokens=cfg.sink_tokens,
         v_open_quantized=int(cfg.open_mode("v") != OpenMode.FP16),
         meta_fp32=int(cfg.meta_dtype == "float32"), max_pages=max_pages,
         k_page_bytes=lay.k.page_bytes, k_codes_off=lay.k.codes.offset, k_min_off=lay.k.minimum.offset,

@@ -41,7 +41,7 @@ SUM_ROWS, SUM_INNER = 0, 1
 
 class _Args(ctypes.Structure):
     _fields_ = [(n, _I64) for n in (
-        "batch", "heads", "head_dim", "page_size", "bits", "group", "sink_tokens",
+        "batch", "heads", "head_dim", "page_size", "k_bits", "v_bits", "group", "sink_tokens",
         "meta_fp32", "v_tail", "range_search", "in_dtype", "inner_width", "max_pages", "nthreads",
         "k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sums_off", "k_sums_bytes",
         "v_page_bytes", "v_codes_off", "v_min_off", "v_scale_off")] + [
@@ -149,7 +149,7 @@ def write(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v: Tenso
     sums = lay.k.sums
     a = _Args(
         batch=plan.batch_size, heads=store.num_heads, head_dim=store.head_dim, page_size=cfg.partition_size,
-        bits=cfg.kv_bits, group=cfg.head_group(store.head_dim), sink_tokens=cfg.sink_tokens,
+        k_bits=lay.k.bits, v_bits=lay.v.bits, group=cfg.head_group(store.head_dim), sink_tokens=cfg.sink_tokens,
         meta_fp32=int(cfg.meta_dtype == "float32"), v_tail=int(v_tail), range_search=int(cfg.range_search),
         in_dtype=_IN_DTYPES[k.dtype], inner_width=width or 8, max_pages=table.shape[1],
         nthreads=torch.get_num_threads(),

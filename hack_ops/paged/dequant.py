@@ -55,7 +55,7 @@ def dense_kv(store, layer: int, plan: ForwardPlan, b: int, length: int, open_tok
         n_q = nc if fp16_open else npg  # pages read from their codes
         x = torch.empty(h, npg * p, d, dtype=dtype)
         if n_q > lo:
-            x[:, lo * p: n_q * p] = _dequant_tensor(tl, buf, pages[lo:n_q], p, d, cfg.kv_bits, gd, dtype)
+            x[:, lo * p: n_q * p] = _dequant_tensor(tl, buf, pages[lo:n_q], p, d, tl.bits, gd, dtype)
         if fp16_open and length > nc * p:
             x[:, nc * p:length] = open_tokens[name][: length - nc * p].transpose(0, 1).to(dtype)
         s = min(cfg.sink_tokens, length)

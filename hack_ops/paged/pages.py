@@ -40,7 +40,7 @@ def _tensor_pages(tl: TensorLayout, buf: Tensor, pages: Tensor, cfg: HackConfig,
     ng = d // cfg.head_group(d)
     raw = tl.view(buf, "codes")[pages]  # [n, H, Π, D*b/8]
     n, h = raw.shape[:2]
-    codes = unpack(raw, cfg.kv_bits, d).float().transpose(0, 1)
+    codes = unpack(raw, tl.bits, d).float().transpose(0, 1)
     mn = tl.view(buf, "minimum")[pages].float().transpose(0, 1)
     sc = tl.view(buf, "scale")[pages].float().transpose(0, 1)
     if not tl.per_channel:
@@ -72,7 +72,7 @@ def quantize_open_page(x: Tensor, count: int, first_page: bool, cfg: HackConfig,
     j = torch.arange(p)
     valid = (j < count) & ~((j < cfg.sink_tokens) & first_page)
     meta = torch.float16 if cfg.meta_dtype == "float16" else torch.float32
-    qt = quantize(content, cfg.kv_bits, dim=0, group_size=p, rounding=cfg.rounding, generator=gen,
+    qt = quantize(content, cfg.bits("k" if is_k else "v"), dim=0, group_size=p, rounding=cfg.rounding, generator=gen,
                   meta_dtype=meta, mask=valid[:, None, None].expand(content.shape),
                   range_search=cfg.range_search)
     codes = qt.codes.permute(1, 0, 2).float().unsqueeze(1)  # [H, 1, Π, D]

@@ -100,12 +100,12 @@ def _quantize_tokens(store, cfg: HackConfig, tl: TensorLayout, buf: Tensor, plan
     ng = d // gd
     n_pages = buf.shape[0]
     mask = (~is_sink)[:, None, None].expand(x.shape)
-    qt = quantize(x.float(), cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
+    qt = quantize(x.float(), tl.bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
                   meta_dtype=tl.minimum.dtype, mask=mask, range_search=cfg.range_search)
     scale = qt.scale.masked_fill(is_sink[:, None, None], 0)  # sinks: min 0, scale 0 (layout rule)
     pages = plan.tok_page.to(buf.device)
     offs = plan.tok_off.to(buf.device)
-    tl.view(buf, "codes")[pages, :, offs] = pack(qt.codes, cfg.kv_bits)
+    tl.view(buf, "codes")[pages, :, offs] = pack(qt.codes, tl.bits)
     tl.view(buf, "minimum").view(n_pages, h, p, ng)[pages, :, offs] = qt.minimum
     tl.view(buf, "scale").view(n_pages, h, p, ng)[pages, :, offs] = scale
     if is_k:  # per-token sums over each head_dim group (summation elimination)
@@ -162,20 +162,20 @@ def quantize_pages(store, cfg: HackConfig, tl: TensorLayout, buf: Tensor, tpages
     mask = valid[:, :, None, None].expand(content.shape)
     meta = tl.minimum.dtype
     if tl.per_channel:
-        qt = quantize(content, cfg.kv_bits, dim=1, group_size=p, rounding=cfg.rounding, generator=gen,
+        qt = quantize(content, tl.bits, dim=1, group_size=p, rounding=cfg.rounding, generator=gen,
                       meta_dtype=meta, mask=mask, range_search=cfg.range_search)
         mn, sc = qt.minimum[:, 0], qt.scale[:, 0]  # [C, H, D]
     else:
-        qt = quantize(content, cfg.kv_bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
+        qt = quantize(content, tl.bits, dim=-1, group_size=gd, rounding=cfg.rounding, generator=gen,
                       meta_dtype=meta, mask=mask, range_search=cfg.range_search)
         sc = qt.scale.masked_fill(~valid[:, :, None, None], 0)  # sinks: min 0, scale 0
         mn = qt.minimum.transpose(1, 2).reshape(c, h, p * ng)
         sc = sc.transpose(1, 2).reshape(c, h, p * ng)
     codes = qt.codes.transpose(1, 2)  # [C, H, Π, D] head-major like the page
-    tl.view(buf, "codes")[tpages] = pack(codes.contiguous(), cfg.kv_bits)
+    tl.view(buf, "codes")[tpages] = pack(codes.contiguous(), tl.bits)
     tl.view(buf, "minimum")[tpages] = mn
     tl.view(buf, "scale")[tpages] = sc
     if is_k:  # per-token sums over each head_dim group
         sums = tl.view(buf, "sums")
-        ks = group_code_sums(codes, cfg.kv_bits, gd)  # [C, H, Π, ng]
+        ks = group_code_sums(codes, tl.bits, gd)  # [C, H, Π, ng]
         sums[tpages] = ks.reshape(c, h, p * ng).to(sums.dtype)

@@ -2,12 +2,12 @@
 (filled by the Triton store), as a BF16 cache for the baseline, and dequantized on the fly.
 
 Methods per case, each a callable that runs one layer's attention:
-  hack     the Triton kernels on the 2-bit pages (decode: HackDecodeAttention; prefill:
+  hack     the Triton kernels on the HACK pages (decode: HackDecodeAttention; prefill:
            HackPrefillAttention.run, which stores the prompt's pages and tails too)
   bf16     the BF16 baseline (`Baseline`): FlashInfer's paged kernels when flashinfer imports,
            else torch SDPA with the flash backend on a contiguous cache (no page gather, so a
            stronger-than-paged baseline); on CPU tensors (tests) plain SDPA
-  dequant  the 2-bit pages dequantized to a BF16 copy with PyTorch ops, then the same SDPA
+  dequant  the HACK pages dequantized to a BF16 copy with PyTorch ops, then the same SDPA
            (decode); prefill: the store, then SDPA on the prompt's own BF16 K/V
 Nothing here needs a GPU except speed: on CPU tensors the kernels run in Triton's interpreter.
 """
@@ -195,11 +195,11 @@ def dequantize_pages(layout: PageLayout, k_buf: Tensor, v_buf: Tensor, table: Te
     """Whole pages -> dense K and V [B, H, n_pages * Π, D] in `dtype`; table [B, n_pages] holds
     each request's page ids in sequence order. PyTorch ops (gather, unpack, scale, add min)."""
     p, h, d = layout.page_size, layout.num_heads, layout.head_dim
-    bits = layout.config.kv_bits
     gd = layout.config.head_group(d)
     b, npg = table.shape
     out = []
-    for tl_, buf in ((layout.k, k_buf), (layout.v, v_buf)):
+    for name, tl_, buf in (("k", layout.k, k_buf), ("v", layout.v, v_buf)):
+        bits = layout.config.bits(name)  # K and V may have different bits
         codes = _unpack(tl_.view(buf, "codes")[table], bits)[..., :d].to(dtype)  # [B, npg, H, Π, D]
         sc = tl_.view(buf, "scale")[table].to(dtype)
         mn = tl_.view(buf, "minimum")[table].to(dtype)

@@ -141,8 +141,8 @@ def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs
          o_arg, out.stride(0), out.stride(1), m_part, l_part, sm_scale, pages_per_split,
          0 if window is None else window, float(logit_cap)],
         dict(REP=rep, BLOCK_H=max(16, triton_next_pow2(rep)), P=spec.page, D=spec.head_dim, GD=spec.group,
-             NG=spec.ngroups, BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail,
-             NSPLIT=num_splits, DOT_F16=dot_f16, WINDOW=window is not None, CAP=logit_cap > 0),
+             NG=spec.ngroups, K_BITS=spec.k_bits, V_BITS=spec.v_bits, S=spec.sinks, BS=spec.sink_block,
+             V_TAIL=spec.v_tail, NSPLIT=num_splits, DOT_F16=dot_f16, WINDOW=window is not None, CAP=logit_cap > 0),
         dict(num_warps=decode_warps(spec, dot_f16), num_stages=1),
     )]
     if num_splits > 1:

@@ -31,7 +31,8 @@ def hack_decode_kernel(
     o_ptr, s_ob, s_oh, m_ptr, l_ptr,
     sm_scale, pages_per_split, window, logit_cap,
     REP: tl.constexpr, BLOCK_H: tl.constexpr,
-    P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     S: tl.constexpr, BS: tl.constexpr, V_TAIL: tl.constexpr, NSPLIT: tl.constexpr, DOT_F16: tl.constexpr,
     WINDOW: tl.constexpr = False, CAP: tl.constexpr = False,
 ):
@@ -76,11 +77,11 @@ def hack_decode_kernel(
     for pg in range(first, tl.minimum(last, n_closed)):
         page = tl.load(kv_indices + page0 + pg).to(tl.int64)
         s = quant_scores(q_base, q_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, ksc_ptr, ksum_ptr,
-                         kc_ps, kmin_ps, ksc_ps, ksum_ps, P, D, GD, NG, BITS, DOT_F16)
+                         kc_ps, kmin_ps, ksc_ps, ksum_ps, P, D, GD, NG, K_BITS, DOT_F16)
         s = masked_scores(s, (pg * P + jj >= pg_from)[None, :], logit_cap, CAP)
         p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
         acc += quant_pv(p, P, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
-                        P, D, GD, NG, BITS, DOT_F16)
+                        P, D, GD, NG, V_BITS, DOT_F16)
     if (r > 0) & (n_closed >= first) & (n_closed < last):
         # The open partition: K (and V with a V tail) from the request's FP16 tails.
         trow = tl.load(tail_rows + b).to(tl.int64)
@@ -96,7 +97,7 @@ def hack_decode_kernel(
         else:
             page = tl.load(kv_indices + page0 + n_closed).to(tl.int64)
             acc += quant_pv(p, r, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
-                            P, D, GD, NG, BITS, DOT_F16)
+                            P, D, GD, NG, V_BITS, DOT_F16)
 
     if NSPLIT == 1:
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None, None]  # padding rows have l = 0

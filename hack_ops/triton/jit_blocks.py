@@ -5,7 +5,8 @@ tensors are kept as [M, NG, Gd]: head_dim in NG groups of Gd = min(Π, D) channe
 of INT8 Q and of per-token V).
 Every matrix product is a 2-D tl.dot per group (a statically unrolled loop): Triton's batched
 3-D dot puts its warps on the batch axis, which replicates the work when NG is small.
-Semantics are hack_ops.attention's 'hack' mode with orientation 'channel_k':
+Semantics are hack_ops.attention's 'hack' mode with orientation 'channel_k' (K codes of K_BITS
+bits, V codes of V_BITS: HackConfig.bits, they may differ):
   scores(page) = Σ_g sq (Qq · Kq) + mq ΣKq + Q · m_K   (Q' = Q ⊙ s_K(page) -> INT8 min/max)
   out(page)    = Σ_g sp (Pq · Vq) + Σ_j P_j m_V(j)      (P' = P ⊙ s_V(token) -> INT8, zero min)
 INT8 codes (0..255) are shifted by -128 to fit a signed MMA; dot + 128·Σ(other operand's
@@ -88,9 +89,9 @@ def fp16_pv(p, v_base, tok_off, tok_ok, v2_base, tok2_off, tok2_ok,
 @triton.jit
 def quant_scores(q_base, row_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, ksc_ptr, ksum_ptr,
                  kc_ps, kmin_ps, ksc_ps, ksum_ps, P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr,
-                 NG: tl.constexpr, BITS: tl.constexpr, DOT_F16: tl.constexpr):
-    """Scores [M, Π] of the rows' queries against a closed page's 2-bit K."""
-    PW: tl.constexpr = 32 // BITS
+                 NG: tl.constexpr, K_BITS: tl.constexpr, DOT_F16: tl.constexpr):
+    """Scores [M, Π] of the rows' queries against a closed page's K (K_BITS-bit codes)."""
+    PW: tl.constexpr = 32 // K_BITS
     s = tl.zeros((row_off.shape[0], P), tl.float32)
     code_base = kc_ptr + page * kc_ps + h * P * (D // PW)
     jt = tl.arange(0, P)
@@ -100,7 +101,7 @@ def quant_scores(q_base, row_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, k
         k_min = tl.load(kmin_ptr + page * kmin_ps + ch).to(tl.float32)
         qs = load_q(q_base, row_off, row_ok, sm_scale, g, GD)
         q_code, q_mn, q_s = q8_along(qs * k_scale[None, :], 1)  # K's channel scale folded into Q
-        k_codes = k_codes_tile(code_base, D // PW, g, GD, P, BITS)
+        k_codes = k_codes_tile(code_base, D // PW, g, GD, P, K_BITS)
         k_sum = tl.load(ksum_ptr + page * ksum_ps + h * P * NG + jt * NG + g).to(tl.int32)[None, :]
         dot = int_dot(q_code.to(tl.int8), k_codes, DOT_F16) + 128 * k_sum  # exact Σ Qq·Kq
         s += q_s[:, None] * dot.to(tl.float32) + q_mn[:, None] * k_sum.to(tl.float32)
@@ -111,10 +112,10 @@ def quant_scores(q_base, row_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, k
 @triton.jit
 def quant_pv(p, written, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
              P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr,
-             BITS: tl.constexpr, DOT_F16: tl.constexpr):
-    """P·V [M, NG, Gd] over one page's per-token 2-bit V; p [M, Π] is 0 off the visible keys,
-    `written` = slots of the page holding quantized tokens."""
-    PW: tl.constexpr = 32 // BITS
+             V_BITS: tl.constexpr, DOT_F16: tl.constexpr):
+    """P·V [M, NG, Gd] over one page's per-token V (V_BITS-bit codes); p [M, Π] is 0 off the
+    visible keys, `written` = slots of the page holding quantized tokens."""
+    PW: tl.constexpr = 32 // V_BITS
     jt = tl.arange(0, P)
     slot_ok = jt < written
     code_base = vc_ptr + page * vc_ps + h * P * (D // PW)
@@ -124,7 +125,7 @@ def quant_pv(p, written, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc
         v_scale = tl.load(vsc_ptr + page * vsc_ps + meta, mask=slot_ok, other=0.0).to(tl.float32)
         v_min = tl.load(vmin_ptr + page * vmin_ps + meta, mask=slot_ok, other=0.0).to(tl.float32)
         p_code, p_s = q8_zero_min_along(p * v_scale[None, :], 1)  # V's token scale folded into P
-        v_codes, v_sum = v_codes_tile(code_base, D // PW, g, written, GD, P, BITS)
+        v_codes, v_sum = v_codes_tile(code_base, D // PW, g, written, GD, P, V_BITS)
         dot = int_dot(p_code.to(tl.int8), v_codes, DOT_F16) + 128 * v_sum[None, :]  # undo the -128 shift
         o = p_s[:, None] * dot.to(tl.float32) + tl.sum(p * v_min[None, :], axis=1)[:, None]
         out += into_group(o, g, NG)

@@ -130,32 +130,32 @@ def q8_zero_min_along(x, AXIS: tl.constexpr):
 
 
 @triton.jit
-def k_codes_tile(base, tok_stride, g, GD: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
-    """K codes of head_dim group g of one head's page as [Gd, Π] int8, from its packed rows
-    (tok_stride int32 words per token). Each word is loaded once and broadcast over a new
-    inner axis of 32 / bits codes (word w, code k = channel w * (32 / bits) + k), so the codes
-    come out in channel order without any gather."""
-    PW: tl.constexpr = 32 // BITS
+def k_codes_tile(base, tok_stride, g, GD: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr):
+    """K codes (K_BITS bits) of head_dim group g of one head's page as [Gd, Π] int8, from its
+    packed rows (tok_stride int32 words per token). Each word is loaded once and broadcast over
+    a new inner axis of 32 / K_BITS codes (word w, code k = channel w * (32 / K_BITS) + k), so
+    the codes come out in channel order without any gather."""
+    PW: tl.constexpr = 32 // K_BITS
     W: tl.constexpr = GD // PW
     w = tl.arange(0, W)[:, None]
     j = tl.arange(0, P)[None, :]
     words = tl.load(base + j * tok_stride + g * W + w)  # [W, Π]
     k = tl.arange(0, PW)[None, :, None]
-    c = (words[:, None, :] >> (k * BITS)) & ((1 << BITS) - 1)  # [W, PW, Π]
+    c = (words[:, None, :] >> (k * K_BITS)) & ((1 << K_BITS) - 1)  # [W, PW, Π]
     return tl.reshape(c, (GD, P)).to(tl.int8)
 
 
 @triton.jit
-def v_codes_tile(base, tok_stride, g, n_tok, GD: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
-    """V codes of head_dim group g of one head's page as [Π, Gd] int8 (slots >= n_tok read as
-    0), and their sums over the tokens, [Gd] int32."""
-    PW: tl.constexpr = 32 // BITS
+def v_codes_tile(base, tok_stride, g, n_tok, GD: tl.constexpr, P: tl.constexpr, V_BITS: tl.constexpr):
+    """V codes (V_BITS bits) of head_dim group g of one head's page as [Π, Gd] int8 (slots
+    >= n_tok read as 0), and their sums over the tokens, [Gd] int32."""
+    PW: tl.constexpr = 32 // V_BITS
     W: tl.constexpr = GD // PW
     j = tl.arange(0, P)[:, None]
     w = tl.arange(0, W)[None, :]
     words = tl.load(base + j * tok_stride + g * W + w, mask=j < n_tok, other=0)  # [Π, W]
     k = tl.arange(0, PW)[None, None, :]
-    c = (words[:, :, None] >> (k * BITS)) & ((1 << BITS) - 1)  # [Π, W, PW]
+    c = (words[:, :, None] >> (k * V_BITS)) & ((1 << V_BITS) - 1)  # [Π, W, PW]
     return tl.reshape(c, (P, GD)).to(tl.int8), tl.reshape(tl.sum(c, axis=0), (GD,))
 
 

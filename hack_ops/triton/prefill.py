@@ -109,7 +109,7 @@ def prefill_launch(spec: KernelSpec, b: PagedBatch, q: Tensor, k: Tensor, v: Ten
          b.qo_indptr, b.prefix_lens, b.kv_indptr, b.kv_indices, b.tail_rows, b.sink_slots,
          out, out.stride(0), out.stride(1), sm_scale, 0 if window is None else window, float(logit_cap)],
         dict(REP=rep, BM=block_m, P=spec.page, D=spec.head_dim, GD=spec.group, NG=spec.ngroups,
-             BITS=spec.bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail, DOT_F16=dot_f16,
-             WINDOW=window is not None, CAP=logit_cap > 0),
+             K_BITS=spec.k_bits, V_BITS=spec.v_bits, S=spec.sinks, BS=spec.sink_block, V_TAIL=spec.v_tail,
+             DOT_F16=dot_f16, WINDOW=window is not None, CAP=logit_cap > 0),
         dict(num_warps=PREFILL_WARPS, num_stages=1),
     )

@@ -5,9 +5,9 @@ prefix_len.. of its sequence; they attend to the cached prefix pages and to them
 decode-time visibility (each token sees what it would see if decoded one at a time):
   * FP16 sinks;
   * quantized pass, page by page: the rows that see the page closed (its last token is at or
-    before them) attend to all of it with 2-bit K and V, homomorphically;
+    before them) attend to all of it with its K_BITS K and V_BITS V codes, homomorphically;
   * FP16 pass, over the block's own partitions: the rows inside a partition attend causally
-    to its tokens with FP16 K (and V with a V tail; else the page's per-token 2-bit V). Old
+    to its tokens with FP16 K (and V with a V tail; else the page's per-token quantized V). Old
     tokens come from the request's FP16 tails, new ones from the input k/v.
 A (row, page) pair is in exactly one pass, so each pass masks the other's rows; the online
 softmax is indifferent to the order. The store's pages phase must run before this kernel (new
@@ -37,7 +37,8 @@ def hack_prefill_kernel(
     o_ptr, s_ot, s_oh,
     sm_scale, window, logit_cap,
     REP: tl.constexpr, BM: tl.constexpr,
-    P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     S: tl.constexpr, BS: tl.constexpr, V_TAIL: tl.constexpr, DOT_F16: tl.constexpr,
     WINDOW: tl.constexpr = False, CAP: tl.constexpr = False,
 ):
@@ -83,7 +84,7 @@ def hack_prefill_kernel(
         for pg in range(lo_min // P, (t_max + 1) // P):
             page = tl.load(kv_indices + page0 + pg).to(tl.int64)
             s = quant_scores(q_base, q_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, ksc_ptr, ksum_ptr,
-                             kc_ps, kmin_ps, ksc_ps, ksum_ps, P, D, GD, NG, BITS, DOT_F16)
+                             kc_ps, kmin_ps, ksc_ps, ksum_ps, P, D, GD, NG, K_BITS, DOT_F16)
             sees_closed = row_ok & (t >= (pg + 1) * P - 1)
             valid = sees_closed[:, None] & (pg * P + jj >= S)[None, :]
             if WINDOW:
@@ -91,7 +92,7 @@ def hack_prefill_kernel(
             s = masked_scores(s, valid, logit_cap, CAP)
             p, m_i, l_i, acc = softmax_step(s, m_i, l_i, acc)
             acc += quant_pv(p, P, page, h, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
-                            P, D, GD, NG, BITS, DOT_F16)
+                            P, D, GD, NG, V_BITS, DOT_F16)
         # FP16 pass: each row's own, still open partition (old tokens from the tails, new ones
         # from the input).
         trow = tl.load(tail_rows + b).to(tl.int64)
@@ -114,7 +115,7 @@ def hack_prefill_kernel(
             else:
                 page = tl.load(kv_indices + page0 + pg).to(tl.int64)
                 acc += quant_pv(p, tl.minimum(P, L - pg * P), page, h, vc_ptr, vmin_ptr, vsc_ptr,
-                                vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, BITS, DOT_F16)
+                                vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, V_BITS, DOT_F16)
 
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None, None]  # padding rows have l = 0
         tl.store(o_ptr + (q0 + mb * BM + r3).to(tl.int64) * s_ot + hq * s_oh + ch,

@@ -24,7 +24,8 @@ class KernelSpec:
     head_dim: int  # D
     group: int  # Gd = min(Π, D)
     ngroups: int  # D / Gd
-    bits: int
+    k_bits: int  # bits per K code
+    v_bits: int  # bits per V code (K and V may differ: HackConfig.bits)
     sinks: int
     meta_f16: bool
     v_tail: bool  # V's open partition is FP16 too (tail_tensors='kv'), else V is quantized as written
@@ -59,7 +60,7 @@ def kernel_spec(layout: PageLayout) -> KernelSpec:
     if layout.version != 2 or layout.v.sums is not None:
         raise NotImplementedError(f"the Triton kernels read page layout version 2, got {layout.version}")
     gd = cfg.head_group(d)
-    return KernelSpec(layout.num_heads, p, d, gd, d // gd, cfg.kv_bits, cfg.sink_tokens,
+    return KernelSpec(layout.num_heads, p, d, gd, d // gd, cfg.bits("k"), cfg.bits("v"), cfg.sink_tokens,
                       cfg.meta_dtype == "float16", cfg.v_tail, bool(getattr(cfg, "range_search", False)))
 
 
@@ -73,7 +74,7 @@ def page_sections(layout: PageLayout, k_buf: torch.Tensor, v_buf: torch.Tensor) 
         if buf.stride(1) != 1 or buf.stride(0) % 16:
             raise ValueError(f"{name} rows must be contiguous and 16-byte aligned")
     views = [layout.k.view(k_buf, s) for s in K_SECTIONS] + [layout.v.view(v_buf, s) for s in V_SECTIONS]
-    for i in (0, 4):  # codes as little-endian int32 words: one load per 32 // bits codes
+    for i in (0, 4):  # codes as little-endian int32 words: one load per 32 // bits codes (each tensor's bits)
         views[i] = views[i].view(torch.int32)
     return views, [t.stride(0) for t in views]
 

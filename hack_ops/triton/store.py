@@ -62,8 +62,8 @@ def store_launch(spec: KernelSpec, batch: PagedBatch, k: Tensor, v: Tensor, cach
         [k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
          batch.qo_indptr, batch.prefix_lens, batch.kv_indptr, batch.kv_indices, batch.tail_rows, batch.sink_slots,
          *cache.args()],
-        dict(P=spec.page, D=spec.head_dim, GD=spec.group, NG=spec.ngroups, BITS=spec.bits, S=spec.sinks,
-             META_F16=spec.meta_f16, V_TAIL=spec.v_tail, RANGE_SEARCH=spec.range_search,
+        dict(P=spec.page, D=spec.head_dim, GD=spec.group, NG=spec.ngroups, K_BITS=spec.k_bits, V_BITS=spec.v_bits,
+             S=spec.sinks, META_F16=spec.meta_f16, V_TAIL=spec.v_tail, RANGE_SEARCH=spec.range_search,
              WRITE_PAGES=phase in ("all", "pages"), WRITE_TAIL=phase in ("all", "tail")),
         # Bit-exact with hack_ops.quant: no FMA contraction (range search sums c*s + m - x).
         dict(num_warps=8, enable_fp_fusion=False),

@@ -1,6 +1,7 @@
 """Triton store kernel: quantize new tokens into HACK pages (orientation 'channel_k', layout v2).
 
 One program per (touched page, request, KV head x head_dim group of Gd channels).
+K codes have K_BITS bits, V codes V_BITS (HackConfig.bits: they may differ).
 Pages phase, for its page:
   * if the page is now complete, quantize it once: K per channel over the page's non-sink
     tokens (codes, min/scale, per-token K code sums) and, when V has an FP16 tail
@@ -39,10 +40,10 @@ def _pack(codes, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _store_v_tokens(x, rows, is_sink, page, h, g, j, vc_ptr, vmin_ptr, vsc_ptr, vc_ps, vmin_ps, vsc_ps,
                     P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr,
-                    BITS: tl.constexpr, META_F16: tl.constexpr, RANGE_SEARCH: tl.constexpr):
-    """Quantize V per token (x [Π, Gd], head_dim group g) and write the `rows` slots."""
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    PW: tl.constexpr = 32 // BITS
+                    V_BITS: tl.constexpr, META_F16: tl.constexpr, RANGE_SEARCH: tl.constexpr):
+    """Quantize V per token (x [Π, Gd], head_dim group g) to V_BITS codes and write the `rows` slots."""
+    LEVELS: tl.constexpr = (1 << V_BITS) - 1
+    PW: tl.constexpr = 32 // V_BITS
     ROWW: tl.constexpr = D // PW
     lo = tl.min(x, axis=1)
     hi = tl.max(x, axis=1)
@@ -55,7 +56,7 @@ def _store_v_tokens(x, rows, is_sink, page, h, g, j, vc_ptr, vmin_ptr, vsc_ptr, 
     tl.store(vsc_ptr + page * vsc_ps + meta, tl.where(is_sink, 0.0, sc).to(vsc_ptr.dtype.element_ty), mask=rows)
     word = g * (GD // PW) + tl.arange(0, GD // PW)
     tl.store(vc_ptr + page * vc_ps + h * P * ROWW + j[:, None] * ROWW + word[None, :],
-             _pack(q.to(tl.int32), P, GD, BITS), mask=rows[:, None])
+             _pack(q.to(tl.int32), P, GD, V_BITS), mask=rows[:, None])
 
 
 @triton.jit
@@ -67,7 +68,7 @@ def hack_store_kernel(
     tk_ptr, tv_ptr, s_tr, s_tj, s_th,
     sk_ptr, sv_ptr, s_ss, s_sj, s_sh,
     P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr,
-    BITS: tl.constexpr, S: tl.constexpr, META_F16: tl.constexpr, V_TAIL: tl.constexpr,
+    K_BITS: tl.constexpr, V_BITS: tl.constexpr, S: tl.constexpr, META_F16: tl.constexpr, V_TAIL: tl.constexpr,
     RANGE_SEARCH: tl.constexpr, WRITE_PAGES: tl.constexpr, WRITE_TAIL: tl.constexpr,
 ):
     pid_p = tl.program_id(0)
@@ -75,8 +76,9 @@ def hack_store_kernel(
     hg = tl.program_id(2)
     h = hg // NG
     g = hg % NG
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    PW: tl.constexpr = 32 // BITS
+    # K's code geometry (V's is in _store_v_tokens)
+    LEVELS: tl.constexpr = (1 << K_BITS) - 1
+    PW: tl.constexpr = 32 // K_BITS
     ROWW: tl.constexpr = D // PW
 
     q0 = tl.load(qo_indptr + b)
@@ -116,7 +118,7 @@ def hack_store_kernel(
                 kq = tl.where(keep, code_of(k, kmn[None, :], ks[None, :], LEVELS), 0.0)
                 word = g * (GD // PW) + tl.arange(0, GD // PW)
                 tl.store(kc_ptr + page * kc_ps + h * P * ROWW + j[:, None] * ROWW + word[None, :],
-                         _pack(kq.to(tl.int32), P, GD, BITS))
+                         _pack(kq.to(tl.int32), P, GD, K_BITS))
                 tl.store(kmin_ptr + page * kmin_ps + h * D + d, kmn.to(kmin_ptr.dtype.element_ty))
                 tl.store(ksc_ptr + page * ksc_ps + h * D + d, ks.to(ksc_ptr.dtype.element_ty))
                 ksum = tl.sum(kq, axis=1).to(tl.int32)
@@ -125,11 +127,11 @@ def hack_store_kernel(
                     vt = tl.load(tv_ptr + t_off, mask=old, other=0.0).to(tl.float32)
                     vn = tl.load(v_ptr + v_off, mask=new[:, None], other=0.0).to(tl.float16).to(tl.float32)
                     _store_v_tokens(tl.where(old, vt, vn), j < P, is_sink, page, h, g, j, vc_ptr, vmin_ptr, vsc_ptr,
-                                    vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, BITS, META_F16, RANGE_SEARCH)
+                                    vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, V_BITS, META_F16, RANGE_SEARCH)
             if not V_TAIL:
                 vn = tl.load(v_ptr + v_off, mask=new[:, None], other=0.0).to(tl.float32)
                 _store_v_tokens(vn, new, is_sink, page, h, g, j, vc_ptr, vmin_ptr, vsc_ptr,
-                                vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, BITS, META_F16, RANGE_SEARCH)
+                                vc_ps, vmin_ps, vsc_ps, P, D, GD, NG, V_BITS, META_F16, RANGE_SEARCH)
             if S > 0:
                 sm = (new & is_sink)[:, None]
                 slot = tl.load(sink_slots + b).to(tl.int64)

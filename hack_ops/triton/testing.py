@@ -52,7 +52,8 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
                   tail_row: int, sink_slot: int) -> None:
     """Store a whole sequence k, v [L, H, D] into `pages` (its page table), the FP16 tail row(s)
     and the sink slot, like incremental stores would leave them (round to nearest). K, and V
-    when it has a tail, are quantized from their FP16 values (what the tails hold)."""
+    when it has a tail, are quantized from their FP16 values (what the tails hold); K's codes
+    with cfg.bits('k') bits, V's with cfg.bits('v')."""
     cfg = layout.config
     if cfg.orientation != "channel_k":
         raise NotImplementedError("fill_sequence builds channel_k pages")
@@ -61,6 +62,7 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
     gd = cfg.head_group(d)
     ng = d // gd
     meta = _META[cfg.meta_dtype]
+    kb, vb = cfg.bits("k"), cfg.bits("v")
     if len(pages) < -(-n // p):
         raise ValueError(f"{n} tokens need {-(-n // p)} pages, got {len(pages)}")
     kv = {"k_" + s: layout.k.view(bufs["k_buf"], s) for s in ("codes", "minimum", "scale", "sums")}
@@ -74,13 +76,13 @@ def fill_sequence(layout: PageLayout, bufs: dict[str, Tensor], k: Tensor, v: Ten
         closed = cnt == p
         sink = (torch.arange(lo, hi) < sk)[:, None, None]
         if closed or not cfg.v_tail:  # V per token in head_dim groups; sinks: code 0, min 0, scale 0
-            qv = quantize(v_src[lo:hi], cfg.kv_bits, dim=-1, group_size=gd, meta_dtype=meta, **rs)
-            kv["v_codes"][page, :, :cnt] = pack(qv.codes.masked_fill(sink, 0).permute(1, 0, 2).contiguous(), cfg.kv_bits)
+            qv = quantize(v_src[lo:hi], vb, dim=-1, group_size=gd, meta_dtype=meta, **rs)
+            kv["v_codes"][page, :, :cnt] = pack(qv.codes.masked_fill(sink, 0).permute(1, 0, 2).contiguous(), vb)
             kv["v_minimum"][page, :, : cnt * ng] = qv.minimum.masked_fill(sink, 0).permute(1, 0, 2).reshape(h, cnt * ng)
             kv["v_scale"][page, :, : cnt * ng] = qv.scale.masked_fill(sink, 0).permute(1, 0, 2).reshape(h, cnt * ng)
         if closed:  # K per channel over the page's non-sink tokens
-            qk = quantize(k16[lo:hi], cfg.kv_bits, dim=0, group_size=p, meta_dtype=meta, mask=~sink.expand(p, h, d), **rs)
-            kv["k_codes"][page] = pack(qk.codes.permute(1, 0, 2).contiguous(), cfg.kv_bits)
+            qk = quantize(k16[lo:hi], kb, dim=0, group_size=p, meta_dtype=meta, mask=~sink.expand(p, h, d), **rs)
+            kv["k_codes"][page] = pack(qk.codes.permute(1, 0, 2).contiguous(), kb)
             kv["k_minimum"][page] = qk.minimum[0]
             kv["k_scale"][page] = qk.scale[0]
             ksum = qk.codes.reshape(p, h, ng, gd).sum(-1, dtype=torch.int32)  # [Π, H, ng]

@@ -184,7 +184,7 @@ static void interleave4(const uint8_t *vb, int P, int d, uint8_t *vq) {
 /* ---- per page: the codes and side tables of K and V, once per item -------------------- */
 
 static void load_k_page(const hack_extend_args *a, int64_t h, int64_t page_id, xscratch_t *w) {
-    const int d = (int)a->head_dim, P = (int)a->page_size, bits = (int)a->bits, ng = d / (int)a->group;
+    const int d = (int)a->head_dim, P = (int)a->page_size, bits = (int)a->k_bits, ng = d / (int)a->group;
     const int row = d * bits / 8;
     const uint8_t *page = a->k_pages + page_id * a->k_page_bytes;
     const uint8_t *codes = page + a->k_codes_off + h * P * row;
@@ -197,7 +197,7 @@ static void load_k_page(const hack_extend_args *a, int64_t h, int64_t page_id, x
 }
 
 static void load_v_page(const hack_extend_args *a, int64_t h, int64_t page_id, int nt, xscratch_t *w) {
-    const int d = (int)a->head_dim, P = (int)a->page_size, bits = (int)a->bits, ng = d / (int)a->group;
+    const int d = (int)a->head_dim, P = (int)a->page_size, bits = (int)a->v_bits, ng = d / (int)a->group;
     const int row = d * bits / 8;
     const uint8_t *page = a->v_pages + page_id * a->v_page_bytes;
     const uint8_t *codes = page + a->v_codes_off + h * P * row;

@@ -41,7 +41,7 @@ static inline float hack_exp_neg(float x) {
 }
 
 typedef struct {
-    int64_t batch, heads, rep, head_dim, page_size, bits, group, sink_tokens;
+    int64_t batch, heads, rep, head_dim, page_size, k_bits, v_bits, group, sink_tokens; /* K, V codes may differ */
     int64_t k_open_quantized; /* 1: the open K page is read from its (re-quantized) codes */
     int64_t v_open_quantized; /* 1: the open page's V is read from its per-token codes */
     int64_t meta_fp32, max_pages;
@@ -97,7 +97,7 @@ void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const fl
 
 /* Tiled extend (hack_extend.c): one call for all new tokens of a batch of requests. */
 typedef struct {
-    int64_t batch, heads, rep, head_dim, page_size, bits, group, sink_tokens;
+    int64_t batch, heads, rep, head_dim, page_size, k_bits, v_bits, group, sink_tokens; /* K, V codes may differ */
     int64_t v_open_quantized; /* 1: V of the open partition is read from its per-token codes */
     int64_t exact;            /* 1: 'exact' extend: every query sees only pages < prefix/P closed */
     int64_t meta_fp32, max_pages;

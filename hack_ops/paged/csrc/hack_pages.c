@@ -96,7 +96,7 @@ static inline __m512i reduce16(const __m512i *v) {
 
 void page_scores_quant(const item_t *it, int64_t page_id, int nt, const float *q, float *s, int64_t ld, float *ws) {
     const hack_decode_args *a = it->a;
-    const int d = (int)a->head_dim, rep = (int)a->rep, bits = (int)a->bits, gd = (int)a->group;
+    const int d = (int)a->head_dim, rep = (int)a->rep, bits = (int)a->k_bits, gd = (int)a->group;
     const int ng = d / gd, P = (int)a->page_size, row = d * bits / 8, fp32 = (int)a->meta_fp32;
     const uint8_t *page = a->k_pages + page_id * a->k_page_bytes;
     const uint8_t *codes = page + a->k_codes_off + it->h * P * row;
@@ -206,7 +206,7 @@ void page_scores_quant(const item_t *it, int64_t page_id, int nt, const float *q
 
 void page_pv_quant(const item_t *it, int64_t page_id, int nt, int skip, const float *pr, int64_t ld, float *o, float *ws) {
     const hack_decode_args *a = it->a;
-    const int d = (int)a->head_dim, rep = (int)a->rep, bits = (int)a->bits, gd = (int)a->group;
+    const int d = (int)a->head_dim, rep = (int)a->rep, bits = (int)a->v_bits, gd = (int)a->group;
     const int ng = d / gd, P = (int)a->page_size, row = d * bits / 8, fp32 = (int)a->meta_fp32;
     const uint8_t *page = a->v_pages + page_id * a->v_page_bytes;
     const uint8_t *codes = page + a->v_codes_off + it->h * P * row;

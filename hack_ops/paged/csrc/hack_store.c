@@ -39,7 +39,7 @@ enum { IN_F32 = 0, IN_F16 = 1, IN_BF16 = 2 };
 enum { SUM_ROWS = 0, SUM_INNER = 1 }; /* the two reduction orders, see err_reduce */
 
 typedef struct {
-    int64_t batch, heads, head_dim, page_size, bits, group, sink_tokens;
+    int64_t batch, heads, head_dim, page_size, k_bits, v_bits, group, sink_tokens; /* K and V codes may differ */
     int64_t meta_fp32, v_tail, range_search, in_dtype, inner_width, max_pages, nthreads;
     int64_t k_page_bytes, k_codes_off, k_min_off, k_scale_off, k_sums_off, k_sums_bytes;
     int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
@@ -487,7 +487,7 @@ static inline void pack_row(const uint8_t *codes, int64_t d, int bits, uint8_t *
 static void store_v_tokens(const hack_store_args *a, scratch_t *s, int64_t page, int64_t p0, int64_t h, int64_t j0,
                            int64_t nj) {
     const int64_t P = a->page_size, D = a->head_dim, gd = a->group, ng = D / gd;
-    const int bits = (int)a->bits, fp32 = (int)a->meta_fp32;
+    const int bits = (int)a->v_bits, fp32 = (int)a->meta_fp32;
     const int64_t rowb = D * bits / 8;
     uint8_t cm[ST_MAX_P];
     for (int64_t jj = 0; jj < nj; jj++) cm[jj] = !(p0 + j0 + jj < a->sink_tokens);
@@ -514,7 +514,7 @@ static void store_v_tokens(const hack_store_args *a, scratch_t *s, int64_t page,
 static void store_item(const hack_store_args *a, scratch_t *s, int64_t b, int64_t pg, int64_t h) {
     const int64_t P = a->page_size, H = a->heads, D = a->head_dim, S = a->sink_tokens;
     const int64_t gd = a->group, ng = D / gd, HD = H * D;
-    const int bits = (int)a->bits, levels = (1 << bits) - 1, fp32 = (int)a->meta_fp32, dt = (int)a->in_dtype;
+    const int bits = (int)a->k_bits, levels = (1 << bits) - 1, fp32 = (int)a->meta_fp32, dt = (int)a->in_dtype;
     const int64_t pre = a->prefix_lens[b], q0 = a->qo_indptr[b], seq = pre + a->qo_indptr[b + 1] - q0;
     const int64_t row = a->rows[b], page = a->page_table[b * a->max_pages + pg], p0 = pg * P;
     const int64_t lo_pos = pre > p0 ? pre : p0, hi_pos = seq < p0 + P ? seq : p0 + P;
@@ -578,8 +578,9 @@ static void store_item(const hack_store_args *a, scratch_t *s, int64_t b, int64_
 
 int hack_store(const hack_store_args *a) {
     const int64_t B = a->batch, P = a->page_size, H = a->heads, D = a->head_dim, S = a->sink_tokens;
-    if (P <= 0 || P > ST_MAX_P || D <= 0 || D > ST_MAX_D || a->group <= 0 || D % a->group || (a->bits != 2 && a->bits != 4) ||
-        (D * a->bits) % 8 || a->inner_width <= 0 || a->inner_width > 64)
+    if (P <= 0 || P > ST_MAX_P || D <= 0 || D > ST_MAX_D || a->group <= 0 || D % a->group ||
+        (a->k_bits != 2 && a->k_bits != 4) || (a->v_bits != 2 && a->v_bits != 4) || (D * a->k_bits) % 8 ||
+        (D * a->v_bits) % 8 || a->inner_width <= 0 || a->inner_width > 64)
         return 1;
     /* work items: (request, page) pairs to quantize, times heads */
     int64_t n_items = 0;
