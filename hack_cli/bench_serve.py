@@ -187,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
     layers = getattr(args, "four_bit_layers", None)
     if "hack-4bit-layers" in methods:
         method_args("hack-4bit-layers", layers)  # refuses a missing --4bit-layers before any server starts
+    elif getattr(args, "four_bit_tensors", "kv") != "kv":
+        raise ValueError("--4bit-tensors sets the hack-4bit-layers method's tensors; add it to --methods")
     if cfg["decode_tokens"] < 2 or cfg["concurrency"] < 1 or cfg["requests"] < 1:
         raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1")
     say = (lambda *a: None) if args.json else print

@@ -151,6 +151,9 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
 
     extra: list[str] = []
     layers = getattr(args, "four_bit_layers", None)
+    if getattr(args, "four_bit_tensors", "kv") != "kv" and not layers:
+        raise ValueError(f"--4bit-tensors {args.four_bit_tensors} says which tensors of the --4bit-layers layers take "
+                         "4 bits; give --4bit-layers too")
     if layers:
         if not args.kv.startswith("hack") and args.kv != "dequant":
             raise ValueError(f"--4bit-layers sets HACK page bits; --kv {args.kv} has no HACK pages")

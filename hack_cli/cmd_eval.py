@@ -182,10 +182,17 @@ def _layer_indices(args: argparse.Namespace) -> tuple[int, ...] | None:
 
 
 def _raised(args: argparse.Namespace) -> tuple:
-    """--4bit-tensors as RaisedTensors (ValueError naming the choices for another word)."""
-    from hack_ops.config import raised_tensors
+    """--4bit-tensors as RaisedTensors (ValueError naming the choices for another word, or for a
+    value other than 'kv' without --4bit-layers, where it would change no row)."""
+    from hack_ops.config import RaisedTensors, raised_tensors
 
-    return tuple(raised_tensors(t.strip()) for t in args.four_bit_tensors.split(",") if t.strip())
+    raised = tuple(raised_tensors(t.strip()) for t in args.four_bit_tensors.split(",") if t.strip())
+    if not raised:
+        raise ValueError("--4bit-tensors needs kv, k or kv,k")
+    if not args.four_bit_layers and raised != (RaisedTensors.KV,):
+        raise ValueError(f"--4bit-tensors {args.four_bit_tensors} says which tensors of the --4bit-layers rows take "
+                         "4 bits; give --4bit-layers too")
+    return raised
 
 
 def _patterns(value: str | None) -> list[str] | None:

@@ -105,7 +105,7 @@ def attention(
     logit_cap = check_logit_cap(logit_cap)
     cfg = config or HackConfig()
     d = q.shape[-1]
-    if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * max(cfg.bits("k"), cfg.bits("v"))) % 8):
+    if mode != AttentionMode.EXACT and (d % cfg.head_group(d) or (d * min(cfg.bits("k"), cfg.bits("v"))) % 8):
         raise ValueError(f"head_dim {d} must be a multiple of the head_dim group {cfg.head_group(d)}")
     if mode != AttentionMode.EXACT and cfg.per_layer:
         raise ValueError(f"{cfg.label()} differs per layer: pass config.for_layer(layer, num_layers)")

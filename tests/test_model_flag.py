@@ -154,7 +154,11 @@ def test_four_bit_tensors_k_reaches_each_command(prepared, monkeypatch):
     for argv, why in ((["eval", "retrieval", "--model", "gemma3", "--served", "hack-4bit-layers", "--4bit-layers",
                         "full", "--4bit-tensors", "kv,k"], "give --4bit-tensors kv or k, not both"),
                       (["eval", "accuracy", "--model", "gemma3", "--4bit-layers", "full", "--4bit-tensors", "v"],
-                       "raised_tensors must be one of")):
+                       "raised_tensors must be one of"),
+                      (["eval", "accuracy", "--model", "gemma3", "--4bit-tensors", "k"], "give --4bit-layers too"),
+                      (["up", "--model", "gemma3", "--4bit-tensors", "k"], "give --4bit-layers too"),
+                      (["bench", "serve", "--model", "gemma3", "--4bit-tensors", "k", "--no-doc"],
+                       "add it to --methods")):
         args = build_parser().parse_args(argv)
         with pytest.raises(ValueError, match=why):
             args.func(args)
