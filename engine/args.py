@@ -125,9 +125,9 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_four_bit_tensors": ("--hack-4bit-tensors", dict(
         choices=[t.value for t in RaisedTensors],
         help="Which tensors of the --hack-4bit-layers (and --hack-edge-layer-bits) layers take their "
-             "bits: kv (K and V, default) or k (K alone, V keeps --hack-kv-bits: fewer bytes where K "
-             "carries the error; `hack eval accuracy|retrieval --4bit-tensors`). Each layer's pages are "
-             "laid out with its K and V bits.")),
+             "bits: kv (K and V, default), k (K alone, V keeps --hack-kv-bits: fewer bytes where K "
+             "carries the error) or v (V alone); `hack eval accuracy|retrieval --4bit-tensors`. Each "
+             "layer's pages are laid out with its K and V bits.")),
     "hack_kv_bits": ("--hack-kv-bits", dict(
         type=int, choices=[2, 4], help="Bits per K/V code.")),
     "hack_k_bits": ("--hack-k-bits", dict(

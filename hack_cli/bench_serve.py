@@ -54,9 +54,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
                    help="0-based layers the hack-4bit-layers method holds at 4 bits, or 'full' (the model's "
                         "layers without a sliding window)")
-    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k"], default="kv",
+    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k", "v"], default="kv",
                    help="which tensors of the --4bit-layers layers the hack-4bit-layers method holds at 4 bits: "
-                        "kv (K and V, default) or k (K alone, V at 2 bits; --hack-4bit-tensors)")
+                        "kv (K and V, default), k (K alone, V at 2 bits) or v (V alone; --hack-4bit-tensors)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)

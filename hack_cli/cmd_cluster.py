@@ -44,8 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
                         "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names, "
                         "or 'full': the model's layers without a sliding window)")
-    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k"], default="kv",
-                   help="with --4bit-layers: kv (K and V at 4 bits, default) or k (K alone; --hack-4bit-tensors)")
+    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k", "v"], default="kv",
+                   help="with --4bit-layers: kv (K and V at 4 bits, default), k (K alone) or v (V alone; "
+                        "--hack-4bit-tensors)")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")

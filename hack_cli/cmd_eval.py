@@ -89,10 +89,10 @@ def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
                              "`hack eval layers` ranks first, or 'full': the model's layers without a sliding "
                              "window; the server's --hack-4bit-layers), in hack and dequant mode or those "
                              "--modes names")
-    parser.add_argument("--4bit-tensors", dest="four_bit_tensors", default="kv", metavar="kv|k[,..]",
+    parser.add_argument("--4bit-tensors", dest="four_bit_tensors", default="kv", metavar="kv|k|v[,..]",
                         help="which tensors of the --4bit-layers rows take 4 bits: 'kv' (K and V, default), 'k' "
-                             "(K alone, V stays at 2 bits: fewer bytes), or 'kv,k' for a row of each (the "
-                             "server's --hack-4bit-tensors)")
+                             "(K alone, V stays at 2 bits: fewer bytes), 'v' (V alone), or several, e.g. 'kv,k', "
+                             "for a row of each (the server's --hack-4bit-tensors)")
 
 
 def _add_report_flags(parser: argparse.ArgumentParser, stem: str, attention_path: bool = True) -> None:
@@ -188,7 +188,7 @@ def _raised(args: argparse.Namespace) -> tuple:
 
     raised = tuple(raised_tensors(t.strip()) for t in args.four_bit_tensors.split(",") if t.strip())
     if not raised:
-        raise ValueError("--4bit-tensors needs kv, k or kv,k")
+        raise ValueError("--4bit-tensors needs kv, k or v (or several, comma-separated)")
     if not args.four_bit_layers and raised != (RaisedTensors.KV,):
         raise ValueError(f"--4bit-tensors {args.four_bit_tensors} says which tensors of the --4bit-layers rows take "
                          "4 bits; give --4bit-layers too")
@@ -234,7 +234,7 @@ def _retrieval(args: argparse.Namespace) -> int:
             raise ValueError("--needle-attention reads the HF model's attention; it does not combine with --served")
         raised = _raised(args)
         if len(raised) != 1:
-            raise ValueError("--served starts one hack-4bit-layers server: give --4bit-tensors kv or k, not both")
+            raise ValueError("--served starts one hack-4bit-layers server: give one --4bit-tensors value")
         res = run_served_retrieval(args.model, contexts, args.items, _csv(args.served), seed=args.seed,
                                    four_bit_layers=_layer_indices(args), budget_mb=args.budget_mb, log=log,
                                    raised=raised[0].value)

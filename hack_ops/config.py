@@ -29,10 +29,19 @@ class RaisedTensors(str, Enum):
 
     KV = "kv"  # K and V
     K = "k"  # K only; V keeps kv_bits (K carries most of the 2-bit error on the models studied)
+    V = "v"  # V only; K keeps its bits (what a layer copies out of its keys is read from V)
+
+    @property
+    def raises_k(self) -> bool:
+        return self != RaisedTensors.V
+
+    @property
+    def raises_v(self) -> bool:
+        return self != RaisedTensors.K
 
 
 def raised_tensors(value: "RaisedTensors | str") -> RaisedTensors:
-    """The RaisedTensors named by `value` ('kv' or 'k'), or ValueError listing the choices."""
+    """The RaisedTensors named by `value` ('kv', 'k' or 'v'), or ValueError listing the choices."""
     try:
         return RaisedTensors(value)
     except ValueError:
@@ -55,7 +64,7 @@ class HackConfig:
     kv_bits: bits per K/V code (2, or 4 for accuracy-sensitive users).
     k_bits: bits per K code where K's differ from V's (0 = kv_bits for both; 2 or 4): a
         uniform config's K bits, which for_layer() sets on a raised layer whose
-        raised_tensors is 'k'. bits('k') / bits('v') are what every path reads.
+        raised_tensors is 'k' or 'v'. bits('k') / bits('v') are what every path reads.
     qp_bits: bits of the quantized Q and P operands (8).
     rounding: 'nearest' or 'stochastic' (the paper's; unbiased, seeded by a torch.Generator).
     summation_elimination: keep code sums next to min/scale instead of recomputing them
@@ -94,8 +103,8 @@ class HackConfig:
         2-bit error sits, found by `hack eval layers`. () = none. Per layer like
         edge_layer_bits, and served the same way.
     raised_tensors: which tensors a raised layer (four_bit_layers, edge_layer_bits) gives the
-        raised bits: 'kv' (K and V) or 'k' (K only, V keeps kv_bits: fewer bytes where K
-        carries the error).
+        raised bits: 'kv' (K and V), 'k' (K only, V keeps kv_bits: fewer bytes where K carries
+        the error) or 'v' (V only, K keeps its bits).
     """
 
     partition_size: int = 64
@@ -177,8 +186,8 @@ class HackConfig:
             raised = 4
         k, v = self.bits("k"), self.bits("v")
         if raised:
-            k = raised
-            v = raised if self.raised_tensors == RaisedTensors.KV else v
+            k = raised if self.raised_tensors.raises_k else k
+            v = raised if self.raised_tensors.raises_v else v
         return replace(self, kv_bits=v, k_bits=0 if k == v else k, edge_layer_bits=0, four_bit_layers=(),
                        raised_tensors=RaisedTensors.KV)
 
@@ -193,7 +202,8 @@ class HackConfig:
     def _per_layer_fields(self) -> tuple[str, ...]:
         """The per-layer fields that give some layer other bits than kv_bits."""
         def differs(raised: int) -> bool:
-            return raised != self.bits("k") or (self.raised_tensors == RaisedTensors.KV and raised != self.bits("v"))
+            t = self.raised_tensors
+            return (t.raises_k and raised != self.bits("k")) or (t.raises_v and raised != self.bits("v"))
 
         return tuple(name for name, on in (("edge_layer_bits", self.edge_layer_bits != 0 and differs(self.edge_layer_bits)),
                                            ("four_bit_layers", bool(self.four_bit_layers) and differs(4)))
@@ -214,7 +224,7 @@ class HackConfig:
     @property
     def split_bits(self) -> bool:
         """Some layer's K codes have other bits than its V codes (k_bits, or raised_tensors 'k')."""
-        return bool(self.k_bits) or (self.raised_tensors == RaisedTensors.K and self.per_layer)
+        return bool(self.k_bits) or (self.raised_tensors != RaisedTensors.KV and self.per_layer)
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""

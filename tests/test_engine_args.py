@@ -104,7 +104,7 @@ def test_bad_combinations_are_refused(parser, argv, message):
     ["--hack-4bit-layers", "first"],
     ["--hack-k-outlier-channels", "-1"],
     ["--hack-k-bits", "3"],
-    ["--hack-4bit-tensors", "v"],
+    ["--hack-4bit-tensors", "q"],
     ["--hack-kv-budget-mb", "0"],
     ["--kv-cache-dtype", "int3"],
 ])

@@ -152,8 +152,8 @@ def test_four_bit_tensors_k_reaches_each_command(prepared, monkeypatch):
           "--out", "", "--json-out", ""])
     assert seen["raised"] == (RaisedTensors.KV, RaisedTensors.K)
     for argv, why in ((["eval", "retrieval", "--model", "gemma3", "--served", "hack-4bit-layers", "--4bit-layers",
-                        "full", "--4bit-tensors", "kv,k"], "give --4bit-tensors kv or k, not both"),
-                      (["eval", "accuracy", "--model", "gemma3", "--4bit-layers", "full", "--4bit-tensors", "v"],
+                        "full", "--4bit-tensors", "kv,k"], "give one --4bit-tensors value"),
+                      (["eval", "accuracy", "--model", "gemma3", "--4bit-layers", "full", "--4bit-tensors", "q"],
                        "raised_tensors must be one of"),
                       (["eval", "accuracy", "--model", "gemma3", "--4bit-tensors", "k"], "give --4bit-layers too"),
                       (["up", "--model", "gemma3", "--4bit-tensors", "k"], "give --4bit-layers too"),

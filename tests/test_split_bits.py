@@ -24,7 +24,7 @@ def test_k_bits_validate_and_default_to_kv_bits():
         with pytest.raises(ValueError, match="k_bits"):
             HackConfig(k_bits=bad)
     with pytest.raises(ValueError, match="raised_tensors must be one of"):
-        HackConfig(raised_tensors="v")
+        HackConfig(raised_tensors="q")
     with pytest.raises(ValueError, match="name must be 'k' or 'v'"):
         c.bits("q")
 
@@ -36,6 +36,10 @@ def test_raised_layers_give_k_alone_four_bits():
     assert [(c.for_layer(i, 5).bits("k"), c.for_layer(i, 5).bits("v")) for i in range(5)] == [
         (2, 2), (4, 2), (2, 2), (4, 2), (2, 2)]
     assert c.for_layer(0, 5) == HackConfig() and c.for_layer(1, 5) == HackConfig(k_bits=4)
+    v = HackConfig(four_bit_layers=(1,), raised_tensors="v")
+    assert v.label() == "channel_k-P64-2bit-sink1-L1-4bit-raised-v" and v.split_bits
+    assert v.for_layer(1, 3) == HackConfig(kv_bits=4, k_bits=2) and v.for_layer(0, 3) == HackConfig()
+    assert not HackConfig(kv_bits=4, four_bit_layers=(1,), raised_tensors="v").per_layer  # V at 4 already
     edges = HackConfig(edge_layer_bits=4, raised_tensors="k")
     assert [edges.for_layer(i, 3).bits("k") for i in range(3)] == [4, 2, 4]
     assert [edges.for_layer(i, 3).bits("v") for i in range(3)] == [2, 2, 2]
@@ -137,8 +141,9 @@ def test_a_layer_of_a_mixed_store_equals_a_uniform_store_of_its_bits():
 def test_study_rows_for_each_raised_set():
     from hack_eval.variants import layer_bits_variants
 
-    rows = layer_bits_variants((5, 11), ["dequant"], ("kv", "k", "k"))
-    assert [r.name for r in rows] == ["default, layers 5,11 at 4 bits", "default, layers 5,11 K at 4 bits"]
-    assert [r.config.raised_tensors for r in rows] == [RaisedTensors.KV, RaisedTensors.K]
+    rows = layer_bits_variants((5, 11), ["dequant"], ("kv", "k", "k", "v"))
+    assert [r.name for r in rows] == ["default, layers 5,11 at 4 bits", "default, layers 5,11 K at 4 bits",
+                                      "default, layers 5,11 V at 4 bits"]
+    assert [r.config.raised_tensors for r in rows] == [RaisedTensors.KV, RaisedTensors.K, RaisedTensors.V]
     with pytest.raises(ValueError, match="raised_tensors must be one of"):
-        layer_bits_variants((5,), None, ("v",))
+        layer_bits_variants((5,), None, ("q",))
