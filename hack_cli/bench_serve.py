@@ -35,6 +35,7 @@ import requests
 from engine.args import layer_list
 from engine.layer_sets import resolve_for_model_path
 from hack_eval.models import MODELS
+from hack_ops.config import RaisedTensors
 from .server_methods import METHODS, method_args
 from hack_metrics import rundir
 
@@ -54,7 +55,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
                    help="0-based layers the hack-4bit-layers method holds at 4 bits, or 'full' (the model's "
                         "layers without a sliding window)")
-    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k", "v"], default="kv",
+    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=[t.value for t in RaisedTensors], default="kv",
                    help="which tensors of the --4bit-layers layers the hack-4bit-layers method holds at 4 bits: "
                         "kv (K and V, default), k (K alone, V at 2 bits) or v (V alone; --hack-4bit-tensors)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")

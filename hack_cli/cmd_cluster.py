@@ -16,6 +16,7 @@ from engine.layer_sets import resolve_for_model_path
 from disagg.server_cmd import METHODS
 from hack_eval.models import MODELS
 from hack_metrics.rundir import RUNS_ROOT_HELP
+from hack_ops.config import RaisedTensors
 
 if TYPE_CHECKING:
     from disagg.cluster import ClusterSpec
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
                         "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names, "
                         "or 'full': the model's layers without a sliding window)")
-    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=["kv", "k", "v"], default="kv",
+    p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=[t.value for t in RaisedTensors], default="kv",
                    help="with --4bit-layers: kv (K and V at 4 bits, default), k (K alone) or v (V alone; "
                         "--hack-4bit-tensors)")
     p.add_argument("--link-mbps", type=float, default=None,

@@ -22,8 +22,8 @@ METHODS = {
 
 def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None", raised: str = "kv") -> list[str]:
     """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers: indices,
-    or a set's name that the server resolves from the model's config; and with raised 'k' only K
-    of those layers takes 4 bits: --hack-4bit-tensors k)."""
+    or a set's name that the server resolves from the model's config; raised 'k' or 'v' gives
+    only that tensor of those layers 4 bits: --hack-4bit-tensors)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors
 

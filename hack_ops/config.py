@@ -223,7 +223,7 @@ class HackConfig:
 
     @property
     def split_bits(self) -> bool:
-        """Some layer's K codes have other bits than its V codes (k_bits, or raised_tensors 'k')."""
+        """Some layer's K codes have other bits than its V codes (k_bits, or raised_tensors 'k' or 'v')."""
         return bool(self.k_bits) or (self.raised_tensors != RaisedTensors.KV and self.per_layer)
 
     def head_group(self, head_dim: int) -> int:
@@ -267,7 +267,7 @@ class HackConfig:
         return self.open_mode("k") == OpenMode.FP16 and self.open_mode("v") == OpenMode.FP16
 
     def label(self) -> str:
-        bits = f"{self.kv_bits}bit" if not self.k_bits or self.k_bits == self.kv_bits else f"K{self.k_bits}V{self.kv_bits}bit"
+        bits = f"K{self.k_bits}V{self.kv_bits}bit" if self.k_bits else f"{self.kv_bits}bit"  # k_bits 0: as V
         parts = [f"{self.orientation}", f"P{self.partition_size}", bits]
         if self.tail_tensors != "kv":
             parts.append("tail-" + self.tail_tensors)

@@ -71,7 +71,7 @@ class TensorLayout:
     scale: Section
     sums: Section | None  # None for V (no sums section)
     page_bytes: int
-    bits: int = 2  # bits per code of this tensor (K and V may differ: HackConfig.bits)
+    bits: int  # bits per code of this tensor (K and V may differ: HackConfig.bits)
     outlier_index: Section | None = None  # K with k_outlier_channels only
     outlier_values: Section | None = None
 
@@ -238,15 +238,13 @@ def describe_layouts(store) -> dict:
     one layout, so its PD fingerprint does not change."""
     layouts = store.layouts
     desc = layouts[0].describe()
-    def bits(lay) -> tuple[int, int]:
-        return lay.config.bits("k"), lay.config.bits("v")
-
-    if any(bits(lay) != bits(layouts[0]) for lay in layouts):
+    first = (layouts[0].k.bits, layouts[0].v.bits)
+    if any((lay.k.bits, lay.v.bits) != first for lay in layouts):
         desc["kv_bits"] = store.config.kv_bits
         desc.pop("k_bits", None)
         desc["layer_bits"] = [lay.config.kv_bits for lay in layouts]
         if store.config.split_bits:
-            desc["layer_k_bits"] = [lay.config.bits("k") for lay in layouts]
+            desc["layer_k_bits"] = [lay.k.bits for lay in layouts]
         desc["k_page_bytes"] = [lay.k.page_bytes for lay in layouts]
         desc["v_page_bytes"] = [lay.v.page_bytes for lay in layouts]
     return desc

@@ -198,9 +198,8 @@ def dequantize_pages(layout: PageLayout, k_buf: Tensor, v_buf: Tensor, table: Te
     gd = layout.config.head_group(d)
     b, npg = table.shape
     out = []
-    for name, tl_, buf in (("k", layout.k, k_buf), ("v", layout.v, v_buf)):
-        bits = layout.config.bits(name)  # K and V may have different bits
-        codes = _unpack(tl_.view(buf, "codes")[table], bits)[..., :d].to(dtype)  # [B, npg, H, Π, D]
+    for tl_, buf in ((layout.k, k_buf), (layout.v, v_buf)):
+        codes = _unpack(tl_.view(buf, "codes")[table], tl_.bits)[..., :d].to(dtype)  # [B, npg, H, Π, D], own bits
         sc = tl_.view(buf, "scale")[table].to(dtype)
         mn = tl_.view(buf, "minimum")[table].to(dtype)
         if tl_.per_channel:  # [B, npg, H, D]
