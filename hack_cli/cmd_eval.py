@@ -73,6 +73,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
 
+    rec = esub.add_parser("recall", help="recall of a passage read ~700 tokens earlier, through real servers: "
+                                         "each method's greedy continuation against BF16's")
+    rec.add_argument("--model", default="gemma3", help=f"model name ({', '.join(MODELS)}; prepared once)")
+    rec.add_argument("--served", default="bf16,hack", metavar="METHODS",
+                     help="KV methods, one server each (comma-separated, of "
+                          f"{', '.join(SERVED_METHODS)}; bf16, the reference, is always run)")
+    rec.add_argument("--prompts", type=int, default=6, help="recall prompts (default 6)")
+    rec.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
+    rec.add_argument("--budget-mb", type=float, default=128.0, help="the KV budget of every server (default 128)")
+    rec.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
+                     help="the layers the hack-4bit-layers method holds at 4 bits (the server's --hack-4bit-layers)")
+    rec.add_argument("--4bit-tensors", dest="four_bit_tensors", default="kv", metavar="kv|k|v",
+                     help="which tensors of those layers: kv (default), k or v (the server's --hack-4bit-tensors)")
+    rec.add_argument("--out", default=None, help="markdown report ('' = none; default docs/study/recall-MODEL.md)")
+    rec.add_argument("--json-out", default=None, help="raw results ('' = none; default docs/study/recall-MODEL.json)")
+    rec.set_defaults(func=_recall)
+
     lay = esub.add_parser("layers", help="where the 2-bit error sits: each layer alone, K against V "
                                          "(dequant mode, teacher-forced over the study's windows)")
     lay.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
@@ -121,8 +138,9 @@ def context_label(tokens: int) -> str:
 
 def report_stem(stem: str, model: str, contexts: list[int]) -> str:
     """Where a study run writes by default (without suffix): docs/study/STEM-MODEL-CONTEXTS, so
-    runs of other models or contexts never overwrite one another or a curated doc."""
-    return f"docs/study/{stem}-{model}-" + "-".join(context_label(c) for c in contexts)
+    runs of other models or contexts never overwrite one another or a curated doc (no contexts:
+    docs/study/STEM-MODEL)."""
+    return f"docs/study/{stem}-{model}" + "".join("-" + context_label(c) for c in contexts)
 
 
 def _write_reports(args: argparse.Namespace, stem: str, contexts: list[int], results: dict, text: str) -> None:
@@ -218,6 +236,20 @@ def _rerun_command(what: str) -> str:
         elif not a.startswith(("--out=", "--json-out=")):
             shown.append(a)
     return (f"hack eval {what} " + " ".join(shlex.quote(a) for a in shown)).strip()
+
+
+def _recall(args: argparse.Namespace) -> int:
+    from .recall_served import render_recall, run_served_recall
+
+    raised = _raised(args)
+    if len(raised) != 1:
+        raise ValueError("--4bit-tensors: give one value (one hack-4bit-layers server)")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = run_served_recall(args.model, _csv(args.served), prompts=args.prompts, n_new=args.tokens,
+                            four_bit_layers=_layer_indices(args), raised=raised[0].value, budget_mb=args.budget_mb,
+                            log=log)
+    _write_reports(args, "recall", [], res, render_recall(res, _rerun_command("recall")))
+    return 0
 
 
 def _retrieval(args: argparse.Namespace) -> int:

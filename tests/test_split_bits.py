@@ -147,3 +147,4 @@ def test_study_rows_for_each_raised_set():
     assert [r.config.raised_tensors for r in rows] == [RaisedTensors.KV, RaisedTensors.K, RaisedTensors.V]
     with pytest.raises(ValueError, match="raised_tensors must be one of"):
         layer_bits_variants((5,), None, ("q",))
+
