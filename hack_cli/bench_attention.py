@@ -23,6 +23,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -76,6 +77,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--doc", action="store_true",
                    help="also write the tables and target lines into docs/kernels.md (CPU only)")
+    p.add_argument("--from-json", default=None, metavar="FILE",
+                   help="with --device cuda: measure nothing; copy FILE (written by a GPU run's --out) to "
+                        "docs/bench/attention-cuda.json and its table into docs/kernels.md (no GPU needed)")
     p.set_defaults(func=run)
 
 
@@ -114,9 +118,13 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "device", "cpu") == "cuda":
         if getattr(args, "model", None):
             raise ValueError("--model is CPU only; --device cuda measures its --shapes (llama3-8b, qwen2.5-7b)")
-        from hack_cli.bench_attention_gpu import run_cuda
+        from hack_cli.bench_attention_gpu import render_json, run_cuda
 
+        if getattr(args, "from_json", None):
+            return render_json(Path(args.from_json))
         return run_cuda(args)
+    if getattr(args, "from_json", None):
+        raise ValueError("--from-json renders a GPU run's result: use it with --device cuda")
     from hack_ops.paged import cpu_kernel
 
     known = dict(SHAPES)

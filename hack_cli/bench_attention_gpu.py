@@ -149,8 +149,10 @@ def table(doc: dict) -> str:
              f"**{doc['bf16_baseline']}**; triton {doc['triton']}, torch {doc['torch']}. Median of "
              f"{doc['repeats']} CUDA-event timings after {doc['warmup']} warm-up calls, methods alternating, L2 "
              f"flushed before each call. Copy bandwidth (read + write) measured in the same run: {bw:.0f} GB/s.",
-             "",
-             "| phase | shape | batch | context | HACK ms | BF16 ms | dequant ms | vs BF16 | vs dequant "
+             ""]
+    if doc.get("complete") is False:
+        lines[-1:] = [f"Stopped early: {doc['cells_done']} of {doc['cells_planned']} planned cells measured.", ""]
+    lines += ["| phase | shape | batch | context | HACK ms | BF16 ms | dequant ms | vs BF16 | vs dequant "
              "| HACK GB/s (of copy) | BF16 GB/s (of copy) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
@@ -193,28 +195,50 @@ def run_cuda(args: argparse.Namespace) -> int:
     copy_bps = bc.copy_bandwidth(device)
     say(f"attention on {name}: copy bandwidth {copy_bps / 1e9:.0f} GB/s; BF16 baseline: {baseline.value}")
     results = []
-    for cell in cells:
+    out = Path(args.out) if args.out else JSON_OUT
+    out.parent.mkdir(parents=True, exist_ok=True)
+    head = {"device": name, "capability": list(torch.cuda.get_device_capability(device)),
+            "date": datetime.date.today().isoformat(), "command": getattr(args, "command_line", None) or command_line("attention"),
+            "bf16_baseline": baseline.value, "dequant": "PyTorch-op dequantization to BF16, then SDPA (flash)",
+            "triton": triton.__version__, "torch": torch.__version__, "repeats": g["repeats"], "warmup": WARMUP,
+            "copy_bandwidth_gb_per_s": round(copy_bps / 1e9, 1)}
+    for i, cell in enumerate(cells):
         row = measure_cell(cell, baseline, device, g["repeats"], WARMUP, copy_bps, flush)
         results.append(row)
         torch.cuda.empty_cache()
+        # Written after every cell, so a run stopped early still leaves what it measured.
+        partial = {**head, "complete": False, "cells_done": i + 1, "cells_planned": len(cells),
+                   "results": results, "skipped": skipped}
+        out.write_text(json.dumps(partial, indent=1) + "\n")
         m = row["methods"]
         say(f"{cell.phase:7s} {cell.shape:10s} batch {cell.batch:3d} context {cell.context:6d}: "
             + "  ".join(f"{k} {v['median_ms']:8.3f} ms ({v['gb_per_s']:.0f} GB/s)" for k, v in m.items())
             + f"  hack vs bf16 x{row['hack_vs_bf16']:.2f}, vs dequant x{row['hack_vs_dequant']:.2f}")
     for s in skipped:
         say(f"skipped {s['phase']} {s['shape']} batch {s['batch']} context {s['context']}: {s['reason']}")
-    doc = {"device": name, "capability": list(torch.cuda.get_device_capability(device)),
-           "date": datetime.date.today().isoformat(), "command": getattr(args, "command_line", None) or command_line("attention"),
-           "bf16_baseline": baseline.value, "dequant": "PyTorch-op dequantization to BF16, then SDPA (flash)",
-           "triton": triton.__version__, "torch": torch.__version__, "repeats": g["repeats"], "warmup": WARMUP,
-           "copy_bandwidth_gb_per_s": round(copy_bps / 1e9, 1), "results": results, "skipped": skipped}
+    doc = {**head, "complete": True, "results": results, "skipped": skipped}
     if args.json:
         print(json.dumps(doc))
-    out = Path(args.out) if args.out else JSON_OUT
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
     if not args.out:
         replace_block(DOC, DOC_BLOCK, table(doc), heading="### Measured on a GPU")
+    return 0
+
+
+def render_json(path: Path) -> int:
+    """The docs from a result a GPU run wrote with --out: the JSON under docs/bench and its table
+    in docs/kernels.md (a GPU machine's output comes back as files; this needs no GPU)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--from-json: cannot read {path}: {exc}") from None
+    missing = [k for k in ("device", "date", "command", "results", "copy_bandwidth_gb_per_s") if k not in doc]
+    if missing:
+        raise ValueError(f"--from-json: {path} is not a `--device cuda` result (missing {', '.join(missing)})")
+    JSON_OUT.parent.mkdir(parents=True, exist_ok=True)
+    JSON_OUT.write_text(json.dumps(doc, indent=1) + "\n")
+    replace_block(DOC, DOC_BLOCK, table(doc), heading="### Measured on a GPU")
+    print(f"wrote {JSON_OUT} and the table in {DOC} ({len(doc['results'])} cells measured on {doc['device']})")
     return 0
 
 

@@ -53,6 +53,17 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
+def pytest_runtest_logreport(report) -> None:
+    """With HACK_FAILURE_LOG=FILE, each failure's traceback is appended to FILE as it happens
+    (scripts/gpu_check.sh): a run stopped at a time limit still says which tests failed and why,
+    where pytest's own summary only comes at the end."""
+    path = os.environ.get("HACK_FAILURE_LOG")
+    if not path or not report.failed:
+        return
+    with open(path, "a") as f:
+        f.write(f"=== {report.nodeid} ({report.when}) ===\n{report.longreprtext}\n\n")
+
+
 @pytest.fixture(scope="session")
 def kernel_device():
     """The torch device of the Triton kernels' tensors: cuda, or cpu under the interpreter."""

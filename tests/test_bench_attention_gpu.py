@@ -114,6 +114,35 @@ def test_table_rendering():
     assert "NVIDIA H100 80GB HBM3 (2026-11-23)" in text and "**sdpa-flash**" in text
     assert "| decode | llama3-8b | 8 | 8192 | 0.500 | 2.000 | 3.000 | x4.00 | x6.00 | 2000 (50%) | 3000 (75%) |" in text
     assert "| 128 | 131072 | skipped: needs x |" in text
+    assert "Stopped early" not in text
+    partial = gpu.table({**doc, "complete": False, "cells_done": 1, "cells_planned": 30})
+    assert "Stopped early: 1 of 30 planned cells measured." in partial
+
+
+def test_from_json_renders_a_gpu_result_into_the_docs(tmp_path, monkeypatch, capsys):
+    """A GPU machine's --out file becomes docs/bench/attention-cuda.json and the kernels.md table
+    here, with no GPU; a file that is not such a result is refused with a sentence."""
+    row = gpu.row_from(gpu.Cell("decode", "llama3-8b", 1, 2048), {"hack": 1.0, "bf16": 0.5, "dequant": 2.0},
+                       {"hack": 10**6, "bf16": 8 * 10**6, "dequant": 9 * 10**6}, 4e12)
+    doc = {"device": "NVIDIA H200", "date": "2026-11-26", "command": "python -m hack_cli.bench_attention_gpu",
+           "bf16_baseline": "sdpa-flash", "triton": "3.6.0", "torch": "2.11", "repeats": 20, "warmup": 3,
+           "copy_bandwidth_gb_per_s": 4098.0, "complete": True, "results": [row], "skipped": []}
+    src = tmp_path / "gpu.json"
+    src.write_text(__import__("json").dumps(doc))
+    kernels = tmp_path / "kernels.md"
+    kernels.write_text("# Kernels\n\n<!-- bench-attention-cuda:begin -->\nold\n<!-- bench-attention-cuda:end -->\ntail\n")
+    monkeypatch.setattr(gpu, "DOC", kernels)
+    monkeypatch.setattr(gpu, "JSON_OUT", tmp_path / "bench" / "attention-cuda.json")
+    assert main(["bench", "attention", "--device", "cuda", "--from-json", str(src)]) == 0
+    text = kernels.read_text()
+    assert "old" not in text and text.endswith("tail\n")
+    assert "| decode | llama3-8b | 1 | 2048 | 1.000 | 0.500 | 2.000 | x0.50 | x2.00 |" in text
+    assert __import__("json").loads((tmp_path / "bench" / "attention-cuda.json").read_text())["device"] == "NVIDIA H200"
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["bench", "attention", "--device", "cuda", "--from-json", str(tmp_path / "bad.json")]) == 2
+    assert "not a `--device cuda` result" in capsys.readouterr().err
+    assert main(["bench", "attention", "--from-json", str(src)]) == 2
+    assert "use it with --device cuda" in capsys.readouterr().err
 
 
 def test_timing_loop_on_a_tiny_case(kernel_device):
