@@ -85,11 +85,11 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_prefill": ("--hack-prefill", dict(
         choices=[m.value for m in PrefillMode],
         help="Extend (prefill) attention: auto (default: dense on a CPU with AMX-BF16 serving a BF16 "
-             "model, homomorphic elsewhere, GPUs included; the server log says which and why), "
+             "model and on a GPU, homomorphic elsewhere; the server log says which and why), "
              "homomorphic (the chunk's own tokens through the codes, as decode reads them), exact (the "
              "chunk's own tokens in FP16, a cached prefix through the codes) or dense (the chunk in FP16 "
-             "and a cached prefix dequantized once, both by SDPA: the fastest prefill on a CPU with AMX; "
-             "without AMX homomorphic is faster). "
+             "and a cached prefix dequantized once, both by SDPA: the fastest prefill on a CPU with AMX and "
+             "on a GPU; on a CPU without AMX homomorphic is faster; a GPU refuses exact). "
              "Decode reads the codes in every mode.")),
     "hack_orientation": ("--hack-orientation", dict(
         choices=list(ORIENTATIONS),

@@ -100,7 +100,8 @@ class HackAttnBackend(AttentionBackend):
         check_model_layers(getattr(model_runner, "model", None), gpu=self.device.type == "cuda",
                            rotation=self.rotation)
         if self.gpu is not None:
-            path = "GPU (Triton)"
+            path = ("GPU: Triton store, then dense attention (chunk in full precision, cached prefix dequantized, "
+                    "torch SDPA)" if self.prefill == PrefillMode.DENSE else "GPU: Triton homomorphic prefill")
         elif self.mode == AttentionMode.DEQUANT:
             path = "strawman (chunk in full precision, cached prefix dequantized, torch SDPA)"
         elif self.prefill == PrefillMode.DENSE:

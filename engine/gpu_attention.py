@@ -3,7 +3,10 @@
 The plan is the same HackKVStore.plan the CPU path uses (page table, request rows, sink slots,
 all checks), turned into the CSR page table the Triton wrappers take (ForwardPlan.csr_pages). Per layer: decode stores
 the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
-which stores the chunk's pages, attends, then appends the tails. Each call takes the layer's
+which stores the chunk's pages, attends, then appends the tails (PrefillMode.HOMOMORPHIC), or
+(PrefillMode.DENSE) stores the chunk with the store kernel and attends densely: the chunk's
+own tokens in full precision, a cached prefix dequantized once per chunk, torch SDPA
+(hack_ops.paged.attention.dense_attend, the CPU path's dense prefill). Each call takes the layer's
 scaling, sliding window and logit soft-cap (engine.backend.layer_features) and its own page
 layout (store.layout_for: layers may differ in bits, K's and V's apart); the kernels skip the
 pages before the window.
@@ -25,14 +28,16 @@ from hack_ops.paged.plan import ForwardPlan
 
 class GpuAttention:
     def __init__(self, store: Any, settings: Any, prefill: PrefillMode = PrefillMode.HOMOMORPHIC) -> None:
-        """prefill: the server's resolved PrefillMode (engine.prefill_choice; 'auto' is
-        homomorphic on a GPU)."""
+        """prefill: the server's resolved PrefillMode (engine.prefill_choice; 'auto' is dense
+        on a GPU): homomorphic or dense; exact is refused here, at startup."""
         from hack_ops.triton.spec import kernel_spec
 
         if settings.attention != AttentionMode.HACK:
             raise NotImplementedError("--hack-attention dequant runs on the CPU path only")
-        if prefill != PrefillMode.HOMOMORPHIC:
-            raise NotImplementedError(f"--hack-prefill {prefill.value} runs on the CPU path only")
+        if prefill not in (PrefillMode.HOMOMORPHIC, PrefillMode.DENSE):
+            raise NotImplementedError(f"--hack-prefill {prefill.value} runs on the CPU path only; on a GPU use "
+                                      "dense or homomorphic")
+        self.prefill = prefill
         for lay in {id(lay): lay for lay in store.layouts}.values():
             kernel_spec(lay)  # refuses formats the kernels do not implement, with the reason
         self.store = store
@@ -90,5 +95,23 @@ class GpuAttention:
             attn.plan(qo, indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
             self._prefill[key] = attn
         attn.sm_scale = float(scale)
+        if self.prefill == PrefillMode.DENSE:
+            return self._dense_extend(layer, plan, attn, q, k, v, scale, window, logit_cap)
         return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer), window=window,
                         logit_cap=logit_cap)
+
+    def _dense_extend(self, layer: int, plan: ForwardPlan, attn: Any, q: Tensor, k: Tensor, v: Tensor,
+                      scale: float, window: int | None, logit_cap: float) -> Tensor:
+        """PrefillMode.DENSE: the chunk stored by the store kernel (attn's plan gives the batch),
+        then dense attention. The prefix's open-page tokens are read before the store, which may
+        close that page and reuse its tail."""
+        import torch
+
+        from hack_ops.paged.attention import dense_attend, keep_open_tokens
+        from hack_ops.triton.store import store as store_tokens
+
+        snaps = keep_open_tokens(self.store, layer, plan) if plan.has_prefix else {}
+        store_tokens(self.store.layout_for(layer), attn.batch, k.contiguous(), v.contiguous(), *self._cache(layer),
+                     phase="all")
+        dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        return dense_attend(self.store, layer, plan, q, k, v, snaps, scale, dtype, window, logit_cap)

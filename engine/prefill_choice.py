@@ -6,7 +6,11 @@ faster than the homomorphic INT8 kernel's per-page work, so `dense` prefills fas
 2K: x0.84 of BF16 against x0.64); on AVX-512 without AMX the BF16 SDPA costs what float32 does
 and `homomorphic` is the faster (x1.34 against x0.93). Dense is also the more accurate of the
 two (a chunk's own tokens in FP16), so choosing it never trades accuracy for speed. Decode
-reads the codes in either. A GPU server runs the Triton prefill, which is homomorphic.
+reads the codes in either. On a GPU, `auto` is dense too: on an H200 (docs/kernels.md,
+"Measured on a GPU") the homomorphic Triton prefill of a fresh prompt took 14-20x BF16 flash
+attention's time, while storing the prompt with the Triton store kernel and attending densely
+took 1.4-4.7x (the store is most of that); the dense GPU prefill itself has not run on a GPU yet
+(its pieces have: the store kernel and SDPA, in that benchmark).
 
 The choice reads torch's own view of the CPU (torch.cpu.get_capabilities, what its kernels
 dispatch on), falling back to /proc/cpuinfo's flags.
@@ -42,7 +46,7 @@ def cpu_has_amx_bf16(capabilities: dict | None = None, cpuinfo: str | None = Non
 def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, device_type: str,
                    model_dtype: torch.dtype, has_amx_bf16: bool | None = None) -> tuple[PrefillMode, str]:
     """The prefill the server runs, and why. An explicit mode is kept as asked (a GPU server
-    refuses all but homomorphic at startup, engine.gpu_attention); 'auto' is resolved from the
+    refuses exact at startup, engine.gpu_attention); 'auto' is resolved from the
     device, the model's dtype and the CPU's AMX-BF16. The strawman (`--hack-attention dequant`)
     prefills its own way, so its prefill is homomorphic by definition."""
     requested = prefill_mode(requested)
@@ -51,7 +55,8 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
     if requested != PrefillMode.AUTO:
         return requested, f"--hack-prefill {requested.value}"
     if device_type != "cpu":
-        return PrefillMode.HOMOMORPHIC, f"--hack-prefill auto on {device_type}: the Triton prefill"
+        return PrefillMode.DENSE, (f"--hack-prefill auto on {device_type}: the Triton store, then dense attention "
+                                   "(the homomorphic Triton prefill measured 3-15x slower, docs/kernels.md)")
     amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
     if not amx:
         return PrefillMode.HOMOMORPHIC, ("--hack-prefill auto: this CPU has no AMX-BF16, so the INT8 kernel "

@@ -58,8 +58,8 @@ def pytest_runtest_logreport(report) -> None:
     (scripts/gpu_check.sh): a run stopped at a time limit still says which tests failed and why,
     where pytest's own summary only comes at the end."""
     path = os.environ.get("HACK_FAILURE_LOG")
-    if not path or not report.failed:
-        return
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # under xdist the controller receives every worker's report: it writes once
     with open(path, "a") as f:
         f.write(f"=== {report.nodeid} ({report.when}) ===\n{report.longreprtext}\n\n")
 

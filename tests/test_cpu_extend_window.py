@@ -106,10 +106,10 @@ def _call(case: Case, plan, snaps: dict, **kw) -> torch.Tensor:
 def test_pages_before_the_window_are_not_read():
     """Pages wholly before the first new token's window (and the sinks on page 0) are not read:
     overwrite their bytes with 0xFF (NaN scales and minima) and the output keeps every bit."""
-    from hack_ops.paged.attention import _keep_open_tokens
+    from hack_ops.paged.attention import keep_open_tokens
 
     case, plan = _written(50, seed=34)
-    snaps = _keep_open_tokens(case.store, 0, plan)
+    snaps = keep_open_tokens(case.store, 0, plan)
     case.store.write(0, plan, case.k[0][150:], case.v[0][150:])
     case.done[0] = 200
     lo = first_page(150, 50, P)
@@ -136,10 +136,10 @@ def test_pages_before_the_window_are_not_read():
 def test_blocks_and_threads_do_not_change_a_bit():
     """Work split (block size, thread count) with a window: each row is still computed by one
     thread from the same operands in the same order, whatever page its item starts at."""
-    from hack_ops.paged.attention import _keep_open_tokens
+    from hack_ops.paged.attention import keep_open_tokens
 
     case, plan = _written(13, seed=35)
-    snaps = _keep_open_tokens(case.store, 0, plan)
+    snaps = keep_open_tokens(case.store, 0, plan)
     case.store.write(0, plan, case.k[0][150:], case.v[0][150:])
     base = _call(case, plan, snaps, logit_cap=3.0)
     assert not base.isnan().any()

@@ -166,14 +166,16 @@ def test_gpu_plan_conversion_and_refusals(hack_env):
     assert indptr.dtype == indices.dtype == torch.int32
     from engine.prefill_choice import choose_prefill
 
-    for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact"), ("hack", "dense")):
+    for attention, prefill in (("dequant", "homomorphic"), ("hack", "exact")):
         s = settings_mod.EngineSettings(attention=attention, prefill=prefill)
         resolved, _ = choose_prefill(s.prefill, s.attention, "cuda", torch.bfloat16, has_amx_bf16=True)
         with pytest.raises(NotImplementedError, match="CPU path only"):
             GpuAttention(store, s, resolved)
+    for prefill in ("homomorphic", "dense"):  # the two a GPU runs
+        GpuAttention(store, settings_mod.EngineSettings(prefill=prefill), PrefillMode(prefill))
     default = settings_mod.EngineSettings()  # the default format and prefill ('auto') the kernels cover
     resolved, _ = choose_prefill(default.prefill, default.attention, "cuda", torch.bfloat16, has_amx_bf16=True)
-    assert resolved == PrefillMode.HOMOMORPHIC
+    assert resolved == PrefillMode.DENSE
     GpuAttention(store, default, resolved)
     # per-layer bits: every layer's layout passes the kernels' spec check (2- and 4-bit pages)
     from hack_ops.paged import HackKVStore

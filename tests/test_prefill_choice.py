@@ -34,7 +34,7 @@ def test_amx_bf16_from_torch_capabilities_or_cpuinfo():
     ("cpu", torch.bfloat16, False, PrefillMode.HOMOMORPHIC, "no AMX-BF16"),
     ("cpu", torch.float32, True, PrefillMode.HOMOMORPHIC, "runs in float32"),
     ("cpu", torch.float16, True, PrefillMode.HOMOMORPHIC, "runs in float16"),
-    ("cuda", torch.bfloat16, True, PrefillMode.HOMOMORPHIC, "Triton prefill"),
+    ("cuda", torch.bfloat16, True, PrefillMode.DENSE, "the Triton store, then dense attention"),
 ])
 def test_auto_resolves_by_host_and_dtype(device, dtype, amx, expected, why):
     mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, device, dtype, has_amx_bf16=amx)

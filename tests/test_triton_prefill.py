@@ -173,6 +173,51 @@ def test_serving_path_with_a_layer_of_4bit_k(kernel_device):
         done += n
 
 
+@pytest.mark.parametrize("window,cap", [(None, 0.0), (37, 20.0)])
+def test_serving_path_dense_prefill(kernel_device, window, cap):
+    """engine.gpu_attention with PrefillMode.DENSE (the GPU's `--hack-prefill auto`): two
+    requests, a fresh prompt each, then a chunk over the cached prefix that closes the prefix's
+    open page (32 + 8 tokens, then 30), then a decode step: page bytes equal the CPU store's
+    and every output equals the CPU path's dense prefill (hack_ops.paged.extend, prefill
+    'dense'), which attends the same stored values in the same precision; a sliding window with
+    a soft-cap goes through the masked dense path."""
+    from engine.gpu_attention import GpuAttention
+    from engine.settings import EngineSettings
+    from hack_ops import PrefillMode
+    from hack_ops.paged import HackKVStore, decode, extend
+
+    cfg = HackConfig(partition_size=32, sink_tokens=1)
+    d, hq, dev = 64, 2 * H, kernel_device
+    mine = HackKVStore(cfg, 1, H, d, num_pages=12, num_rows=3, device=dev)
+    ref = HackKVStore(cfg, 1, H, d, num_pages=12, num_rows=3)
+    gpu = GpuAttention(mine, EngineSettings(prefill="dense"), PrefillMode.DENSE)
+    r2t = torch.zeros(3, 160, dtype=torch.int64)
+    r2t[1] = torch.arange(160) + 5 * 32  # pages 5..9
+    r2t[2, :96] = torch.arange(96)  # pages 0..2
+    g = torch.Generator().manual_seed(7)
+    done = [0, 0]
+    for new in ((40, 33), (30, 29), (1, 1)):
+        n = sum(new)
+        q, k, v = (torch.randn(n, heads, d, generator=g) for heads in (hq, H, H))
+        lens = [done[0] + new[0], done[1] + new[1]]
+        plan, rplan = gpu.plan(r2t, [1, 2], lens, list(new)), ref.plan(r2t, [1, 2], lens, list(new))
+        if n > 2:
+            out = gpu.extend(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2, window=window, logit_cap=cap)
+            want = extend(ref, 0, rplan, q, k, v, scale=0.2, window=window, logit_cap=cap,
+                          prefill=PrefillMode.DENSE)
+            assert torch.allclose(out.cpu(), want, atol=2e-5, rtol=0), (new, (out.cpu() - want).abs().max())
+        else:
+            out = gpu.decode(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2, window=window, logit_cap=cap)
+            want = decode(ref, 0, rplan, q, k, v, scale=0.2, window=window, logit_cap=cap)
+            assert_matches_reference(out.cpu(), want, f"decode after dense prefill {new}")
+        assert torch.equal(mine.k_pages[0].cpu(), ref.k_pages[0]) and torch.equal(mine.v_pages[0].cpu(), ref.v_pages[0])
+        for name in mine.tails:  # the open pages' FP16 tokens too
+            for row, length in ((1, lens[0]), (2, lens[1])):
+                m = length % 32
+                assert torch.equal(mine.tails[name][0][row, :m].cpu(), ref.tails[name][0][row, :m]), (name, row)
+        done = lens
+
+
 def test_bad_input_is_refused(kernel_device):
     lay = page_layout(HackConfig(partition_size=32), H, 64)
     b = random_batch(lay, [3], [20], 2, device=kernel_device)

@@ -134,7 +134,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     rep = _check_q(store, q, n_new, "new_tokens")
     p = store.page_size
     h, d = store.num_heads, store.head_dim
-    snaps = _keep_open_tokens(store, layer, plan)
+    snaps = keep_open_tokens(store, layer, plan)
     with clock.phase("quantization"):
         store.write(layer, plan, k, v, generator)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -188,20 +188,31 @@ def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     store._check_layer(layer)
     _check_q(store, q, plan.num_new_tokens, "new_tokens")
-    snaps = _keep_open_tokens(store, layer, plan)
+    snaps = keep_open_tokens(store, layer, plan)
     with clock.phase("quantization"):
         store.write(layer, plan, k, v, generator)
+    return dense_attend(store, layer, plan, q, k, v, snaps, scale, dtype, window, logit_cap)
+
+
+def dense_attend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
+                 snaps: dict[str, list[Tensor]], scale: float | None, dtype: torch.dtype,
+                 window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+    """The attention of PrefillMode.DENSE's extend once the chunk is stored: the new tokens
+    attend to each other in full precision and to the cached prefix dequantized to `dtype`.
+    snaps: keep_open_tokens() taken before the store (which may close the prefix's open page).
+    On the device of q (the CPU path after its store, the GPU path after the Triton store);
+    returns [N, Hq, D] in q's dtype."""
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
     if not plan.has_prefix:
         return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         with clock.phase("dequantization"):  # the dense copy only, not the attention
             dense = dense_kv(store, layer, plan, b, pre, {n: t[b] for n, t in snaps.items()}, dtype)
         kc, vc = (x[lo:hi].to(torch.float16).to(dtype).transpose(0, 1)[None] for x in (k, v))
         qb = q[lo:hi].to(dtype).transpose(0, 1)[None]
-        t = torch.arange(pre, seq_len)
+        t = torch.arange(pre, seq_len, device=q.device)
         if window is None and not logit_cap:
             o = prefix_then_causal(qb, dense["k"][None], dense["v"][None], kc, vc, scale)
         else:
@@ -219,6 +230,8 @@ def prefix_then_causal(q: Tensor, kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor
     prefix part without a mask, the chunk part causal, so neither materializes an n x (m + n)
     mask or computes the masked half (~1.7x one masked SDPA at 4K + 4K tokens). Where that
     kernel is missing (another torch), one SDPA with the mask."""
+    if q.device.type != "cpu":
+        return lower_right_causal(q, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), scale)
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     if flash is None or q.dtype not in (torch.bfloat16, torch.float32):
         t = torch.arange(kp.shape[2], kp.shape[2] + q.shape[2])
@@ -234,7 +247,21 @@ def prefix_then_causal(q: Tensor, kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor
     return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
 
 
-def _keep_open_tokens(store: HackKVStore, layer: int, plan: ForwardPlan) -> dict[str, list[Tensor]]:
+def lower_right_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """Attention of n queries [1, Hq, n, D] that are the last n of the m keys [1, H, m, D]: query
+    i sees keys 0..m-n+i. On a GPU SDPA takes this as torch's lower-right causal bias (no n x m
+    mask in memory; flash/memory-efficient kernels), the way the GPU's dense prefill attends a
+    chunk over its dequantized prefix. float32 out."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # the bias path takes no enable_gqa
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
+                                          scale=scale).float()
+
+
+def keep_open_tokens(store: HackKVStore, layer: int, plan: ForwardPlan) -> dict[str, list[Tensor]]:
     """The FP16 tokens of each prefix's open page, per tensor with a tail, kept before the
     write that may close (overwrite) that page."""
     p = store.page_size
@@ -253,7 +280,7 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
     FP16's normal range): the attention SGLang's BF16 backend computes, on AMX where the CPU has
     it (~3x float32 SDPA at 2K-8K tokens, docs/engine.md). Other dtypes take float32."""
     work = torch.bfloat16 if q.dtype == k.dtype == v.dtype == torch.bfloat16 else torch.float32
-    out = torch.empty(q.shape, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b in range(plan.batch_size):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         qb = q[lo:hi].to(work).transpose(0, 1)[None]
@@ -262,7 +289,8 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
         if window is None and not logit_cap:
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            o = masked_dense(qb, kb, vb, scale, window, logit_cap, torch.arange(hi - lo))  # BF16 or float32
+            o = masked_dense(qb, kb, vb, scale, window, logit_cap,
+                             torch.arange(hi - lo, device=q.device))  # BF16 or float32
         out[lo:hi] = o[0].transpose(0, 1)
     return out
 
@@ -302,12 +330,12 @@ def masked_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | No
         q, k, v = q.float(), k.float(), v.float()
         if rep > 1:
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float32)
+    out = torch.empty(q.shape[:3] + (v.shape[-1],), dtype=torch.float32, device=q.device)
     for i in range(0, q.shape[2], block):
         tb = t[i:i + block]
         k_lo = 0 if window is None else max(0, int(tb[0]) - window)
         k_hi = int(tb[-1]) + 1
-        ok = visible(torch.arange(k_lo, k_hi)[None, :], tb[:, None], window)
+        ok = visible(torch.arange(k_lo, k_hi, device=q.device)[None, :], tb[:, None], window)
         if sdpa:
             out[:, :, i:i + block] = F.scaled_dot_product_attention(
                 q[:, :, i:i + block], k[:, :, k_lo:k_hi], v[:, :, k_lo:k_hi], attn_mask=ok, scale=scale,

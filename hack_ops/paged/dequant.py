@@ -53,7 +53,7 @@ def dense_kv(store, layer: int, plan: ForwardPlan, b: int, length: int, open_tok
     for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
         fp16_open = cfg.open_mode(name) == OpenMode.FP16
         n_q = nc if fp16_open else npg  # pages read from their codes
-        x = torch.empty(h, npg * p, d, dtype=dtype)
+        x = torch.empty(h, npg * p, d, dtype=dtype, device=buf.device)
         if n_q > lo:
             x[:, lo * p: n_q * p] = _dequant_tensor(tl, buf, pages[lo:n_q], p, d, tl.bits, gd, dtype)
         if fp16_open and length > nc * p:

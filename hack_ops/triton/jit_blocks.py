@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .jit_math import int_dot, into_group, k_codes_tile, q8_along, q8_zero_min_along, v_codes_tile
+from .jit_math import code_rows, int_dot, into_group, q8_along, q8_zero_min_along, v_codes_tile
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def quant_scores(q_base, row_off, row_ok, sm_scale, page, h, kc_ptr, kmin_ptr, k
         k_min = tl.load(kmin_ptr + page * kmin_ps + ch).to(tl.float32)
         qs = load_q(q_base, row_off, row_ok, sm_scale, g, GD)
         q_code, q_mn, q_s = q8_along(qs * k_scale[None, :], 1)  # K's channel scale folded into Q
-        k_codes = k_codes_tile(code_base, D // PW, g, GD, P, K_BITS)
+        k_codes = tl.trans(code_rows(code_base, D // PW, g, P, GD, P, K_BITS))
         k_sum = tl.load(ksum_ptr + page * ksum_ps + h * P * NG + jt * NG + g).to(tl.int32)[None, :]
         dot = int_dot(q_code.to(tl.int8), k_codes, DOT_F16) + 128 * k_sum  # exact Σ Qq·Kq
         s += q_s[:, None] * dot.to(tl.float32) + q_mn[:, None] * k_sum.to(tl.float32)

@@ -106,6 +106,17 @@ def code_of(x, mn, s, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def near_code(x, mn, inv_s, LEVELS: tl.constexpr):
+    """Integer code (as fp32) of x on the attention side (INT8 Q' and P'): round((x - mn) * 1/s),
+    clamped. Not the store's bit-exact code_of: a multiply by the row's reciprocal and
+    round-half-up instead of an IEEE division and round-half-even per element. The two differ
+    only where (x - mn) / s lies within an ulp of a half (a one-step code change, the kind of
+    tie the kernels' tolerance already covers); the divisions were ~1/6 of a decode page step."""
+    c = tl.floor((x - mn) * inv_s + 0.5)
+    return tl.minimum(tl.maximum(c, 0.0), LEVELS * 1.0)
+
+
+@triton.jit
 def q8_along(x, AXIS: tl.constexpr):
     """INT8 min/max quantization of x along AXIS (hack_ops.quant, meta float32: exact min,
     scale (max - min) / 255, a zero range gets scale 1). Returns (code - 128, min, scale), the
@@ -113,9 +124,9 @@ def q8_along(x, AXIS: tl.constexpr):
     signed INT8 MMA; the caller undoes it in int32 (dot + 128 * code sums of the other operand)."""
     mn = tl.min(x, axis=AXIS)
     mx = tl.max(x, axis=AXIS)
-    s = tl.math.div_rn(mx - mn, 255.0)
+    s = (mx - mn) * (1.0 / 255.0)
     s = tl.where(s <= 0.0, 1.0, s)
-    c = code_of(x, tl.expand_dims(mn, AXIS), tl.expand_dims(s, AXIS), 255)
+    c = near_code(x, tl.expand_dims(mn, AXIS), tl.expand_dims(1.0 / s, AXIS), 255)
     return c - 128.0, mn, s
 
 
@@ -123,26 +134,48 @@ def q8_along(x, AXIS: tl.constexpr):
 def q8_zero_min_along(x, AXIS: tl.constexpr):
     """INT8 quantization of non-negative x along AXIS with a zero minimum (hack_ops.quant
     zero_min=True): scale max / 255 (zero -> 1). Returns (code - 128 as fp32, scale)."""
-    s = tl.math.div_rn(tl.max(x, axis=AXIS), 255.0)
+    s = tl.max(x, axis=AXIS) * (1.0 / 255.0)
     s = tl.where(s <= 0.0, 1.0, s)
-    c = code_of(x, 0.0, tl.expand_dims(s, AXIS), 255)
+    c = near_code(x, 0.0, tl.expand_dims(1.0 / s, AXIS), 255)
     return c - 128.0, s
 
 
 @triton.jit
-def k_codes_tile(base, tok_stride, g, GD: tl.constexpr, P: tl.constexpr, K_BITS: tl.constexpr):
-    """K codes (K_BITS bits) of head_dim group g of one head's page as [Gd, Π] int8, from its
-    packed rows (tok_stride int32 words per token). Each word is loaded once and broadcast over
-    a new inner axis of 32 / K_BITS codes (word w, code k = channel w * (32 / K_BITS) + k), so
-    the codes come out in channel order without any gather."""
-    PW: tl.constexpr = 32 // K_BITS
+def _unpack_pairs(words, base: tl.constexpr, step: tl.constexpr, BITS: tl.constexpr):
+    """Codes base and base + step of each word, joined along a new minor axis of 2."""
+    m: tl.constexpr = (1 << BITS) - 1
+    return tl.join((words >> (base * BITS)) & m, (words >> ((base + step) * BITS)) & m)
+
+
+@triton.jit
+def _unpack_words(words, BITS: tl.constexpr):
+    """All 32 / BITS codes of each int32 word (2 or 4 bits), as [..., 2, 2, 2(, 2)]: reshaped to
+    [..., 32 / BITS] they are in code order.
+    Built from nested tl.join, whose new axes stay inside a thread: each thread expands the
+    words it loaded in registers (a broadcast over a new axis spread the codes of one word over
+    16 threads, and the tile then went to shared memory one byte at a time)."""
+    if BITS == 2:  # 16 codes: k = 8·b3 + 4·b2 + 2·b1 + b0, the innermost join picks b0
+        a = tl.join(tl.join(_unpack_pairs(words, 0, 8, BITS), _unpack_pairs(words, 4, 8, BITS)),
+                    tl.join(_unpack_pairs(words, 2, 8, BITS), _unpack_pairs(words, 6, 8, BITS)))
+        b = tl.join(tl.join(_unpack_pairs(words, 1, 8, BITS), _unpack_pairs(words, 5, 8, BITS)),
+                    tl.join(_unpack_pairs(words, 3, 8, BITS), _unpack_pairs(words, 7, 8, BITS)))
+        return tl.join(a, b)
+    else:  # 4 bits: 8 codes
+        return tl.join(tl.join(_unpack_pairs(words, 0, 4, BITS), _unpack_pairs(words, 2, 4, BITS)),
+                       tl.join(_unpack_pairs(words, 1, 4, BITS), _unpack_pairs(words, 3, 4, BITS)))
+
+
+@triton.jit
+def code_rows(base, tok_stride, g, n_tok, GD: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr):
+    """Codes (BITS bits) of head_dim group g of one head's page as [Π, Gd] int8, token-major
+    (slots >= n_tok read as 0). K's tile enters QKᵀ transposed (tl.trans), the layout Triton's
+    INT8 MMA takes without a byte-wise transpose."""
+    PW: tl.constexpr = 32 // BITS
     W: tl.constexpr = GD // PW
-    w = tl.arange(0, W)[:, None]
-    j = tl.arange(0, P)[None, :]
-    words = tl.load(base + j * tok_stride + g * W + w)  # [W, Π]
-    k = tl.arange(0, PW)[None, :, None]
-    c = (words[:, None, :] >> (k * K_BITS)) & ((1 << K_BITS) - 1)  # [W, PW, Π]
-    return tl.reshape(c, (GD, P)).to(tl.int8)
+    j = tl.arange(0, P)[:, None]
+    w = tl.arange(0, W)[None, :]
+    words = tl.load(base + j * tok_stride + g * W + w, mask=j < n_tok, other=0)  # [Π, W]
+    return tl.reshape(_unpack_words(words, BITS), (P, GD)).to(tl.int8)
 
 
 @triton.jit
