@@ -115,13 +115,17 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Bits per K/V code of the first and last layer (default: --hack-kv-bits); those layers' "
              "pages are laid out with their own bits.")),
     "hack_four_bit_layers": ("--hack-4bit-layers", dict(
-        type=layer_list, metavar="L,L,...|full",
+        type=layer_list, metavar="L,L,...|full|auto|none",
         help="0-based indices of the layers whose K/V codes use 4 bits (the few layers where a model's "
              "2-bit error sits or its retrieval heads read: `hack eval layers`, `hack eval retrieval "
              "--needle-attention`), or 'full': the layers without a sliding window, read from the "
              "model's config (Gemma-3-270M: 5,11,17); each such layer's pages are laid out with 4 bits, "
-             "the others keep --hack-kv-bits. Indices beyond the model's layers, and 'full' on a model "
-             "without both kinds of layer, are refused at startup.")),
+             "the others keep --hack-kv-bits. Default 'auto' (with 2-bit codes): 'full' where a model "
+             "mixes window and full-attention layers and the full ones are at most a quarter of its "
+             "layers (Gemma-3: they alone read past the window, and at 2 bits lose what they read), "
+             "else none; 'none': no layer raised. The server log says what it resolved to. Indices "
+             "beyond the model's layers, and 'full' on a model without both kinds of layer, are "
+             "refused at startup.")),
     "hack_four_bit_tensors": ("--hack-4bit-tensors", dict(
         choices=[t.value for t in RaisedTensors],
         help="Which tensors of the --hack-4bit-layers (and --hack-edge-layer-bits) layers take their "

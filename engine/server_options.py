@@ -10,9 +10,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from hack_ops.config import HackConfig
+
 from . import settings as settings_mod
 from .args import HackArgumentError, check_combination, settings_from_options
-from .layer_sets import LayerSet, resolve_for_model_path
+from .layer_sets import LayerSet, auto_reason, resolve_for_model_path
 from .settings import KV_CACHE_DTYPE
 
 logger = logging.getLogger(__name__)
@@ -37,10 +39,23 @@ def apply_cli_namespace(ns: Any) -> None:
                         settings.page_size)
 
 
+def default_layer_set(ns: Any) -> LayerSet | None:
+    """The --hack-4bit-layers a HACK server takes when none is given: `auto` where every other
+    layer is at 2 bits (no --hack-kv-bits 4 or --hack-k-bits given), else None (nothing raised)."""
+    if getattr(ns, "kv_cache_dtype", None) != KV_CACHE_DTYPE:
+        return None
+    if getattr(ns, "hack_kv_bits", None) not in (None, 2) or getattr(ns, "hack_k_bits", None) is not None:
+        return None
+    return LayerSet.AUTO
+
+
 def _resolve_layer_set(ns: Any) -> None:
-    """`--hack-4bit-layers full` becomes the model's full-attention layers here, in the launching
-    process, so that the published settings (and every child) hold plain indices."""
+    """`--hack-4bit-layers full|auto|none` becomes plain indices here, in the launching process,
+    so that the published settings (and every child) hold them; a HACK server given none takes
+    `auto` (engine.layer_sets)."""
     spec = getattr(ns, "hack_four_bit_layers", None)
+    if spec is None:
+        spec = default_layer_set(ns)
     if not isinstance(spec, LayerSet):
         return
     try:
@@ -48,7 +63,9 @@ def _resolve_layer_set(ns: Any) -> None:
                                                          bool(getattr(ns, "trust_remote_code", False)))
     except ValueError as exc:
         raise HackArgumentError(str(exc)) from None
-    logger.info("sglang-hack: --hack-4bit-layers %s = layers %s", spec.value, ",".join(map(str, ns.hack_four_bit_layers)))
+    shown = ",".join(map(str, ns.hack_four_bit_layers)) or "none"
+    why = f" ({auto_reason(ns.hack_four_bit_layers)})" if spec is LayerSet.AUTO else ""
+    logger.info("sglang-hack: --hack-4bit-layers %s = layers %s%s", spec.value, shown, why)
 
 
 def apply_server_args(server_args: Any) -> None:
@@ -64,8 +81,15 @@ def apply_server_args(server_args: Any) -> None:
         check_combination(server_args, published)
         return
     settings = settings_mod.active()
-    if settings is None:
-        settings = settings_mod.EngineSettings()
+    if settings is None:  # the defaults, `--hack-4bit-layers auto` included
+        try:
+            layers = resolve_for_model_path(LayerSet.AUTO, getattr(server_args, "model_path", None),
+                                            bool(getattr(server_args, "trust_remote_code", False)))
+        except ValueError as exc:
+            raise HackArgumentError(str(exc)) from None
+        settings = settings_mod.EngineSettings(config=HackConfig(four_bit_layers=layers))
+        logger.info("sglang-hack: --hack-4bit-layers auto = layers %s (%s)", ",".join(map(str, layers)) or "none",
+                    auto_reason(layers))
         settings_mod.publish(settings)
     for key, value in check_combination(server_args, settings).items():
         setattr(server_args, key, value)

@@ -41,10 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv", default="hack", choices=list(METHODS),
                    help="KV cache method (hack sends its pages without K's code sums and the unread open "
                         "page, --hack-kv-codec hack-pages; hack-full-pages sends every page as stored)")
-    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
+    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None,
+                   metavar="L,L,...|full|auto|none",
                    help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
                         "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names, "
-                        "or 'full': the model's layers without a sliding window)")
+                        "'full': the model's layers without a sliding window, 'none': every layer at 2 bits; "
+                        "default: the servers' 'auto', a window model's few full layers)")
     p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=[t.value for t in RaisedTensors], default="kv",
                    help="with --4bit-layers: kv (K and V at 4 bits, default), k (K alone) or v (V alone; "
                         "--hack-4bit-tensors)")
@@ -159,8 +161,8 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
     if layers:
         if not args.kv.startswith("hack") and args.kv != "dequant":
             raise ValueError(f"--4bit-layers sets HACK page bits; --kv {args.kv} has no HACK pages")
-        layers = resolve_for_model_path(layers, _model_path(args.model))  # 'full': the model's indices
-        extra = ["--hack-4bit-layers", ",".join(map(str, layers))]
+        layers = resolve_for_model_path(layers, _model_path(args.model))  # 'full', 'auto': the model's indices
+        extra = ["--hack-4bit-layers", ",".join(map(str, layers)) or "none"]
         if getattr(args, "four_bit_tensors", "kv") != "kv":
             extra += ["--hack-4bit-tensors", args.four_bit_tensors]
     return cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,

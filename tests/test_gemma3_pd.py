@@ -98,16 +98,21 @@ def _kv_usage(url: str) -> dict:
 def _predicted_wire_bytes(model_path: str, n: int, full_pages: bool = False) -> int:
     """Every layer's full pages as `hack` sends them (--hack-kv-codec hack-pages: without K's
     code sums, no open page), its FP16 open partition and its FP16 sinks (disagg.pd_state);
-    full_pages: every page as stored (hack-full-pages)."""
+    full_pages: every page as stored (hack-full-pages). Each layer in its own layout: the
+    servers' default `--hack-4bit-layers auto` holds Gemma-3's full-attention layers at 4 bits."""
     import json
 
+    from engine.layer_sets import LayerSet, resolve_for_model_path
     from hack_ops import HackConfig
     from hack_ops.layout import page_layout
     from hack_ops.page_wire import request_bytes
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    lay = page_layout(HackConfig(), cfg["num_key_value_heads"], cfg["head_dim"])
-    return request_bytes(lay, cfg["num_hidden_layers"], n, hack_pages=not full_pages)
+    layers = resolve_for_model_path(LayerSet.AUTO, model_path)
+    assert layers == (5, 11, 17)
+    hack, n_layers = HackConfig(four_bit_layers=layers), cfg["num_hidden_layers"]
+    return sum(request_bytes(page_layout(hack.for_layer(i, n_layers), cfg["num_key_value_heads"], cfg["head_dim"]), 1,
+                             n, hack_pages=not full_pages) for i in range(n_layers))
 
 
 def _idle_usage(url: str) -> dict:

@@ -1,9 +1,9 @@
 """A real Gemma-3-270M server (`hack model prepare gemma3`: 18 layers, 5 of 6 with a 512-token
 sliding window, one KV head, head_dim 256, query_pre_attn_scalar scaling) with
-`--kv-cache-dtype hack` next to a BF16 server (torch_native, which applies the same inclusive
-window), same fixed KV budget, prompts longer than the window; and a third server with the
-model's full-attention layers at 4 bits (`--hack-4bit-layers full` = 5,11,17; it names
-`--hack-prefill homomorphic`, so its bar means the same on a host with AMX, where `auto` is dense).
+`--kv-cache-dtype hack` and the defaults (`--hack-4bit-layers auto`: this model's full-attention
+layers 5,11,17 at 4 bits, the rest at 2) next to a BF16 server (torch_native, which applies the
+same inclusive window), same fixed KV budget, prompts longer than the window; and a third server
+with every layer at 2 bits (`--hack-4bit-layers none`, the default before `auto`).
 
 Radix-cache state is controlled: every server runs with --disable-radix-cache, so every request
 is a cold prefill (cached-prefix and cold prefill are numerically different paths on the CPU;
@@ -21,10 +21,12 @@ choice is decisive:
   another essay, then the passage's first 128 tokens again; the continuation is the passage,
   ~700 tokens back, which only the 3 full-attention layers can read. Of 6 such prompts BF16
   reproduced the passage for all 24 tokens in 4 (2026-11-25); the greedy bar GREEDY_MIN holds
-  on those 4. Measured there (common prefix with BF16, of 24): default 2-bit 0, 5, 0, 0 (0.05
-  of the length: the 2-bit full layers lose the passage; a known accuracy defect, reported as
-  an expected failure until the format closes it), full layers at 4 bits 0, 18, 24, 24 (0.69),
-  4 bits everywhere 16, 24, 24, 2 (0.69, not run here).
+  on those 4 for the default server. Measured there (common prefix with BF16, of 24): every
+  layer at 2 bits 0, 5, 0, 0 (0.05 of the length: the 2-bit full layers lose the passage, which
+  is why `auto` raises them), full layers at 4 bits 0, 18, 24, 24 (0.69), 4 bits everywhere
+  16, 24, 24, 2 (0.69, not run here).
+The price is capacity: the default holds x4.76 BF16's tokens in the same budget (2026-11-25),
+under the >= 5x target, which only the all-2-bit server meets (x5.40); docs/engine.md says so.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ RECALL_DECISIVE_MIN = 3  # prompts where BF16 must reproduce the passage (measur
 STARTUP_TIMEOUT_S = 900.0  # three servers warming up a 270M model on a shared 2-core machine
 TEACHER_FORCED_MIN = 0.60
 GREEDY_MIN = 0.5
+CAPACITY_TARGET = 5.0  # x BF16's tokens: met by every layer at 2 bits (x5.40)
+CAPACITY_DEFAULT_MIN = 4.5  # the default, 3 of 18 layers at 4 bits (x4.76): under the target
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +64,8 @@ def servers(model_path, tmp_path_factory):
     common = ["--hack-kv-budget-mb", BUDGET_MB, "--sleep-on-idle", "--random-seed", "0", "--disable-radix-cache"]
     started = {
         "hack": SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log"),
-        "hack-full": SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "full",
-                                                "--hack-prefill", "homomorphic", *common],
-                                  log_path=logs / "hack-full.log"),
+        "hack-2bit": SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "none", *common],
+                                  log_path=logs / "hack-2bit.log"),
         "bf16": SGLangServer(model_path, ["--attention-backend", "torch_native", *common], log_path=logs / "bf16.log"),
     }
     try:
@@ -85,11 +88,14 @@ def _argmax_over(server: SGLangServer, ids: list[int], start: int) -> list[int]:
 
 
 def test_capacity_same_budget(servers):
-    hack, bf16 = servers["hack"].kv_usage(), servers["bf16"].kv_usage()
-    ratio = hack["max_total_num_tokens"] / bf16["max_total_num_tokens"]
-    print(f"\nGemma-3 max total tokens with a {BUDGET_MB} MB KV budget: HACK {hack['max_total_num_tokens']}, "
-          f"BF16 {bf16['max_total_num_tokens']} (x{ratio:.2f})")
-    assert ratio >= 5.0
+    """Every layer at 2 bits meets the >= 5x target; the default, with its 3 full-attention layers
+    at 4 bits, holds fewer tokens (stated above, and in docs/engine.md, as the target it misses)."""
+    bf16 = servers["bf16"].kv_usage()["max_total_num_tokens"]
+    ratio = {name: servers[name].kv_usage()["max_total_num_tokens"] / bf16 for name in ("hack", "hack-2bit")}
+    print(f"\nGemma-3 max total tokens with a {BUDGET_MB} MB KV budget, x BF16's {bf16}: default (auto) "
+          f"x{ratio['hack']:.2f}, every layer at 2 bits x{ratio['hack-2bit']:.2f}")
+    assert ratio["hack-2bit"] >= CAPACITY_TARGET
+    assert CAPACITY_DEFAULT_MIN <= ratio["hack"] < ratio["hack-2bit"]
 
 
 def test_prefill_auto_is_resolved_at_startup(servers):
@@ -127,35 +133,32 @@ def test_teacher_forced_agreement_with_bf16_past_the_window(servers, model_path)
 
 
 def test_greedy_recall_past_the_window(servers, model_path):
-    """On the recall prompts where BF16 reproduces the passage, the server with its full-attention
-    layers at 4 bits agrees with BF16 for at least GREEDY_MIN of the length; the default 2-bit
-    server's agreement is measured and, below the bar, reported as the known defect."""
+    """On the recall prompts where BF16 reproduces the passage, the default server (its
+    full-attention layers at 4 bits) agrees with BF16 for at least GREEDY_MIN of the length; the
+    all-2-bit server's agreement is measured and printed (0.05 when `auto` was chosen)."""
     prompts = [recall_prompt(model_path, i, n_new=N_NEW) for i in range(N_RECALL)]
     assert all(len(p.ids) > 512 and p.distance > 512 for p in prompts)
     refs = [list(servers["bf16"].generate(p.ids, N_NEW)["output_ids"]) for p in prompts]
     decisive = [i for i, (p, ref) in enumerate(zip(prompts, refs)) if ref == p.source]
     assert len(decisive) >= RECALL_DECISIVE_MIN, f"BF16 reproduced the passage in {decisive} only"
     agree = {}
-    for name in ("hack-full", "hack"):
+    for name in ("hack", "hack-2bit"):
         pre = [common_prefix(refs[i], list(servers[name].generate(prompts[i].ids, N_NEW)["output_ids"]))
                for i in decisive]
         agree[name] = sum(pre) / (N_NEW * len(decisive))
         print(f"\n{name}: greedy common prefix with BF16 (of {N_NEW}) on the {len(decisive)} recall prompts "
               f"BF16 reproduces: {pre} -> {agree[name]:.2f} of the length (bar {GREEDY_MIN})")
-    assert agree["hack-full"] >= GREEDY_MIN
-    if agree["hack"] < GREEDY_MIN:
-        pytest.xfail(f"known: 2-bit HACK on Gemma-3-270M recalls a passage ~700 tokens back for {agree['hack']:.2f} "
-                     f"of the length (bar {GREEDY_MIN}); --hack-4bit-layers full reaches {agree['hack-full']:.2f}; "
-                     "see docs/engine.md")
+    assert agree["hack"] >= GREEDY_MIN
 
 
-def test_full_layers_are_resolved_at_startup(servers):
-    """`--hack-4bit-layers full` is Gemma-3-270M's full-attention layers, read from its config by
-    the launcher; its pool costs what their 4-bit pages cost (capacity between the 2-bit and
-    the 4-bit pool's)."""
-    log = servers["hack-full"].log_path.read_text(errors="replace")
-    assert "--hack-4bit-layers full = layers 5,11,17" in log, log[-2000:]
-    full, two = servers["hack-full"].kv_usage(), servers["hack"].kv_usage()
+def test_auto_layers_are_resolved_at_startup(servers):
+    """The default `--hack-4bit-layers auto` is Gemma-3-270M's full-attention layers, read from its
+    config by the launcher and logged with the reason; `none` raises none; the default's pool
+    costs what their 4-bit pages cost (capacity between the 2-bit and the 4-bit pool's)."""
+    log = servers["hack"].log_path.read_text(errors="replace")
+    assert "--hack-4bit-layers auto = layers 5,11,17 (the full-attention layers" in log, log[-2000:]
+    assert "--hack-4bit-layers none = layers none" in servers["hack-2bit"].log_path.read_text(errors="replace")
+    full, two = servers["hack"].kv_usage(), servers["hack-2bit"].kv_usage()
     ratio = full["max_total_num_tokens"] / two["max_total_num_tokens"]
     print(f"\nmax total tokens, {BUDGET_MB} MB: full layers at 4 bits {full['max_total_num_tokens']}, "
           f"2-bit {two['max_total_num_tokens']} (x{ratio:.3f})")

@@ -33,7 +33,8 @@ def clean_env(monkeypatch):
 def test_the_flag_takes_indices_or_a_set_name():
     assert layer_list("1, 5,5") == (1, 5, 5)  # HackConfig sorts and dedups
     assert layer_list("full") is LayerSet.FULL_ATTENTION and layer_list(" FULL ") is LayerSet.FULL_ATTENTION
-    with pytest.raises(argparse.ArgumentTypeError, match="or 'full', got 'fulll'"):
+    assert layer_list("auto") is LayerSet.AUTO and layer_list("None") is LayerSet.NONE
+    with pytest.raises(argparse.ArgumentTypeError, match="or 'full', 'auto', 'none', got 'fulll'"):
         layer_list("fulll")
 
 
@@ -61,6 +62,21 @@ def test_a_set_that_names_no_layer_or_every_layer_is_refused():
     assert resolve_layers((3, 1), LlamaConfig()) == (3, 1) and resolve_layers(None, LlamaConfig()) is None
 
 
+def test_auto_raises_the_full_layers_only_where_they_are_few():
+    """`auto`: Gemma-3's 3 full layers of 18 (a sixth); no layer for a model without windows, one
+    windowed everywhere, or one whose full layers are many (alternating, half of them)."""
+    assert resolve_layers(LayerSet.AUTO, Gemma3TextConfig(num_hidden_layers=18)) == (5, 11, 17)
+    assert resolve_layers(LayerSet.AUTO, LlamaConfig(num_hidden_layers=3)) == ()
+    assert resolve_layers(LayerSet.AUTO, MistralConfig(num_hidden_layers=3, sliding_window=4096)) == ()
+    alternating = LlamaConfig(num_hidden_layers=8)
+    alternating.layer_types = ["sliding_attention", "full_attention"] * 4
+    assert resolve_layers(LayerSet.AUTO, alternating) == ()
+    quarter = LlamaConfig(num_hidden_layers=8)
+    quarter.layer_types = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"]
+    assert resolve_layers(LayerSet.AUTO, quarter) == (3, 7)  # 2 of 8: a quarter
+    assert resolve_layers(LayerSet.NONE, Gemma3TextConfig(num_hidden_layers=18)) == ()
+
+
 def _model(folder, config) -> str:
     folder.mkdir()
     config.architectures = [type(config).__name__.replace("TextConfig", "ForCausalLM").replace("Config", "ForCausalLM")]
@@ -77,6 +93,35 @@ def test_the_server_resolves_full_before_publishing(sglang_parser, tmp_path):
     published = settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR])
     assert published.config.four_bit_layers == (5, 11)
     assert published.config.for_layer(5, 12).kv_bits == 4 and published.config.for_layer(4, 12).kv_bits == 2
+
+
+def test_a_hack_server_defaults_to_auto(sglang_parser, tmp_path, caplog):
+    """No --hack-4bit-layers: a 2-bit HACK server of a Gemma-3 config raises its full layers (and
+    logs why); 'none' keeps every layer at 2 bits; --hack-kv-bits 4 or --hack-k-bits raise
+    nothing more; a BF16 server is untouched; a Llama config raises nothing."""
+    parser = sglang_parser
+    gemma = _model(tmp_path / "gemma3-config", Gemma3TextConfig(num_hidden_layers=12, head_dim=64, hidden_size=128,
+                                                                num_attention_heads=2, num_key_value_heads=1))
+    llama = _model(tmp_path / "llama-config", LlamaConfig(num_hidden_layers=2, hidden_size=128, num_attention_heads=2,
+                                                          num_key_value_heads=1, intermediate_size=64, vocab_size=128))
+
+    def published(*argv: str) -> tuple[int, ...]:
+        apply_cli_namespace(parser.parse_args(list(argv)))
+        return settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]).config.four_bit_layers
+
+    with caplog.at_level("INFO", logger="engine.server_options"):
+        assert published("--model-path", gemma, "--kv-cache-dtype", "hack") == (5, 11)
+    assert "--hack-4bit-layers auto = layers 5,11 (the full-attention layers" in caplog.text
+    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "none") == ()
+    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-kv-bits", "4") == ()
+    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-k-bits", "4") == ()
+    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-4bit-tensors", "k") == (5, 11)
+    assert published("--model-path", llama, "--kv-cache-dtype", "hack") == ()
+    with pytest.raises(HackArgumentError, match="--hack-4bit-tensors"):  # nothing raised: refused as before
+        published("--model-path", llama, "--kv-cache-dtype", "hack", "--hack-4bit-tensors", "k")
+    ns = parser.parse_args(["--model-path", gemma])
+    apply_cli_namespace(ns)
+    assert ns.hack_four_bit_layers is None  # not a HACK server: no HACK option appears
 
 
 def test_the_server_refuses_full_on_a_model_without_windows(sglang_parser, tmp_path):

@@ -91,6 +91,10 @@ def test_four_bit_layers_full_is_the_models_full_attention_layers(prepared, monk
 
     spec = spec_from_args(build_parser().parse_args(["up", "--model", "gemma3", "--kv", "hack", "--4bit-layers", "full"]))
     assert spec.extra_server_args == ["--hack-4bit-layers", "5,11,17"]
+    for word, flag in (("none", "none"), ("auto", "5,11,17")):  # every layer at 2 bits; the servers' default
+        spec = spec_from_args(build_parser().parse_args(["up", "--model", "gemma3", "--kv", "hack", "--4bit-layers", word]))
+        assert spec.extra_server_args == ["--hack-4bit-layers", flag]
+    assert spec_from_args(build_parser().parse_args(["up", "--model", "gemma3", "--kv", "hack"])).extra_server_args == []
 
     import hack_cli.bench_serve as bench_serve
 

@@ -49,7 +49,7 @@ def test_page_loops_of_the_default_format_on_sm90():
     rows = {r["kernel"]: r for r in map(json.loads, res.stdout.splitlines())}
     assert set(rows) == {"decode", "decode_1split", "prefill"}
     for name, r in rows.items():
-        assert r["calls"] == 0, f"{name}: a division slow path is back in the page loop ({r})"
+        assert r["calls"] == 0, f"{name}: an IEEE division is back in the page loop ({r})"
         assert r["mma"] == 16, r  # 2 head_dim groups x (QK^T, PV) x 4 MMA instructions each
         assert r["shared_bytes"] <= 128, f"{name}: code tiles go through shared memory byte by byte again ({r})"
         assert r["loop"] < 2000, r  # 2,627 (decode) and 2,546 (prefill) before; ~1,700 now

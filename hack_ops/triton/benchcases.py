@@ -398,7 +398,9 @@ class PrefillCase:
 
 def decode_max_abs_diff(case: DecodeCase) -> float:
     """HACK against dequantize-then-attend on the same pages: a sanity number (they differ by
-    the INT8 quantization of Q' and P', ~1e-2), recorded next to the timings."""
+    the INT8 quantization of Q' and P': max ~0.07 at batch 1 x 2K on these inputs, mean ~0.01,
+    the same in the interpreter and on an H200; the max grows with the outputs compared),
+    recorded next to the timings."""
     a = case.run_hack().float()
     b = case.run_dequant().float()
     return float((a - b).abs().max())

@@ -5,8 +5,10 @@ This module compiles a kernel ahead of time (hack_ops.triton.aot: the wrappers' 
 for sm_<arch>), disassembles the cubin with the cuobjdump shipped in Triton's wheel, finds the
 page loop (the largest backward branch) and counts, per iteration and per thread:
 instructions, block barriers, shared-memory loads/stores (and how many move single bytes:
-layout conversions of INT8 tiles done one code at a time), subroutine calls (IEEE division's
-slow path), tensor-core MMAs, warp shuffles and global loads.
+layout conversions of INT8 tiles done one code at a time), subroutine calls (in these kernels
+each marks an IEEE division: the call to its slow path, branched around for ordinary operands,
+follows the reciprocal and range check every division executes), tensor-core MMAs, warp
+shuffles and global loads.
 
 Measured on an H200 (docs/kernels.md), decode ran at ~1 of 4 instructions per cycle per SM
 with 2 blocks per SM: the loop is bound by its instruction stream, its barriers and its
@@ -50,7 +52,7 @@ class LoopProfile:
     barriers: int  # BAR.* (block-wide synchronizations)
     shared: int  # LDS/STS/LDSM (shared memory accesses)
     shared_bytes: int  # LDS.U8/STS.U8: one code per access
-    calls: int  # CALL.* (e.g. IEEE division's slow path)
+    calls: int  # CALL.* (here: one per IEEE division, its slow path)
     mma: int  # IMMA/HMMA tensor-core instructions
     shuffles: int  # SHFL.* (cross-lane reductions)
     global_loads: int  # LDG.*
