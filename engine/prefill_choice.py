@@ -9,7 +9,7 @@ two (a chunk's own tokens in FP16), so choosing it never trades accuracy for spe
 reads the codes in either. On a GPU, `auto` is dense too: on an H200 (docs/kernels.md,
 "Measured on a GPU") the homomorphic Triton prefill of a fresh prompt took 14-20x BF16 flash
 attention's time, while storing the prompt with the Triton store kernel and attending densely
-took 1.4-4.7x (the store is most of that); the dense GPU prefill itself has not run on a GPU yet
+took 1.2-4.7x (the store is most of that at 2K); the dense GPU prefill itself has not run on a GPU yet
 (its pieces have: the store kernel and SDPA, in that benchmark).
 
 The choice reads torch's own view of the CPU (torch.cpu.get_capabilities, what its kernels
@@ -56,7 +56,7 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
         return requested, f"--hack-prefill {requested.value}"
     if device_type != "cpu":
         return PrefillMode.DENSE, (f"--hack-prefill auto on {device_type}: the Triton store, then dense attention "
-                                   "(the homomorphic Triton prefill measured 3-15x slower, docs/kernels.md)")
+                                   "(the homomorphic Triton prefill measured 3-17x slower, docs/kernels.md)")
     amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
     if not amx:
         return PrefillMode.HOMOMORPHIC, ("--hack-prefill auto: this CPU has no AMX-BF16, so the INT8 kernel "
