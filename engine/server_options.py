@@ -63,9 +63,12 @@ def _resolve_layer_set(ns: Any) -> None:
                                                          bool(getattr(ns, "trust_remote_code", False)))
     except ValueError as exc:
         raise HackArgumentError(str(exc)) from None
-    shown = ",".join(map(str, ns.hack_four_bit_layers)) or "none"
-    why = f" ({auto_reason(ns.hack_four_bit_layers)})" if spec is LayerSet.AUTO else ""
-    logger.info("sglang-hack: --hack-4bit-layers %s = layers %s%s", spec.value, shown, why)
+    _log_layer_set(spec, ns.hack_four_bit_layers)
+
+
+def _log_layer_set(spec: LayerSet, layers: tuple[int, ...]) -> None:
+    why = f" ({auto_reason(layers)})" if spec is LayerSet.AUTO else ""
+    logger.info("sglang-hack: --hack-4bit-layers %s = layers %s%s", spec.value, ",".join(map(str, layers)) or "none", why)
 
 
 def apply_server_args(server_args: Any) -> None:
@@ -88,8 +91,7 @@ def apply_server_args(server_args: Any) -> None:
         except ValueError as exc:
             raise HackArgumentError(str(exc)) from None
         settings = settings_mod.EngineSettings(config=HackConfig(four_bit_layers=layers))
-        logger.info("sglang-hack: --hack-4bit-layers auto = layers %s (%s)", ",".join(map(str, layers)) or "none",
-                    auto_reason(layers))
+        _log_layer_set(LayerSet.AUTO, layers)
         settings_mod.publish(settings)
     for key, value in check_combination(server_args, settings).items():
         setattr(server_args, key, value)

@@ -209,7 +209,7 @@ def run_cuda(args: argparse.Namespace) -> int:
         # Written after every cell, so a run stopped early still leaves what it measured.
         partial = {**head, "complete": False, "cells_done": i + 1, "cells_planned": len(cells),
                    "results": results, "skipped": skipped}
-        out.write_text(json.dumps(partial, indent=1) + "\n")
+        _write_json(out, partial)
         m = row["methods"]
         say(f"{cell.phase:7s} {cell.shape:10s} batch {cell.batch:3d} context {cell.context:6d}: "
             + "  ".join(f"{k} {v['median_ms']:8.3f} ms ({v['gb_per_s']:.0f} GB/s)" for k, v in m.items())
@@ -219,10 +219,19 @@ def run_cuda(args: argparse.Namespace) -> int:
     doc = {**head, "complete": True, "results": results, "skipped": skipped}
     if args.json:
         print(json.dumps(doc))
-    out.write_text(json.dumps(doc, indent=1) + "\n")
+    _write_json(out, doc)
     if not args.out:
-        replace_block(DOC, DOC_BLOCK, table(doc), heading="### Measured on a GPU")
+        _write_doc_table(doc)
     return 0
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def _write_doc_table(doc: dict) -> None:
+    """docs/kernels.md's GPU table from a run's result (a fresh run, or one brought home)."""
+    replace_block(DOC, DOC_BLOCK, table(doc), heading="### Measured on a GPU")
 
 
 def render_json(path: Path) -> int:
@@ -236,8 +245,8 @@ def render_json(path: Path) -> int:
     if missing:
         raise ValueError(f"--from-json: {path} is not a `--device cuda` result (missing {', '.join(missing)})")
     JSON_OUT.parent.mkdir(parents=True, exist_ok=True)
-    JSON_OUT.write_text(json.dumps(doc, indent=1) + "\n")
-    replace_block(DOC, DOC_BLOCK, table(doc), heading="### Measured on a GPU")
+    _write_json(JSON_OUT, doc)
+    _write_doc_table(doc)
     print(f"wrote {JSON_OUT} and the table in {DOC} ({len(doc['results'])} cells measured on {doc['device']})")
     return 0
 

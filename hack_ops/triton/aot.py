@@ -144,17 +144,22 @@ def _signature(launch: Launch) -> tuple[dict, dict, dict]:
     return sig, consts, attrs
 
 
-def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
-    """(registers per thread, stack bytes per thread) from cuobjdump; the stack holds register
-    spills. None when cuobjdump is unavailable."""
+def cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """Output of the cuobjdump shipped in Triton's wheel run with `flag` on a cubin; None when
+    that wheel has no cuobjdump."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
-        return None, None
+        return None
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        res = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True)
-    m = re.search(r"REG:(\d+) STACK:(\d+)", res.stdout)
+        return subprocess.run([str(tool), flag, f.name], capture_output=True, text=True).stdout
+
+
+def _resource_usage(cubin: bytes) -> tuple[int | None, int | None]:
+    """(registers per thread, stack bytes per thread) from cuobjdump; the stack holds register
+    spills. None when cuobjdump is unavailable."""
+    m = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(cubin, "--dump-resource-usage") or "")
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)
 
 

@@ -23,16 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import triton
 
-from .aot import VARIANTS, compile_launch, example_launches
+from .aot import VARIANTS, compile_launch, cuobjdump, example_launches
 
 LOOP_KERNELS = ("decode", "decode_1split", "prefill")
 _LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -97,13 +94,10 @@ def profile_sass(sass: str, kernel: str, variant: str, arch: int) -> LoopProfile
 
 
 def disassemble(cubin: bytes) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        raise RuntimeError(f"cuobjdump is missing from triton's wheel ({tool})")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        return subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
+    sass = cuobjdump(cubin, "--dump-sass")
+    if not sass:
+        raise RuntimeError("cuobjdump (shipped in triton's wheel) is missing or printed no SASS")
+    return sass
 
 
 def profile(variant_names: list[str], arch: int = 90, kernels: tuple[str, ...] = LOOP_KERNELS) -> list[LoopProfile]:
