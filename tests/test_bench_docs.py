@@ -33,6 +33,9 @@ def test_serve_table_has_a_row_per_method_and_the_ratios():
     assert len(rows) == 3 and rows[0].count("|") == rows[2].count("|") == 9
     assert "| hack | 6,000 | 20.0 | 20.0 | 200 | 200 | 20.0 | 2.0s |" in text
     assert "capacity x6.00" in text and "`hack bench serve --quick`" in text
+    assert "- capacity target (>= x5 BF16's tokens in the same budget), hack: met" in text
+    result["ratios_vs_bf16"]["hack"]["capacity"] = 4.74
+    assert "- capacity target (>= x5 BF16's tokens in the same budget), hack: **missed** by 0.26" in render(result)
 
 
 def _sweep(jct: dict[str, dict[float, float]]) -> dict:
