@@ -17,6 +17,9 @@ from hack_ops.rotation import Rotation
 from .layer_sets import LayerSet, LayerSpec, parse_layer_set
 from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
 
+# How every --hack-4bit-layers / --4bit-layers flag shows its value: indices or a LayerSet's name.
+LAYER_SPEC_METAVAR = "L,L,...|" + "|".join(m.value for m in LayerSet)
+
 
 class HackArgumentError(ValueError):
     """A server option (or combination) that the HACK plugin refuses."""
@@ -115,7 +118,7 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Bits per K/V code of the first and last layer (default: --hack-kv-bits); those layers' "
              "pages are laid out with their own bits.")),
     "hack_four_bit_layers": ("--hack-4bit-layers", dict(
-        type=layer_list, metavar="L,L,...|full|auto|none",
+        type=layer_list, metavar=LAYER_SPEC_METAVAR,
         help="0-based indices of the layers whose K/V codes use 4 bits (the few layers where a model's "
              "2-bit error sits or its retrieval heads read: `hack eval layers`, `hack eval retrieval "
              "--needle-attention`), or 'full': the layers without a sliding window, read from the "

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import requests
 
-from engine.args import layer_list
+from engine.args import LAYER_SPEC_METAVAR, layer_list
 from engine.layer_sets import resolve_for_model_path
 from hack_eval.models import MODELS
 from hack_ops.config import RaisedTensors
@@ -55,9 +55,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
     p.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
-    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
+    p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar=LAYER_SPEC_METAVAR,
                    help="0-based layers the hack-4bit-layers method holds at 4 bits, or 'full' (the model's "
-                        "layers without a sliding window)")
+                        "layers without a sliding window) or 'auto' (the server's default set)")
     p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=[t.value for t in RaisedTensors], default="kv",
                    help="which tensors of the --4bit-layers layers the hack-4bit-layers method holds at 4 bits: "
                         "kv (K and V, default), k (K alone, V at 2 bits) or v (V alone; --hack-4bit-tensors)")

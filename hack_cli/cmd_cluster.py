@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
-from engine.args import layer_list
+from engine.args import LAYER_SPEC_METAVAR, layer_list
 from engine.layer_sets import resolve_for_model_path
 from disagg.server_cmd import METHODS
 from hack_eval.models import MODELS
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="KV cache method (hack sends its pages without K's code sums and the unread open "
                         "page, --hack-kv-codec hack-pages; hack-full-pages sends every page as stored)")
     p.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None,
-                   metavar="L,L,...|full|auto|none",
+                   metavar=LAYER_SPEC_METAVAR,
                    help="with a HACK --kv method: these 0-based layers' pages at 4 bits on both sides "
                         "(--hack-4bit-layers; e.g. the layers `hack eval retrieval --needle-attention` names, "
                         "'full': the model's layers without a sliding window, 'none': every layer at 2 bits; "

@@ -7,7 +7,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from engine.args import layer_list
+from engine.args import LAYER_SPEC_METAVAR, layer_list
 from hack_eval.models import MODELS
 
 from .server_methods import METHODS as SERVED_METHODS
@@ -82,8 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("--prompts", type=int, default=6, help="recall prompts (default 6)")
     rec.add_argument("--tokens", type=int, default=24, help="greedy tokens per prompt (default 24)")
     rec.add_argument("--budget-mb", type=float, default=128.0, help="the KV budget of every server (default 128)")
-    rec.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
-                     help="the layers the hack-4bit-layers method holds at 4 bits (the server's --hack-4bit-layers)")
+    rec.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar=LAYER_SPEC_METAVAR,
+                     help="the layers the hack-4bit-layers method holds at 4 bits (the server's --hack-4bit-layers: "
+                          "indices, or 'full', 'auto', 'none' resolved from the model's config)")
     rec.add_argument("--4bit-tensors", dest="four_bit_tensors", default="kv", metavar="kv|k|v",
                      help="which tensors of those layers: kv (default), k or v (the server's --hack-4bit-tensors)")
     rec.add_argument("--out", default=None, help="markdown report ('' = none; default docs/study/recall-MODEL.md)")
@@ -101,11 +102,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar="L,L,...|full",
+    parser.add_argument("--4bit-layers", dest="four_bit_layers", type=layer_list, default=None, metavar=LAYER_SPEC_METAVAR,
                         help="also score the default format with these 0-based layers at 4 bits (the ones "
                              "`hack eval layers` ranks first, or 'full': the model's layers without a sliding "
-                             "window; the server's --hack-4bit-layers), in hack and dequant mode or those "
-                             "--modes names")
+                             "window, 'auto': the server's default set, 'none': no row; the server's "
+                             "--hack-4bit-layers), in hack and dequant mode or those --modes names")
     parser.add_argument("--4bit-tensors", dest="four_bit_tensors", default="kv", metavar="kv|k|v[,..]",
                         help="which tensors of the --4bit-layers rows take 4 bits: 'kv' (K and V, default), 'k' "
                              "(K alone, V stays at 2 bits: fewer bytes), 'v' (V alone), or several, e.g. 'kv,k', "

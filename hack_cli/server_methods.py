@@ -30,8 +30,11 @@ def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None
 
     if method != "hack-4bit-layers":
         return list(METHODS[method])
-    if not four_bit_layers:
-        raise ValueError("--methods hack-4bit-layers needs --4bit-layers L,L,...|full (the layers to hold at 4 bits)")
+    if four_bit_layers is None or four_bit_layers is LayerSet.NONE:
+        raise ValueError("--methods hack-4bit-layers needs --4bit-layers L,L,...|full|auto (the layers to hold at 4 bits)")
+    if not four_bit_layers:  # a set's name resolved to no layer of this model
+        raise ValueError("--4bit-layers names no layer of this model (its 'auto' set is empty where it has no "
+                         "sliding-window layers): give the layers as indices, or measure method hack-2bit")
     shown = four_bit_layers.value if isinstance(four_bit_layers, LayerSet) else ",".join(map(str, four_bit_layers))
     tensors = raised_tensors(raised)
     extra = [] if tensors == RaisedTensors.KV else ["--hack-4bit-tensors", tensors.value]

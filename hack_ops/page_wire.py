@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .config import HackConfig
-from .layout import PageLayout, TensorLayout
+from .layout import PageLayout, TensorLayout, page_layout
 from .packing import unpack
 from .quant import group_code_sums
 
@@ -96,3 +96,11 @@ def request_bytes(layout: PageLayout, num_layers: int, tokens: int, hack_pages: 
     tails = (tokens % p) * len(layout.tail_tensors) * fp16_token
     sinks = 2 * layout.config.sink_tokens * fp16_token
     return num_layers * (page_bytes + tails + sinks)
+
+
+def model_request_bytes(config: HackConfig, num_layers: int, num_heads: int, head_dim: int, tokens: int,
+                        hack_pages: bool = True) -> int:
+    """request_bytes summed over a model's layers, each in its own format (HackConfig.for_layer:
+    a per-layer config puts 4-bit pages in some layers and 2-bit pages in the rest)."""
+    return sum(request_bytes(page_layout(config.for_layer(i, num_layers), num_heads, head_dim), 1, tokens,
+                             hack_pages=hack_pages) for i in range(num_layers))

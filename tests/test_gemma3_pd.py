@@ -104,15 +104,13 @@ def _predicted_wire_bytes(model_path: str, n: int, full_pages: bool = False) -> 
 
     from engine.layer_sets import LayerSet, resolve_for_model_path
     from hack_ops import HackConfig
-    from hack_ops.layout import page_layout
-    from hack_ops.page_wire import request_bytes
+    from hack_ops.page_wire import model_request_bytes
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     layers = resolve_for_model_path(LayerSet.AUTO, model_path)
     assert layers == (5, 11, 17)
-    hack, n_layers = HackConfig(four_bit_layers=layers), cfg["num_hidden_layers"]
-    return sum(request_bytes(page_layout(hack.for_layer(i, n_layers), cfg["num_key_value_heads"], cfg["head_dim"]), 1,
-                             n, hack_pages=not full_pages) for i in range(n_layers))
+    return model_request_bytes(HackConfig(four_bit_layers=layers), cfg["num_hidden_layers"],
+                               cfg["num_key_value_heads"], cfg["head_dim"], n, hack_pages=not full_pages)
 
 
 def _idle_usage(url: str) -> dict:

@@ -67,14 +67,12 @@ def _predicted_wire_bytes(model_path: str, n: int) -> int:
     import json
 
     from hack_ops import HackConfig
-    from hack_ops.page_wire import request_bytes
-    from hack_ops.paged import HackKVStore
+    from hack_ops.page_wire import model_request_bytes
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    store = HackKVStore(HackConfig(four_bit_layers=tuple(int(x) for x in LAYERS.split(","))),
-                        cfg["num_hidden_layers"], cfg["num_key_value_heads"],
-                        cfg["hidden_size"] // cfg["num_attention_heads"], num_pages=1, num_rows=1)
-    return sum(request_bytes(lay, 1, n) for lay in store.layouts)
+    return model_request_bytes(HackConfig(four_bit_layers=tuple(int(x) for x in LAYERS.split(","))),
+                               cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+                               cfg["hidden_size"] // cfg["num_attention_heads"], n)
 
 
 def test_pd_with_4bit_layers_gives_the_colocated_greedy_tokens(pd_runs, colocated_runs):

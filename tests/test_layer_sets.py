@@ -143,3 +143,15 @@ def test_bench_methods_pass_the_set_name_to_the_server():
     assert method_args("hack-4bit-layers", (1, 5))[-2:] == ["--hack-4bit-layers", "1,5"]
     with pytest.raises(ValueError, match="needs --4bit-layers"):
         method_args("hack-4bit-layers", None)
+    with pytest.raises(ValueError, match="needs --4bit-layers"):
+        method_args("hack-4bit-layers", LayerSet.NONE)
+    with pytest.raises(ValueError, match="names no layer of this model"):  # 'auto' resolved on a model without windows
+        method_args("hack-4bit-layers", ())
+
+
+def test_every_layer_flag_shows_the_same_choices():
+    """The server's --hack-4bit-layers and the commands' --4bit-layers take the same words."""
+    from engine.args import LAYER_SPEC_METAVAR
+
+    assert LAYER_SPEC_METAVAR == "L,L,...|" + "|".join(m.value for m in LayerSet)
+    assert set(LAYER_SPEC_METAVAR.split("|")[1:]) == {"full", "auto", "none"}

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hack_ops import HackConfig
-from hack_ops.page_wire import (PageTensor, derived_bytes, open_page_unread, page_code_sums, rebuild_derived,
-                                request_bytes, wire_bytes, wire_page_bytes)
+from hack_ops.page_wire import (PageTensor, derived_bytes, model_request_bytes, open_page_unread, page_code_sums,
+                                rebuild_derived, request_bytes, wire_bytes, wire_page_bytes)
 from hack_ops.layout import page_layout
 from hack_ops.paged import HackKVStore
 from hack_ops.paged.fill import scattered_table, write_context
@@ -112,6 +112,22 @@ def test_request_bytes_of_smollm2_requests() -> None:
     assert request_bytes(no_rqe, 30, 100) - request_bytes(no_rqe, 30, 100, hack_pages=False) == -2 * 30 * 192
     # no sinks, no sink bytes
     assert request_bytes(page_layout(HackConfig(sink_tokens=0), 3, 64), 30, 64) == 30 * 7680
+
+
+@pytest.mark.parametrize("hack_pages", [True, False])
+def test_model_request_bytes_sums_each_layers_own_layout(hack_pages: bool) -> None:
+    """Per-layer bits: the sum over the layouts the store builds (HackKVStore.layouts), and more
+    than all-2-bit by exactly the raised layers' difference; uniform configs equal request_bytes."""
+    cfg, n_layers, n = HackConfig(four_bit_layers=(1, 4)), 6, 300
+    store = HackKVStore(cfg, n_layers, 3, 64, num_pages=1, num_rows=1)
+    per_layer = sum(request_bytes(lay, 1, n, hack_pages=hack_pages) for lay in store.layouts)
+    assert model_request_bytes(cfg, n_layers, 3, 64, n, hack_pages=hack_pages) == per_layer
+    two, four = (request_bytes(page_layout(c, 3, 64), 1, n, hack_pages=hack_pages)
+                 for c in (HackConfig(), HackConfig(kv_bits=4)))
+    assert four > two
+    assert per_layer == 4 * two + 2 * four
+    assert model_request_bytes(HackConfig(), 30, 3, 64, 7500, hack_pages=hack_pages) == request_bytes(
+        page_layout(HackConfig(), 3, 64), 30, 7500, hack_pages=hack_pages)
 
 
 def test_open_page_is_unread_only_when_both_tails_hold_it() -> None:
