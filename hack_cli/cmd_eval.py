@@ -9,6 +9,7 @@ from pathlib import Path
 
 from engine.args import LAYER_SPEC_METAVAR, layer_list
 from hack_eval.models import MODELS
+from hack_ops.rotation import Rotation
 
 from .server_methods import METHODS as SERVED_METHODS
 
@@ -111,6 +112,10 @@ def _add_layer_bits_flag(parser: argparse.ArgumentParser) -> None:
                         help="which tensors of the --4bit-layers rows take 4 bits: 'kv' (K and V, default), 'k' "
                              "(K alone, V stays at 2 bits: fewer bytes), 'v' (V alone), or several, e.g. 'kv,k', "
                              "for a row of each (the server's --hack-4bit-tensors)")
+    parser.add_argument("--4bit-rotation", dest="four_bit_rotation", default="none",
+                        choices=[r.value for r in Rotation],
+                        help="the --4bit-layers rows with this K/V rotation as well (default none; e.g. "
+                             "hadamard_kv, the study's best 2-bit option; the server's --hack-rotation)")
 
 
 def _add_report_flags(parser: argparse.ArgumentParser, stem: str, attention_path: bool = True) -> None:
@@ -185,7 +190,7 @@ def _accuracy(args: argparse.Namespace) -> int:
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
                     path=args.attention_path, four_bit_layers=_layer_indices(args),
-                    raised=_raised(args))
+                    raised=_raised(args), four_bit_rotation=_four_bit_rotation(args))
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
 
@@ -212,6 +217,13 @@ def _raised(args: argparse.Namespace) -> tuple:
         raise ValueError(f"--4bit-tensors {args.four_bit_tensors} says which tensors of the --4bit-layers rows take "
                          "4 bits; give --4bit-layers too")
     return raised
+
+
+def _four_bit_rotation(args: argparse.Namespace) -> str:
+    """--4bit-rotation, refused without --4bit-layers (it would change no row)."""
+    if args.four_bit_rotation != "none" and not args.four_bit_layers:
+        raise ValueError(f"--4bit-rotation {args.four_bit_rotation} rotates the --4bit-layers rows; give --4bit-layers too")
+    return args.four_bit_rotation
 
 
 def _patterns(value: str | None) -> list[str] | None:
@@ -265,6 +277,9 @@ def _retrieval(args: argparse.Namespace) -> int:
 
         if args.needle_attention:
             raise ValueError("--needle-attention reads the HF model's attention; it does not combine with --served")
+        if args.four_bit_rotation != "none":
+            raise ValueError("--4bit-rotation rotates the study's --4bit-layers rows; --served measures servers "
+                             "(start one with --hack-rotation instead)")
         raised = _raised(args)
         if len(raised) != 1:
             raise ValueError("--served starts one hack-4bit-layers server: give one --4bit-tensors value")
@@ -277,7 +292,7 @@ def _retrieval(args: argparse.Namespace) -> int:
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path,
                               four_bit_layers=_layer_indices(args), needle=args.needle_attention,
-                              raised=_raised(args))
+                              raised=_raised(args), four_bit_rotation=_four_bit_rotation(args))
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from hack_ops.config import RaisedTensors, raised_tensors
+from hack_ops.rotation import Rotation
 
 from .models import DEFAULT_MODEL, prepare
 
@@ -108,6 +109,7 @@ def run_study(
     four_bit_layers: tuple[int, ...] | None = None,
     variants: list[Variant] | None = None,
     raised: tuple[RaisedTensors | str, ...] = (RaisedTensors.KV,),
+    four_bit_rotation: Rotation | str = Rotation.NONE,
 ) -> dict:
     """variant_patterns: instead of the quick/core/full set, the rows of the full study whose
     name or config label contains one of these (plus the exact baseline). path: where the
@@ -115,7 +117,7 @@ def run_study(
     reference either way, and each row records where it ran). modes: with variant_patterns,
     only the rows in these AttentionModes. four_bit_layers: add the default format with these
     layers at 4 bits (layer_bits_variants), in `modes` or both modes, one row per entry of
-    `raised` (K and V, or K alone). variants: the rows
+    `raised` (K and V, or K alone), rotated by `four_bit_rotation`. variants: the rows
     themselves (the exact baseline first), instead of any selection."""
     path = attention_path(path)
     explicit = variants is not None
@@ -133,7 +135,7 @@ def run_study(
     else:
         variants = quick_variants() if quick else core_variants() if core else study_variants()
     if four_bit_layers:
-        variants = variants + layer_bits_variants(four_bit_layers, modes, raised)
+        variants = variants + layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     cfg = model.config
@@ -154,7 +156,7 @@ def run_study(
     if variant_patterns is not None:  # generation for the selected homomorphic rows only
         gen_vars = [EXACT] + [v for v in variants[1:] if v.mode == "hack"]
     if four_bit_layers:  # and for the layer-bits row (its 'hack' mode), whatever the set
-        gen_vars = gen_vars + [v for v in layer_bits_variants(four_bit_layers, modes, raised)
+        gen_vars = gen_vars + [v for v in layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
                                if v.mode == "hack" and v not in gen_vars]
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
@@ -191,6 +193,7 @@ def run_study(
                         else "quick" if quick else "core" if core else "full"),
         "four_bit_layers": list(four_bit_layers or []),
         "raised_tensors": [raised_tensors(t).value for t in raised] if four_bit_layers else [],
+        "four_bit_rotation": Rotation(four_bit_rotation).value if four_bit_layers else Rotation.NONE.value,
         "variant_patterns": variant_patterns, "modes": modes, "attention_path": path.value, "rows": rows,
     }
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from hack_ops.config import RaisedTensors, raised_tensors
+from hack_ops.rotation import Rotation
 
 from .attention_paths import AttentionPath, attention_path
 from .report import report_head
@@ -166,10 +167,11 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
                         variant_patterns: list[str] | None = None, threads: int | None = None,
                         log: Callable[[str], None] = print, path: AttentionPath | str = AttentionPath.FAST,
                         modes: list[str] | None = None, four_bit_layers: tuple[int, ...] | None = None,
-                        needle: bool = False, raised: tuple[RaisedTensors | str, ...] = (RaisedTensors.KV,)) -> dict:
+                        needle: bool = False, raised: tuple[RaisedTensors | str, ...] = (RaisedTensors.KV,),
+                        four_bit_rotation: Rotation | str = Rotation.NONE) -> dict:
     """`hack eval retrieval`: load the model, score exact plus the selected study rows (and the
     default format with `four_bit_layers` at 4 bits, variants.layer_bits_variants, one row per
-    entry of `raised`)."""
+    entry of `raised`, rotated by `four_bit_rotation`)."""
     from .accuracy import MODEL_TITLES
     from .models import prepare
     from .runner import load_model
@@ -177,7 +179,7 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
 
     variants = select_variants(study_variants(), variant_patterns or ["=default"], modes)  # fails before loading
     if four_bit_layers:
-        variants = variants + layer_bits_variants(four_bit_layers, modes, raised)
+        variants = variants + layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
     torch.manual_seed(seed)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -190,6 +192,7 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
             "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
             "four_bit_layers": list(four_bit_layers or []),
             "raised_tensors": [raised_tensors(t).value for t in raised] if four_bit_layers else [],
+            "four_bit_rotation": Rotation(four_bit_rotation).value if four_bit_layers else Rotation.NONE.value,
             "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
             "rows": rows, "needle_attention": attn}
 

@@ -56,18 +56,23 @@ def option_variants() -> list[Variant]:
 
 
 def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | None = None,
-                        tensors: "list[RaisedTensors | str] | tuple[RaisedTensors | str, ...]" = (RaisedTensors.KV,)
-                        ) -> list[Variant]:
+                        tensors: "list[RaisedTensors | str] | tuple[RaisedTensors | str, ...]" = (RaisedTensors.KV,),
+                        rotation: Rotation | str = Rotation.NONE) -> list[Variant]:
     """The default format with `layers` (0-based) at 4 bits and the rest at 2 (HackConfig
     four_bit_layers), in 'hack' and 'dequant' or only the given modes: the layers a model's
     per-layer breakdown (`hack eval layers`) names. One row per entry of `tensors`: K and V
-    raised ('kv'), K alone ('k', V stays at 2 bits) or V alone ('v'). Model-specific, so not in study_variants()."""
+    raised ('kv'), K alone ('k', V stays at 2 bits) or V alone ('v'). rotation: the rows with
+    this K/V rotation as well (the two act on different errors: the bits on a few layers, the
+    rotation on outlier channels in all). Model-specific, so not in study_variants()."""
     wanted = None if modes is None else {attention_mode(m.strip()) for m in modes if m.strip()}
+    rot = Rotation(rotation)
     rows = []
     for t in dict.fromkeys(raised_tensors(t) for t in tensors):
-        cfg = DEFAULT.replace(four_bit_layers=tuple(layers), raised_tensors=t)
+        cfg = DEFAULT.replace(four_bit_layers=tuple(layers), raised_tensors=t, rotation=rot)
         which = {RaisedTensors.KV: "", RaisedTensors.K: " K", RaisedTensors.V: " V"}[t]
         name = f"default, layers {','.join(map(str, cfg.four_bit_layers))}{which} at 4 bits"
+        if rot is not Rotation.NONE:
+            name += f", rotation {rot.value}"
         rows += [Variant(name, m, cfg) for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
     return rows
 

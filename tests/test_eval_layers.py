@@ -101,6 +101,38 @@ def test_sweep_rows_and_layer_bits_rows():
     assert [v.mode.value for v in layer_bits_variants((2,), ["dequant"])] == ["dequant"]
 
 
+def test_layer_bits_rows_with_a_rotation():
+    """--4bit-rotation: the same raised layers, rotated; each layer's own config keeps the
+    rotation (the raised ones at 4 bits, the rest at 2)."""
+    from hack_ops.rotation import Rotation
+
+    rows = layer_bits_variants([1, 5], ["dequant"], ("kv", "k"), "hadamard_kv")
+    assert [v.name for v in rows] == ["default, layers 1,5 at 4 bits, rotation hadamard_kv",
+                                      "default, layers 1,5 K at 4 bits, rotation hadamard_kv"]
+    cfg = rows[0].config
+    assert cfg.rotation is Rotation.HADAMARD_KV and "hadamard_kv" in cfg.label()
+    raised, plain = cfg.for_layer(5, 18), cfg.for_layer(4, 18)
+    assert (raised.bits("k"), raised.bits("v"), raised.rotation) == (4, 4, Rotation.HADAMARD_KV)
+    assert (plain.bits("k"), plain.bits("v"), plain.rotation) == (2, 2, Rotation.HADAMARD_KV)
+    assert rows[0].config != layer_bits_variants([1, 5], ["dequant"])[0].config
+    with pytest.raises(ValueError):
+        layer_bits_variants([1], rotation="spin")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "accuracy", "--4bit-rotation", "hadamard_kv"], "give --4bit-layers too"),
+    (["eval", "retrieval", "--4bit-rotation", "hadamard_kv"], "give --4bit-layers too"),
+    (["eval", "retrieval", "--served", "bf16", "--4bit-layers", "1", "--4bit-rotation", "hadamard_kv"],
+     "--served measures servers"),
+])
+def test_cli_refuses_a_rotation_that_changes_no_row(argv, message, capsys):
+    """Refused before the model loads (the refusal names what to add)."""
+    from hack_cli.main import main
+
+    assert main([*argv, "--out", "", "--json-out", ""]) != 0
+    assert message in capsys.readouterr().err
+
+
 def test_explicit_variants_start_with_exact():
     from hack_eval.accuracy import run_study
 
