@@ -219,11 +219,12 @@ def _raised(args: argparse.Namespace) -> tuple:
     return raised
 
 
-def _four_bit_rotation(args: argparse.Namespace) -> str:
+def _four_bit_rotation(args: argparse.Namespace) -> Rotation:
     """--4bit-rotation, refused without --4bit-layers (it would change no row)."""
-    if args.four_bit_rotation != "none" and not args.four_bit_layers:
-        raise ValueError(f"--4bit-rotation {args.four_bit_rotation} rotates the --4bit-layers rows; give --4bit-layers too")
-    return args.four_bit_rotation
+    rotation = Rotation(args.four_bit_rotation)
+    if rotation is not Rotation.NONE and not args.four_bit_layers:
+        raise ValueError(f"--4bit-rotation {rotation.value} rotates the --4bit-layers rows; give --4bit-layers too")
+    return rotation
 
 
 def _patterns(value: str | None) -> list[str] | None:
@@ -277,7 +278,7 @@ def _retrieval(args: argparse.Namespace) -> int:
 
         if args.needle_attention:
             raise ValueError("--needle-attention reads the HF model's attention; it does not combine with --served")
-        if args.four_bit_rotation != "none":
+        if Rotation(args.four_bit_rotation) is not Rotation.NONE:
             raise ValueError("--4bit-rotation rotates the study's --4bit-layers rows; --served measures servers "
                              "(start one with --hack-rotation instead)")
         raised = _raised(args)
