@@ -134,8 +134,8 @@ def run_study(
         raise ValueError("--modes filters the rows --variants selects; give --variants too")
     else:
         variants = quick_variants() if quick else core_variants() if core else study_variants()
-    if four_bit_layers:
-        variants = variants + layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
+    raised_rows = layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation) if four_bit_layers else []
+    variants = variants + raised_rows
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     cfg = model.config
@@ -155,9 +155,8 @@ def run_study(
     gen_vars = [EXACT, variants[1]] if quick else generation_variants()[:3] if core else generation_variants()
     if variant_patterns is not None:  # generation for the selected homomorphic rows only
         gen_vars = [EXACT] + [v for v in variants[1:] if v.mode == "hack"]
-    if four_bit_layers:  # and for the layer-bits row (its 'hack' mode), whatever the set
-        gen_vars = gen_vars + [v for v in layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
-                               if v.mode == "hack" and v not in gen_vars]
+    # and for the layer-bits rows (their 'hack' mode), whatever the set
+    gen_vars = gen_vars + [v for v in raised_rows if v.mode == "hack" and v not in gen_vars]
     prompts = humaneval_prompts()[:gen_prompts]
     for p in prompts:
         ids = tok(p["prompt"], add_special_tokens=False)["input_ids"]
