@@ -218,6 +218,40 @@ def test_serving_path_dense_prefill(kernel_device, window, cap):
         done = lens
 
 
+@pytest.mark.parametrize("window,cap", [(None, 0.0), (37, 20.0)])
+def test_serving_path_dense_prefill_mixed_batch(kernel_device, window, cap):
+    """The batch chunked prefill makes under load, through engine.gpu_attention's dense prefill:
+    a chunk over a cached prefix that ends mid-page, a request at a decode step and a cold
+    prompt (no prefix: on a GPU its keys are the chunk's own, lower-right causal; the CPU path
+    once called its flash kernel over zero keys there) in one extend. Every output equals the
+    CPU path's dense prefill of the same batch and the pages are the CPU store's bytes."""
+    from engine.gpu_attention import GpuAttention
+    from engine.settings import EngineSettings
+    from hack_ops import PrefillMode
+    from hack_ops.paged import HackKVStore, extend
+
+    cfg = HackConfig(partition_size=32, sink_tokens=1)
+    d, hq, dev = 64, 2 * H, kernel_device
+    mine = HackKVStore(cfg, 1, H, d, num_pages=12, num_rows=3, device=dev)
+    ref = HackKVStore(cfg, 1, H, d, num_pages=12, num_rows=3)
+    gpu = GpuAttention(mine, EngineSettings(prefill="dense"), PrefillMode.DENSE)
+    r2t = torch.zeros(3, 128, dtype=torch.int64)
+    r2t[0, :64] = torch.arange(64) + 10 * 32  # pages 10..11
+    r2t[1, :96] = torch.arange(96) + 5 * 32  # pages 5..7
+    r2t[2, :96] = torch.arange(96)  # pages 0..2
+    g = torch.Generator().manual_seed(9)
+    # (rows, lengths after, new tokens): two cold prompts, then the mixed batch
+    for rows, lens, new in (([1, 2], [45, 40], [45, 40]), ([1, 2, 0], [83, 41, 50], [38, 1, 50])):
+        n = sum(new)
+        q, k, v = (torch.randn(n, heads, d, generator=g) for heads in (hq, H, H))
+        plan, rplan = gpu.plan(r2t, rows, lens, new), ref.plan(r2t, rows, lens, new)
+        out = gpu.extend(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2, window=window, logit_cap=cap)
+        want = extend(ref, 0, rplan, q, k, v, scale=0.2, window=window, logit_cap=cap, prefill=PrefillMode.DENSE)
+        assert torch.isfinite(out).all()
+        assert torch.allclose(out.cpu(), want, atol=2e-5, rtol=0), (new, (out.cpu() - want).abs().max())
+        assert torch.equal(mine.k_pages[0].cpu(), ref.k_pages[0]) and torch.equal(mine.v_pages[0].cpu(), ref.v_pages[0])
+
+
 def test_bad_input_is_refused(kernel_device):
     lay = page_layout(HackConfig(partition_size=32), H, 64)
     b = random_batch(lay, [3], [20], 2, device=kernel_device)

@@ -208,6 +208,9 @@ def dense_attend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        if pre == 0:  # a cold prompt batched with chunks over a prefix: nothing to dequantize
+            out[lo:hi] = _cold_request(q[lo:hi], k[lo:hi], v[lo:hi], scale, window, logit_cap)
+            continue
         with clock.phase("dequantization"):  # the dense copy only, not the attention
             dense = dense_kv(store, layer, plan, b, pre, {n: t[b] for n, t in snaps.items()}, dtype)
         kc, vc = (x[lo:hi].to(torch.float16).to(dtype).transpose(0, 1)[None] for x in (k, v))
@@ -229,7 +232,8 @@ def prefix_then_causal(q: Tensor, kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor
     Two flash attentions merged by their log-sum-exp (torch's CPU flash kernel returns it): the
     prefix part without a mask, the chunk part causal, so neither materializes an n x (m + n)
     mask or computes the masked half (~1.7x one masked SDPA at 4K + 4K tokens). Where that
-    kernel is missing (another torch), one SDPA with the mask."""
+    kernel is missing (another torch), one SDPA with the mask. An empty prefix (m = 0) is the
+    chunk's causal attention alone: the flash kernel is never called over zero keys."""
     if q.device.type != "cpu":
         return lower_right_causal(q, torch.cat([kp, kc], 2), torch.cat([vp, vc], 2), scale)
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -240,11 +244,38 @@ def prefix_then_causal(q: Tensor, kp: Tensor, vp: Tensor, kc: Tensor, vc: Tensor
                                               scale=scale, enable_gqa=q.shape[1] != kp.shape[1]).float()
     rep = q.shape[1] // kp.shape[1]
     kp, vp, kc, vc = (x.repeat_interleave(rep, 1) if rep > 1 else x for x in (kp, vp, kc, vc))
-    o1, l1 = flash(q, kp, vp, 0.0, False, scale=scale)[:2]
-    o2, l2 = flash(q, kc, vc, 0.0, True, scale=scale)[:2]
+    o2, l2 = cpu_flash(q, kc, vc, causal=True, scale=scale)
+    if kp.shape[2] == 0:
+        return o2.float()
+    o1, l1 = cpu_flash(q, kp, vp, causal=False, scale=scale)
     m = torch.maximum(l1, l2)
     w1, w2 = torch.exp(l1 - m)[..., None], torch.exp(l2 - m)[..., None]
     return (o1.float() * w1 + o2.float() * w2) / (w1 + w2)
+
+
+def cpu_flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
+    """torch's CPU flash attention (q [1, Hq, n, D] over k/v [1, Hq, m, D], heads already
+    repeated), returning (output in q's dtype, log-sum-exp float32 [1, Hq, n]); causal is
+    top-left aligned, so only n == m is meant. The kernel divides by zero on an empty query or
+    key range (SIGFPE: the process dies without a Python error), so every shape is checked
+    first and a bad one is refused with a ValueError that names it."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if any(x.dim() != 4 for x in (q, k, v)):
+        raise ValueError(f"flash attention takes 4-D [batch, heads, tokens, head_dim] tensors, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[2] == 0:
+        raise ValueError(f"flash attention called with no queries (q {tuple(q.shape)})")
+    if k.shape[2] == 0:
+        raise ValueError(f"flash attention called with no keys (k {tuple(k.shape)}): an empty key range "
+                         "must be handled before the kernel")
+    if not (q.shape[:2] == k.shape[:2] == v.shape[:2]) or k.shape[2] != v.shape[2] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"flash attention needs the same batch and heads (repeated for GQA), as many values "
+                         f"as keys and q's head_dim in k: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if causal and q.shape[2] != k.shape[2]:
+        raise ValueError(f"causal flash attention here needs as many queries as keys, got {q.shape[2]} and "
+                         f"{k.shape[2]}")
+    o, lse = flash(q, k, v, 0.0, causal, scale=scale)[:2]
+    return o, lse
 
 
 def lower_right_causal(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
@@ -273,26 +304,33 @@ def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float
                 window: int | None = None, logit_cap: float = 0.0) -> Tensor:
     """PrefillMode.EXACT extend of requests without a cached prefix: every key is one of the chunk's own
     tokens, in FP16 as stored, so this is causal attention over them (torch SDPA, blocked and
-    fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D].
+    fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D]."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(plan.batch_size):
+        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
+        out[lo:hi] = _cold_request(q[lo:hi], k[lo:hi], v[lo:hi], scale, window, logit_cap)
+    return out
+
+
+def _cold_request(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
+                  logit_cap: float = 0.0) -> Tensor:
+    """One request without a cached prefix (q [n, Hq, D], its own k/v [n, H, D]): causal
+    attention over its own tokens in FP16 as stored; float32 [n, Hq, D]. A dense prefill that
+    batches such a request with chunks over a prefix attends it here too, exactly as alone.
 
     BF16 q/k/v (what a BF16 model serves) take SDPA in BF16 on the stored FP16 values rounded to
     BF16, which gives back the model's own BF16 K/V wherever FP16 holds them exactly (|x| in
     FP16's normal range): the attention SGLang's BF16 backend computes, on AMX where the CPU has
     it (~3x float32 SDPA at 2K-8K tokens, docs/engine.md). Other dtypes take float32."""
     work = torch.bfloat16 if q.dtype == k.dtype == v.dtype == torch.bfloat16 else torch.float32
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for b in range(plan.batch_size):
-        lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
-        qb = q[lo:hi].to(work).transpose(0, 1)[None]
-        kb, vb = (x[lo:hi].to(torch.float16).to(work).transpose(0, 1)[None] for x in (k, v))
-        gqa = qb.shape[1] != kb.shape[1]
-        if window is None and not logit_cap:
-            o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
-        else:
-            o = masked_dense(qb, kb, vb, scale, window, logit_cap,
-                             torch.arange(hi - lo, device=q.device))  # BF16 or float32
-        out[lo:hi] = o[0].transpose(0, 1)
-    return out
+    qb = q.to(work).transpose(0, 1)[None]
+    kb, vb = (x.to(torch.float16).to(work).transpose(0, 1)[None] for x in (k, v))
+    gqa = qb.shape[1] != kb.shape[1]
+    if window is None and not logit_cap:
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        o = masked_dense(qb, kb, vb, scale, window, logit_cap, torch.arange(q.shape[0], device=q.device))
+    return o[0].transpose(0, 1).float()
 
 
 def _fp16_windows(store: HackKVStore, plan: ForwardPlan, k: Tensor, v: Tensor, snaps: dict):
