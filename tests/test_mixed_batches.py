@@ -200,3 +200,27 @@ def test_cpu_flash_refuses_empty_ranges_with_a_sentence():
         cpu_flash(q, q[:, :1], q[:, :1], causal=False, scale=0.125)
     o, lse = cpu_flash(q, q, q, causal=True, scale=0.125)
     assert o.shape == q.shape and lse.shape == q.shape[:3]
+
+
+def test_compiled_kernels_refuse_an_empty_key_range():
+    """The C kernels check what they are handed: a query with no key to attend (sequence length
+    0) or a request with no new token after its prefix is refused with a Python error, never
+    read out of bounds or left unwritten."""
+    _need_kernel("native")
+    from hack_ops.paged import cpu_extend, cpu_kernel
+
+    cfg = make_cfg(partition_size=P, **CONFIGS[0])
+    case = _cached(cfg)
+    store, d = case.store, case.store.head_dim
+    q = torch.randn(1, store.num_heads * 3, d)
+    tail = store.tail("k", 0)
+    zero = torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="no key"):
+        cpu_kernel.attend(store, 0, q, 0.125, zero, zero, case.table[:1, ::P] // P, zero, zero, tail, zero,
+                          store.tail("v", 0), zero)
+    plan = store.plan(case.table, [case.rows[1]], [LENS[1]], [LENS[1] - PREFIX[1]])
+    plan.prefix_lens = plan.seq_lens.clone()  # as if the request added nothing
+    win = torch.zeros(P, store.num_heads, d, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="rejected"):
+        cpu_extend.attend(store, 0, plan, q.expand(LENS[1] - PREFIX[1], -1, -1).contiguous(), 0.125, win, win,
+                          torch.zeros(1, dtype=torch.long), exact=False)

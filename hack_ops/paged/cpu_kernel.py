@@ -182,8 +182,11 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
         v_open=_ptr(v_open), sink_k=_ptr(store.sink_k[layer]), sink_v=_ptr(store.sink_v[layer]),
         q=_ptr(qs), out=_ptr(out),
     )
-    if lib.hack_decode(ctypes.byref(a)) != 0:
-        raise RuntimeError("the CPU kernel rejected the geometry")
+    rc = lib.hack_decode(ctypes.byref(a))
+    if rc == -2:
+        raise MemoryError("the CPU decode kernel could not allocate its work items")
+    if rc != 0:
+        raise RuntimeError("the CPU kernel rejected the geometry (or a query with no key to attend)")
     return out
 
 

@@ -151,11 +151,14 @@ int hack_decode(const hack_decode_args *a) {
     if (d > MAX_D || d % 64 || rep > MAX_REP || d / a->group > MAX_G || P > 256) return -1;
     int64_t n_items = 0;
     for (int64_t b = 0; b < B; b++) {
+        if (a->seq_lens[b] < 1) return -1; /* a query sees at least itself: no empty key range */
         int64_t np = (a->seq_lens[b] + P - 1) / P - first_key(a, a->seq_lens[b]) / P; /* pages read */
         n_items += H * ((np + CHUNK_PAGES - 1) / CHUNK_PAGES);
     }
+    if (n_items == 0) return -1;
     item_t *items = (item_t *)malloc(sizeof(item_t) * n_items);
     float *mls = (float *)malloc(sizeof(float) * n_items * rep * (d + 2));
+    if (!items || !mls) { free(items); free(mls); return -2; }
     int64_t k = 0;
     for (int64_t b = 0; b < B; b++) {
         int64_t L = a->seq_lens[b], np = (L + P - 1) / P, fp = first_key(a, L) / P;
@@ -169,6 +172,7 @@ int hack_decode(const hack_decode_args *a) {
     const int64_t s_len = rep * CHUNK_PAGES * P, ws_len = (rep + 2) * (d / a->group) * P;
     const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
     float *scratch = (float *)malloc(sizeof(float) * nth * (s_len + ws_len));
+    if (!scratch) { free(items); free(mls); return -2; }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
     for (int64_t i = 0; i < n_items; i++) {
 #ifdef _OPENMP

@@ -647,6 +647,7 @@ int hack_extend(const hack_extend_args *a) {
     int64_t n_items = 0;
     for (int64_t b = 0; b < B; b++) {
         const int64_t pre = a->prefix_lens[b], seq = a->seq_lens[b];
+        if (pre < 0 || seq <= pre) return -1; /* every request adds a token after its prefix */
         for (int64_t pg = pre / P; pg * P < seq; pg++) {
             const int64_t lo = pg * P > pre ? pg * P : pre, hi = (pg + 1) * P < seq ? (pg + 1) * P : seq;
             n_items += H * ((hi - lo + bt - 1) / bt);
