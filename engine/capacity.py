@@ -12,8 +12,7 @@ import logging
 from typing import Any, Callable
 
 from . import settings as settings_mod
-from .pool_geometry import UnitBytes, row_bytes, token_bytes, unit_bytes
-from .usage import bf16_bytes_per_token
+from .pool_geometry import UnitBytes, bf16_bytes_per_token, row_bytes, token_bytes, unit_bytes
 from .server_state import Reservation, state
 
 logger = logging.getLogger(__name__)

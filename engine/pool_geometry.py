@@ -4,7 +4,8 @@ The sizes are read from hack_ops.paged.HackKVStore itself (a one-page, one-row, 
 store of the model's layers), so they follow its buffers whatever the format (layers with more
 bits, --hack-4bit-layers, hold larger pages): K and V pages, the FP16
 tails of each request row, FP16 sink slots (one per row plus one per SINK_PAGES_PER_SLOT pages,
-the store's default) and the shared page -> sink-slot map.
+the store's default) and the shared page -> sink-slot map; and what the same tokens take in a
+BF16 cache, the baseline every capacity and usage report compares against.
 """
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ from hack_ops.paged.store import HackKVStore
 
 SINK_PAGES_PER_SLOT = 16  # HackKVStore's default: num_sink_slots = rows + pages // 16
 _SINK_MAP_ENTRY = 4  # int32 per page
+BF16_BYTES = 2
+
+
+def bf16_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
+    """Bytes one token's K and V take in a BF16 cache of this geometry (all layers)."""
+    return 2 * int(layers) * int(kv_heads) * int(head_dim) * BF16_BYTES
 
 
 @dataclass(frozen=True)

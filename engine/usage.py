@@ -15,12 +15,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-BF16_BYTES = 2
-
-
-def bf16_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
-    """Bytes one token's K and V take in a BF16 cache of this geometry (all layers)."""
-    return 2 * int(layers) * int(kv_heads) * int(head_dim) * BF16_BYTES
+from .pool_geometry import bf16_bytes_per_token
 
 
 def pool_bf16_bytes_per_token(pool: Any) -> int:

@@ -23,14 +23,13 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from hack_ops.config import HackConfig
 from hack_ops.modes import AttentionMode
 
-SHAPES = {"smollm2": (9, 3, 64), "llama3-8b": (32, 8, 128)}  # (query heads, kv heads, head_dim)
+from .bench_attention_options import SHAPES, add_parser
 
 
 def model_attention_shape(name: str) -> tuple[int, int, int]:
@@ -47,40 +46,7 @@ def model_attention_shape(name: str) -> tuple[int, int, int]:
 
 
 def register(bsub: argparse._SubParsersAction) -> None:
-    # hack_eval stays out of this module's imports: the GPU box that runs the Triton benchmark
-    # has no transformers/SGLang (tests/test_triton_imports.py).
-    from hack_eval.models import MODELS
-
-    p = bsub.add_parser("attention", help="decode/prefill attention: HACK vs BF16 SDPA vs dequantize+SDPA")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--quick", action="store_true", help="contexts 2K and 8K, fewer repeats, short prefill")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="cpu: this machine's CPU path; cuda: the Triton kernels on a GPU vs FlashInfer/SDPA "
-                        "(hack_cli/bench_attention_gpu.py: its own default grid, CUDA-event timing, bandwidth)")
-    p.add_argument("--shapes", default=None, help=f"comma-separated, of {', '.join(SHAPES)} "
-                                                  "(cuda: llama3-8b, qwen2.5-7b)")
-    p.add_argument("--model", default=None,
-                   help=f"also a prepared model's attention shape ({', '.join(MODELS)}: its query heads, KV heads "
-                        "and head_dim; full causal attention, sliding windows not applied), as a row named by it; "
-                        "CPU only")
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,8; cuda: 1,8,32,128)")
-    p.add_argument("--contexts", default=None, help="comma-separated token counts (default 2048,8192,32768)")
-    p.add_argument("--repeats", type=int, default=None, help="timed repeats per cell (default 5, quick 3)")
-    p.add_argument("--prefill-tokens", default=None,
-                   help="comma-separated prompt lengths (default 2048,8192,16384, quick 1024; 0: skip)")
-    p.add_argument("--store-tokens", type=int, default=None,
-                   help="prompt length of the store rows (default 7500, quick 2048; 0: skip them)")
-    p.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to "
-                        "other processes on a shared machine)")
-    p.add_argument("--out", default=None, help="also write the JSON result to this file")
-    p.add_argument("--doc", action="store_true",
-                   help="also write the tables and target lines into docs/kernels.md (CPU only)")
-    p.add_argument("--from-json", default=None, metavar="FILE",
-                   help="with --device cuda: measure nothing; copy FILE (written by a GPU run's --out) to "
-                        "docs/bench/attention-cuda.json and its table into docs/kernels.md (no GPU needed)")
-    p.set_defaults(func=run)
+    add_parser(bsub, run)
 
 
 def run_default(args: argparse.Namespace) -> int:
@@ -116,13 +82,9 @@ def _median_ms(methods: dict, repeats: int, clock=time.perf_counter) -> dict[str
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "device", "cpu") == "cuda":
-        if getattr(args, "model", None):
-            raise ValueError("--model is CPU only; --device cuda measures its --shapes (llama3-8b, qwen2.5-7b)")
-        from hack_cli.bench_attention_gpu import render_json, run_cuda
+        from hack_cli.bench_attention_gpu import run as run_gpu
 
-        if getattr(args, "from_json", None):
-            return render_json(Path(args.from_json))
-        return run_cuda(args)
+        return run_gpu(args)
     if getattr(args, "from_json", None):
         raise ValueError("--from-json renders a GPU run's result: use it with --device cuda")
     from hack_ops.paged import cpu_kernel

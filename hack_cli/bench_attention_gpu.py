@@ -177,6 +177,15 @@ def check_device() -> torch.device:
     return torch.device("cuda")
 
 
+def run(args: argparse.Namespace) -> int:
+    """`hack bench attention --device cuda`: measure, or with --from-json render a result."""
+    if getattr(args, "model", None):
+        raise ValueError("--model is CPU only; --device cuda measures its --shapes (llama3-8b, qwen2.5-7b)")
+    if getattr(args, "from_json", None):
+        return render_json(Path(args.from_json))
+    return run_cuda(args)
+
+
 def run_cuda(args: argparse.Namespace) -> int:
     if getattr(args, "clock", "wall") == "cpu" or getattr(args, "threads", None) is not None:
         raise ValueError("--clock and --threads apply to --device cpu; on CUDA the clock is CUDA events")
@@ -254,11 +263,11 @@ def render_json(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`hack bench attention --device cuda` without the hack console script (a GPU machine with
     only torch and triton installed)."""
-    from hack_cli import bench_attention
+    from hack_cli.bench_attention_options import add_parser
 
     ap = argparse.ArgumentParser(prog="python -m hack_cli.bench_attention_gpu")
     sub = ap.add_subparsers(dest="bench")
-    bench_attention.register(sub)
+    add_parser(sub, run)
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(["attention", "--device", "cuda", *argv])
     args.command_line = " ".join(["python -m hack_cli.bench_attention_gpu", *argv])

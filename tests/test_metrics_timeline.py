@@ -138,10 +138,10 @@ def test_transfer_span_carries_the_bf16_bytes_of_the_tokens_sent(run_dir, monkey
 
 def test_memory_sample_and_capacity_share_one_bf16_formula():
     from engine.capacity import capacity_report
-    from engine.pool_geometry import UnitBytes
+    from engine.pool_geometry import UnitBytes, bf16_bytes_per_token
 
     sample = usage.memory_sample(_scheduler(used=10))
-    assert sample["bytes_bf16"] == 10 * usage.bf16_bytes_per_token(LAYERS, HEADS, HEAD_DIM) == 10 * 1536
+    assert sample["bytes_bf16"] == 10 * bf16_bytes_per_token(LAYERS, HEADS, HEAD_DIM) == 10 * 1536
     info = capacity_report(UnitBytes(page=100, row=10, sink_slot=0, page_size=64), LAYERS, HEADS, HEAD_DIM,
                            1000, None)
     assert info["bf16_bytes_per_token"] == 1536
