@@ -90,7 +90,7 @@ class Case:
             self.done[i] = upto[i]
         return outs
 
-    def decode(self, which=None, backend="torch", layer=0):
+    def decode(self, which=None, backend="torch", layer=0, sparse=None):
         act = [i for i in (which or range(len(self.lens))) if self.done[i] < self.lens[i]]
         plan = self.store.plan(self.table, [self.rows[i] for i in act], [self.done[i] + 1 for i in act])
         pick = lambda xs: torch.stack([xs[i][self.done[i]] for i in act])  # noqa: E731
@@ -102,7 +102,7 @@ class Case:
                                   window=self.feat["window"], logit_cap=self.feat["logit_cap"])
         else:
             o = decode(self.store, layer, plan, pick(self.q), pick(self.k), pick(self.v), mode=self.mode,
-                       backend=backend, dequant_dtype=torch.float32, **self.feat)
+                       backend=backend, dequant_dtype=torch.float32, sparse=sparse, **self.feat)
         outs = {}
         for j, i in enumerate(act):
             outs[i] = o[j]

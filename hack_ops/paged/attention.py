@@ -31,7 +31,9 @@ from . import clock
 from .dequant import dense_kv, dequant_decode
 from .pages import request_pages
 from .plan import ForwardPlan
+from .sparse import PageSelection, SparseDecode
 from ..attention import check_logit_cap, check_window
+from ..sparse import SparseConfig
 from ..modes import EXTEND_PREFILL_MODES, SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
 from .store import HackKVStore
 from .torch_attention import RequestView, attend_request, first_page
@@ -57,14 +59,23 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
            v: Tensor | None = None, mode: AttentionMode | str = AttentionMode.HACK, scale: float | None = None,
            backend: str = "auto",
            generator: torch.Generator | None = None, dequant_dtype: torch.dtype = torch.bfloat16,
-           window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+           window: int | None = None, logit_cap: float = 0.0,
+           sparse: SparseDecode | SparseConfig | None = None) -> Tensor:
     """Decode attention: returns [B, Hq, D] in q's dtype. mode='dequant' dequantizes the
     visible pages to `dequant_dtype` and calls SDPA (the strawman baseline). window /
-    logit_cap: the layer's sliding window and soft-cap (module docstring)."""
+    logit_cap: the layer's sliding window and soft-cap (module docstring). sparse: read only
+    the pages hack_ops.sparse selects for each (request, KV head) from this step's queries
+    (a SparseDecode carries the selection across the layers of one forward; the caller decides
+    which layers are sparse: 'hack' mode, no window)."""
+    if isinstance(sparse, SparseConfig):
+        sparse = SparseDecode(sparse) if sparse.enabled else None
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     mode = attention_mode(mode, SERVING_MODES, "decode mode")
     if not plan.is_decode:
         raise ValueError("decode needs a plan with one new token per request (use extend)")
+    if sparse is not None and (mode != AttentionMode.HACK or window is not None):
+        raise ValueError("sparse decode reads the codes of the selected pages: 'hack' mode, on a layer without a "
+                         "sliding window")
     store._check_layer(layer)
     rep = _check_q(store, q, plan.batch_size, "batch")
     if (k is None) != (v is None):
@@ -75,17 +86,23 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
     if mode == AttentionMode.DEQUANT:
         return dequant_decode(store, layer, plan, q, scale, dequant_dtype, window, logit_cap).to(q.dtype)
-    with clock.phase("approximation"):
-        return _decode_on_codes(store, layer, plan, q, rep, mode, scale, backend, generator, window, logit_cap)
+    with clock.phase("approximation"):  # the selection is part of attending on the codes
+        selection = sparse.select(store, layer, plan, q) if sparse is not None else None
+        return _decode_on_codes(store, layer, plan, q, rep, mode, scale, backend, generator, window, logit_cap,
+                                selection)
 
 
 def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, rep: int, mode: AttentionMode,
                      scale: float, backend: str, generator: torch.Generator | None,
-                     window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+                     window: int | None = None, logit_cap: float = 0.0,
+                     selection: PageSelection | None = None) -> Tensor:
+    """Decode on the codes: the compiled kernel where it applies, else the PyTorch path; with a
+    selection, each request's shortened sequence of selected pages (per KV head)."""
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
     if cpu_kernel.usable(store, mode, backend, generator, window=window, logit_cap=logit_cap):
-        return cpu_kernel.decode(store, layer, plan, q, scale, window=window, logit_cap=logit_cap).to(q.dtype)
+        return cpu_kernel.decode(store, layer, plan, q, scale, window=window, logit_cap=logit_cap,
+                                 selection=selection).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {cpu_kernel.why_not(store, mode, generator)}")
     if backend not in ("auto", "torch"):
@@ -97,8 +114,10 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
         row = int(plan.rows[b])
         npg = int(plan.num_pages[b])
         lo = first_page(seq_len - 1, window, p)  # pages before the window are not gathered
-        rp = request_pages(store.layout_for(layer), store.k_pages[layer], store.v_pages[layer],
-                           plan.page_table[b, lo:npg].to(store.device))
+        pages = plan.page_table[b, lo:npg]
+        if selection is not None:  # the shortened sequence: each KV head its own pages
+            seq_len, pages = int(selection.seq_lens[b]), selection.heads_pages(b)
+        rp = request_pages(store.layout_for(layer), store.k_pages[layer], store.v_pages[layer], pages.to(store.device))
         win_start = (seq_len // p) * p  # the open page (empty when the page just closed)
         ranges = {name: [(win_start, store.tails[name][layer][row, : seq_len - win_start].float())]
                   for name in store.tails}

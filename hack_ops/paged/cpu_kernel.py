@@ -50,7 +50,7 @@ PAGE_FIELDS = ("k_page_bytes", "k_codes_off", "k_min_off", "k_scale_off", "k_sum
 class _Args(ctypes.Structure):
     _fields_ = [(n, _I64) for n in (
         *GEOMETRY_FIELDS, "k_open_quantized", "v_open_quantized", "meta_fp32", "max_pages",
-        *PAGE_FIELDS, "window")] + [
+        *PAGE_FIELDS, "window", "head_tables")] + [
         ("logit_cap", ctypes.c_double)] + [
         (n, _P) for n in ("seq_lens", "n_closed", "page_table", "table_rows", "sink_slots", "k_open_off",
                           "v_open_off", "k_pages", "v_pages", "k_open", "v_open", "sink_k", "sink_v", "q", "out")]
@@ -156,9 +156,11 @@ def _i64(x) -> torch.Tensor:
 
 def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed, page_table, table_rows,
            sink_slots, k_open: torch.Tensor | None, k_open_off, v_open: torch.Tensor | None, v_open_off,
-           variant: str = "native", window: int | None = None, logit_cap: float = 0.0) -> torch.Tensor:
+           variant: str = "native", window: int | None = None, logit_cap: float = 0.0,
+           head_tables: bool = False) -> torch.Tensor:
     """One query per row of q [N, Hq, D] at position seq_lens[i]-1: pages < n_closed[i] of
-    page_table[table_rows[i]] read from codes, pages from n_closed[i] on from the FP16 tokens
+    page_table[table_rows[i]] (head_tables: page_table is [rows * H, pages], KV head h of
+    query i reading row table_rows[i] * H + h; no window then) read from codes, pages from n_closed[i] on from the FP16 tokens
     at k_open/v_open (fp16 [.., H, D], element offsets *_open_off[i]) unless the config reads
     them quantized. window (keys t-window..t, None: all) and logit_cap (0: none) are the layer's.
     Returns float32 [N, Hq, D]."""
@@ -175,7 +177,7 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
     seq, ncl, table, trows, sinks, koff, voff = keep
     a = _Args(
         batch=n, **shared, k_open_quantized=int(store.config.open_mode("k") != OpenMode.FP16),
-        window=-1 if window is None else int(window), logit_cap=float(logit_cap or 0.0),
+        window=-1 if window is None else int(window), logit_cap=float(logit_cap or 0.0), head_tables=int(head_tables),
         seq_lens=_ptr(seq), n_closed=_ptr(ncl), page_table=_ptr(table), table_rows=_ptr(trows),
         sink_slots=_ptr(sinks), k_open_off=_ptr(koff), v_open_off=_ptr(voff),
         k_pages=_ptr(store.k_pages[layer]), v_pages=_ptr(store.v_pages[layer]), k_open=_ptr(k_open),
@@ -191,15 +193,23 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
 
 
 def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native",
-           window: int | None = None, logit_cap: float = 0.0) -> torch.Tensor:
-    """Decode attention for the plan's batch (one query per request): float32 [B, Hq, D]."""
+           window: int | None = None, logit_cap: float = 0.0, selection=None) -> torch.Tensor:
+    """Decode attention for the plan's batch (one query per request): float32 [B, Hq, D].
+    selection (hack_ops.paged.sparse.PageSelection): read only the selected pages, each KV
+    head its own (sparse decode: the shortened sequences, through per-head page tables)."""
     p = store.page_size
     hd = store.num_heads * store.head_dim
     rows = plan.rows.to(torch.int64)
     off = rows * (p * hd)  # each request's tail row
-    return attend(store, layer, q, scale, plan.seq_lens, plan.seq_lens // p, plan.page_table,
+    seq, table, per_head = plan.seq_lens, plan.page_table, False
+    if selection is not None:
+        if window is not None:
+            raise ValueError("sparse decode does not apply to a sliding-window layer (its window bounds the pages)")
+        seq, per_head = selection.seq_lens, True
+        table = selection.table.reshape(-1, selection.table.shape[-1])
+    return attend(store, layer, q, scale, seq, seq // p, table,
                   torch.arange(plan.batch_size), plan.sink_slot.clamp(min=0), store.tail("k", layer), off,
-                  store.tail("v", layer), off, variant, window=window, logit_cap=logit_cap)
+                  store.tail("v", layer), off, variant, window=window, logit_cap=logit_cap, head_tables=per_head)
 
 
 def simd(variant: str = "native") -> bool:

@@ -35,24 +35,35 @@ class RequestPages:
     v: TensorPages
 
 
+def _gather(tl: TensorLayout, buf: Tensor, name: str, pages: Tensor) -> Tensor:
+    """Section `name` of the pages, head-major [H, n, ...]: pages [n] (every head reads the same
+    pages) or [H, n] (head h reads pages[h]: a sparse decode's own selection per KV head)."""
+    view = tl.view(buf, name)  # [num_pages, H, ...]
+    if pages.dim() == 1:
+        return view[pages].transpose(0, 1)
+    return view[pages, torch.arange(pages.shape[0], device=pages.device)[:, None]]
+
+
 def _tensor_pages(tl: TensorLayout, buf: Tensor, pages: Tensor, cfg: HackConfig, d: int, is_k: bool) -> TensorPages:
     p = cfg.partition_size
     ng = d // cfg.head_group(d)
-    raw = tl.view(buf, "codes")[pages]  # [n, H, Π, D*b/8]
-    n, h = raw.shape[:2]
-    codes = unpack(raw, tl.bits, d).float().transpose(0, 1)
-    mn = tl.view(buf, "minimum")[pages].float().transpose(0, 1)
-    sc = tl.view(buf, "scale")[pages].float().transpose(0, 1)
+    raw = _gather(tl, buf, "codes", pages)  # [H, n, Π, D*b/8]
+    h, n = raw.shape[:2]
+    codes = unpack(raw, tl.bits, d).float()
+    mn = _gather(tl, buf, "minimum", pages).float()
+    sc = _gather(tl, buf, "scale", pages).float()
     if not tl.per_channel:
         mn = mn.reshape(h, n, p, ng)
         sc = sc.reshape(h, n, p, ng)
     sums = None
     if is_k:
-        sums = tl.view(buf, "sums")[pages].float().transpose(0, 1).reshape(h, n, p, ng).contiguous()
+        sums = _gather(tl, buf, "sums", pages).float().reshape(h, n, p, ng).contiguous()
     return TensorPages(codes.contiguous(), sc.contiguous(), mn.contiguous(), sums)
 
 
 def request_pages(layout: PageLayout, k_buf: Tensor, v_buf: Tensor, pages: Tensor) -> RequestPages:
+    """One request's pages unpacked: pages [n] page ids, or [H, n] where each KV head reads
+    its own (sparse decode)."""
     cfg, d = layout.config, layout.head_dim
     return RequestPages(
         k=_tensor_pages(layout.k, k_buf, pages, cfg, d, True),

@@ -16,6 +16,10 @@
  * page (and among the sinks) earlier keys get a zero softmax numerator. logit_cap > 0
  * soft-caps the scaled scores (cap * tanh(s / cap)) before the softmax.
  *
+ * Per-head page tables (head_tables = 1, sparse decode): each KV head of a request reads its own
+ * list of pages, page_table[(row * heads + h) * max_pages + p]; the lists are as long for every
+ * head (seq_lens and n_closed are per request), which is all a shorter sequence needs.
+ *
  * Work split (flash-decoding): one item = (request, KV head, run of up to CHUNK_PAGES pages),
  * all query heads of the GQA group together; each item keeps its own softmax max, the items
  * of a head are merged at the end in a fixed order, so results do not depend on the thread
@@ -101,7 +105,8 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out,
     const int64_t H = a->heads, L = it->seq_len, nc = it->n_closed;
     const int64_t tok0 = it->p0 * P, tok1 = it->p1 * P < L ? it->p1 * P : L, nt = tok1 - tok0;
     const int64_t sinks = a->sink_tokens < L ? a->sink_tokens : L;
-    const int64_t hd = H * d, trow = a->table_rows[it->b] * a->max_pages;
+    const int64_t hd = H * d;
+    const int64_t trow = (a->head_tables ? a->table_rows[it->b] * H + it->h : a->table_rows[it->b]) * a->max_pages;
     const int64_t first = first_key(a, L), vis0 = first > tok0 ? first - tok0 : 0; /* window */
     const float *q = a->q + (it->b * H * rep + it->h * rep) * d;
     /* scores */
@@ -149,6 +154,7 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out,
 int hack_decode(const hack_decode_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, P = a->page_size;
     if (d > MAX_D || d % 64 || rep > MAX_REP || d / a->group > MAX_G || P > 256) return -1;
+    if (a->head_tables && a->window >= 0) return -1; /* a per-head table shortens the sequence: no window then */
     int64_t n_items = 0;
     for (int64_t b = 0; b < B; b++) {
         if (a->seq_lens[b] < 1) return -1; /* a query sees at least itself: no empty key range */

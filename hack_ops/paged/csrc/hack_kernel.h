@@ -49,6 +49,7 @@ typedef struct {
     int64_t v_page_bytes, v_codes_off, v_min_off, v_scale_off;
     int64_t nthreads;
     int64_t window;   /* sliding window (query at t sees keys t-window..t); -1: none */
+    int64_t head_tables; /* 1: page_table is [rows, heads, max_pages], each KV head its own pages (sparse decode) */
     double logit_cap; /* > 0: scores soft-capped to cap * tanh(s / cap); 0: none */
     const int64_t *seq_lens, *n_closed, *page_table, *table_rows, *sink_slots;
     const int64_t *k_open_off, *v_open_off; /* element offset of each query's open region */

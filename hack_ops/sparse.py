@@ -1,0 +1,182 @@
+"""Sparse decode: which closed pages a decode step reads, scored from the K pages' own side tables.
+
+MPCache's query-aware dynamic selection (seed 003) and Quest's per-page bound, on HACK pages.
+With K quantized per channel over a page ('channel_k'), channel c of every key the page holds
+is min_c + code * scale_c with code in 0..L (L = 2^bits - 1, scale >= 0), so for a query q
+
+    max over the page's keys of q.k  <=  sum_c max(q_c min_c, q_c (min_c + L scale_c))
+                                      =  q.min + L * relu(q).scale                  (PageScore.BOUND)
+
+an upper bound of every score the page can give to the keys attention reads (the quantized
+ones), from two dot products per page and no metadata beyond the page's own. MPCache's
+stand-in (PageScore.LINEAR) replaces the per-channel max by alpha * max + (1 - alpha) * min
+with alpha = 0.6: q.min + alpha * L * q.scale, one dot product.
+
+A page's score for a KV head is the max over the query heads of its GQA group (the bound must
+hold for every head that reads the page; averaging the queries first, as SGLang's Quest port
+does, breaks it). Selection keeps, per (request, KV head): the first page (it holds the
+attention sinks), the most recent `recent_tokens` worth of closed pages, and the best-scored
+rest up to `budget_tokens` of closed pages; the open partition (the FP16 tail) is always read.
+Every head of a request reads the same number of pages, each its own.
+
+Two levels (`group_pages` > 0, MPCache's hierarchical clustering): groups of that many
+consecutive pages are scored first by the same bound over the group's box (the min of the
+pages' minimums, the max of their maximums), the best groups are kept (`group_keep` of the
+budget's pages, in groups), and pages are chosen among theirs.
+
+Semantics, which the paged kernels keep: a sparse decode step is the ordinary decode of a
+shorter sequence made of the selected whole pages in position order, then the open partition
+(`gather_sequence`). Pages stay whole and aligned, so each is quantized exactly as it was;
+positions inside the shorter sequence do not matter to decode (every closed key is visible,
+and sliding-window layers are never sparse: their window already bounds what they read).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+from torch import Tensor
+
+LINEAR_ALPHA = 0.6  # MPCache's alpha (its section 4.3, chosen empirically there)
+
+
+class PageScore(StrEnum):
+    BOUND = "bound"  # the exact upper bound of q.k over the page (q.min + L relu(q).scale)
+    LINEAR = "linear"  # MPCache's linear stand-in, q.(alpha max + (1 - alpha) min)
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """budget_tokens: closed-page tokens each (request, KV head) reads per decode step (a
+    multiple of the page size is what counts; 0 = sparse decode off). recent_tokens: the most
+    recent closed tokens always read (a local window, within the budget). dense_layers: the
+    first layers read every page (their attention is broad: Quest and MPCache keep them dense).
+    share_layers: a selection is reused by the next share_layers - 1 sparse layers (MPCache's
+    layer-wise index sharing; 1 = every layer selects its own). group_pages / group_keep: the
+    two-level selection (0 = one level)."""
+
+    budget_tokens: int = 0
+    recent_tokens: int = 256
+    dense_layers: int = 2
+    share_layers: int = 1
+    score: PageScore = PageScore.BOUND
+    group_pages: int = 0
+    group_keep: float = 2.0  # groups kept = ceil(group_keep * budget pages / group_pages), beside the first and recent ones
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "score", PageScore(self.score))
+        for name in ("budget_tokens", "recent_tokens", "dense_layers", "group_pages"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+        if isinstance(self.share_layers, bool) or not isinstance(self.share_layers, int) or self.share_layers < 1:
+            raise ValueError(f"share_layers must be a positive integer, got {self.share_layers!r}")
+        if not self.group_keep >= 1.0:
+            raise ValueError(f"group_keep must be >= 1 (groups holding at least the budget), got {self.group_keep!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_tokens > 0
+
+    def budget_pages(self, page_size: int) -> int:
+        """Closed pages read per (request, KV head): the budget in whole pages, at least the
+        first page and one more."""
+        return max(2, self.budget_tokens // page_size)
+
+    def recent_pages(self, page_size: int) -> int:
+        return -(-self.recent_tokens // page_size) if self.recent_tokens else 0
+
+    def layer_is_sparse(self, layer: int, window: int | None) -> bool:
+        return self.enabled and layer >= self.dense_layers and window is None
+
+
+def page_scores(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, score: PageScore | str = PageScore.BOUND) -> Tensor:
+    """Scores of pages for a GQA group: q [..., R, D] (the group's R query heads), the pages'
+    per-channel K minimum and scale [..., n, D] (float; scale >= 0) -> [..., n], the max over
+    the R heads of PageScore `score` (the upper bound of q.k over each page by default)."""
+    q, minimum, scale = q.float(), minimum.float(), scale.float()
+    levels = float((1 << bits) - 1)
+    s = q @ minimum.transpose(-1, -2)  # [..., R, n]
+    if PageScore(score) == PageScore.BOUND:
+        s = s + levels * (q.clamp(min=0) @ scale.transpose(-1, -2))
+    else:
+        s = s + (LINEAR_ALPHA * levels) * (q @ scale.transpose(-1, -2))
+    return s.amax(-2)
+
+
+def group_boxes(minimum: Tensor, scale: Tensor, bits: int, group: int) -> tuple[Tensor, Tensor]:
+    """Per-channel boxes of groups of `group` consecutive pages ([..., n, D] -> [..., ceil(n/group), D]),
+    as (minimum, scale) of the same form as a page's, so page_scores bounds a group too: the
+    group's minimum is its pages' smallest, its top (minimum + L * scale) their largest."""
+    levels = float((1 << bits) - 1)
+    n = minimum.shape[-2]
+    pad = -n % group
+    top = minimum + levels * scale
+    if pad:  # repeat the last page: it changes no box
+        minimum = torch.cat([minimum, minimum[..., -1:, :].expand(*minimum.shape[:-2], pad, minimum.shape[-1])], -2)
+        top = torch.cat([top, top[..., -1:, :].expand(*top.shape[:-2], pad, top.shape[-1])], -2)
+    shape = (*minimum.shape[:-2], (n + pad) // group, group, minimum.shape[-1])
+    gmin = minimum.reshape(shape).amin(-2)
+    gtop = top.reshape(shape).amax(-2)
+    return gmin, (gtop - gmin) / levels
+
+
+def select_pages(scores: Tensor, n_closed: Tensor, budget: int, recent_from: Tensor) -> tuple[Tensor, Tensor]:
+    """The closed pages each (request, KV head) reads. scores [B, H, N] (N >= every n_closed;
+    entries at or past a request's n_closed are ignored), n_closed [B], budget: pages per
+    (request, head), recent_from [B]: the first recent position kept whatever its score (like
+    the first page). Returns (index [B, H, W] long, ascending positions, W = max count; count
+    [B]): request b's heads each read count[b] = min(n_closed[b], budget) pages,
+    index[b, h, :count[b]]; the rest of a row is padding (positions past the request's pages)."""
+    b, h, n = scores.shape
+    n_closed = n_closed.to(torch.long).cpu()
+    pos = torch.arange(n)
+    valid = pos[None, :] < n_closed[:, None]  # [B, N]
+    keep = valid & ((pos[None, :] == 0) | (pos[None, :] >= recent_from.to(torch.long).cpu()[:, None]))
+    s = scores.float().cpu().masked_fill(~valid[:, None, :], float("-inf"))
+    s = s.masked_fill(keep[:, None, :], float("inf"))
+    count = torch.clamp(n_closed, max=budget)
+    w = int(count.max()) if b else 0
+    if w == 0:
+        return torch.zeros(b, h, 0, dtype=torch.long), count
+    # kept pages first (+inf), padding last (-inf): a request with fewer pages than w picks
+    # padding positions, which sort after its own, so its count[b] leading entries are its pages
+    idx = torch.topk(s, w, dim=-1).indices
+    return torch.sort(idx, dim=-1).values, count
+
+
+def select(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tensor, cfg: SparseConfig,
+           page_size: int) -> tuple[Tensor, Tensor]:
+    """Selection of SparseConfig `cfg` for a batch: q [B, H, R, D] (the query heads of each KV
+    head's group), the closed pages' K minimum and scale [B, H, N, D], n_closed [B]. One level,
+    or two with cfg.group_pages: groups scored by the bound over their box first, the best
+    (and the first, and the recent pages' ones) kept, then pages chosen among theirs. Returns
+    select_pages' (index, count)."""
+    n_closed = n_closed.to(torch.long).cpu()
+    budget = cfg.budget_pages(page_size)
+    recent_from = n_closed - min(cfg.recent_pages(page_size), budget - 1)  # the first page stays in
+    scores = page_scores(q, minimum, scale, bits, cfg.score)  # [B, H, N]
+    g = cfg.group_pages
+    if g and minimum.shape[-2] > g:
+        gmin, gscale = group_boxes(minimum, scale, bits, g)
+        gscores = page_scores(q, gmin, gscale, bits, cfg.score)  # [B, H, G]
+        # the best groups for the budget, beside the groups the first and the recent pages hold
+        recent_groups = -(-min(cfg.recent_pages(page_size), budget - 1) // g) + 1
+        keep_groups = -(-int(cfg.group_keep * budget) // g) + 1 + recent_groups
+        gidx, gcount = select_pages(gscores, -(-n_closed // g), keep_groups, recent_from.clamp(min=0) // g)
+        kept = torch.zeros(gscores.shape, dtype=torch.bool)
+        kept.scatter_(-1, gidx, torch.arange(gidx.shape[-1])[None, None, :] < gcount[:, None, None])
+        scores = scores.cpu().masked_fill(~kept.repeat_interleave(g, -1)[..., :scores.shape[-1]], float("-inf"))
+    return select_pages(scores, n_closed, budget, recent_from)
+
+
+def gather_sequence(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
+    """The shorter sequence a sparse decode step reads for one KV head: x [L, ...] (a
+    sequence's K or V, positions 0..L-1), pages: the selected closed page positions
+    (ascending). Returns the selected whole pages in order, then the open partition
+    (positions from (L // page_size) * page_size)."""
+    p = page_size
+    nc = x.shape[0] // p
+    parts = [x[int(i) * p:(int(i) + 1) * p] for i in pages.tolist()]
+    return torch.cat([*parts, x[nc * p:]], 0)

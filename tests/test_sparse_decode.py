@@ -1,0 +1,225 @@
+"""Sparse decode (hack_ops.sparse, hack_ops.paged.sparse): pages scored from K's own side tables.
+
+What must hold: the bound is an upper bound of every score a page's quantized keys give
+(random and uneven channels here; a real model's K in tests/test_sparse_real.py); the
+selection keeps what it must (the first page, the recent pages, the budget, one list per KV
+head); a sparse step equals the dense reference run on the shorter sequence of the selected
+pages (hack_ops.sparse.gather_sequence), on the compiled kernel and the PyTorch path; with every
+page selected it is the dense step, bit for bit.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hack_ops import HackConfig, attention
+from hack_ops.paged import decode
+from hack_ops.paged.sparse import SparseDecode, select_for_decode
+from hack_ops.quant import dequantize, quantize
+from hack_ops.sparse import PageScore, SparseConfig, gather_sequence, group_boxes, page_scores, select, select_pages
+from test_paged_attention import FLIP_TOL, ROUNDOFF_TOL, Case, _need_kernel, make_cfg
+
+P = 32
+
+
+def _pages_of(k: torch.Tensor, bits: int, p: int = P):
+    """K [L, D] quantized per channel over pages of p tokens as the store does it: the
+    quantized tensor, the per-page minimum and scale [n, D] and the dequantized keys."""
+    qt = quantize(k, bits, dim=0, group_size=p, meta_dtype=torch.float16)
+    return qt, qt.minimum.float(), qt.scale.float(), dequantize(qt)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_bound_is_above_every_score_of_the_page(bits):
+    g = torch.Generator().manual_seed(1)
+    d, n_pages, rep = 64, 24, 3
+    chan = (1 + torch.arange(d) % 7).float()
+    k = torch.randn(n_pages * P, d, generator=g) * chan + torch.randn(d, generator=g) * 3
+    q = torch.randn(rep, d, generator=g) * 2
+    _, mn, sc, kd = _pages_of(k, bits)
+    bound = page_scores(q, mn, sc, bits)  # [n]
+    true = (q @ kd.T).reshape(rep, n_pages, P).amax(-1).amax(0)  # best score of each page
+    slack = bound - true
+    assert float(slack.min()) >= -1e-3 * float(true.abs().max()), float(slack.min())
+    # and the tightest such bound: a page holding the box's corner that q points to gives it exactly
+    corner = k[:P].clone()
+    lo, hi = corner.amin(0), corner.amax(0)
+    corner[5] = torch.where(q[0] > 0, hi, lo)
+    _, cmn, csc, ckd = _pages_of(corner, bits)
+    exact = float((q[:1] @ ckd.T).max())
+    assert abs(float(page_scores(q[:1], cmn, csc, bits)[0]) - exact) <= 1e-3 * abs(exact)
+    # MPCache's linear stand-in is no bound (it can fall below a page's best score)
+    lin = page_scores(q, mn, sc, bits, PageScore.LINEAR)
+    assert bool((lin <= bound + 1e-4).all())
+
+
+def test_group_box_bounds_its_pages():
+    g = torch.Generator().manual_seed(2)
+    d = 64
+    k = torch.randn(10 * P, d, generator=g) * (1 + torch.arange(d) % 5)
+    q = torch.randn(2, d, generator=g)
+    _, mn, sc, _ = _pages_of(k, 2)
+    gmin, gsc = group_boxes(mn, sc, 2, 4)  # 3 groups, the last of 2 pages
+    assert gmin.shape == (3, d)
+    pages, groups = page_scores(q, mn, sc, 2), page_scores(q, gmin, gsc, 2)
+    for i in range(10):
+        assert float(groups[i // 4]) >= float(pages[i]) - 1e-4
+
+
+def test_selection_keeps_what_it_must():
+    cfg = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P)
+    g = torch.Generator().manual_seed(3)
+    n_closed = torch.tensor([20, 5, 6, 40])
+    scores = torch.randn(4, 2, 40, generator=g)
+    scores[0, 0, 10] = scores[0, 1, 3] = 1e6  # each head its own favourite page
+    idx, count = select_pages(scores, n_closed, cfg.budget_pages(P), n_closed - cfg.recent_pages(P))
+    assert count.tolist() == [6, 5, 6, 6]
+    for b in range(4):
+        nc, c = int(n_closed[b]), int(count[b])
+        for h in range(2):
+            got = idx[b, h, :c].tolist()
+            assert got == sorted(got) and len(set(got)) == c and max(got) < nc
+            assert 0 in got and {nc - 1, nc - 2} <= set(got)  # the first page and the recent ones
+            if nc > c:  # the best-scored of the rest fill the budget
+                rest = [j for j in range(1, nc - 2)]
+                top = sorted(rest, key=lambda j: -float(scores[b, h, j]))[:c - 3]
+                assert set(got) == {0, nc - 2, nc - 1, *top}
+    assert 10 in idx[0, 0, :6].tolist() and 3 in idx[0, 1, :6].tolist()
+
+
+def test_two_level_selection_chooses_within_the_kept_groups():
+    cfg = SparseConfig(budget_tokens=4 * P, recent_tokens=P, group_pages=4, group_keep=1.0)
+    g = torch.Generator().manual_seed(4)
+    d, n = 64, 32
+    k = torch.randn(n * P, d, generator=g)
+    k[13 * P + 5] += 40  # one hot key in page 13 (group 3)
+    q = (k[13 * P + 5] / k[13 * P + 5].norm())[None, None, None, :].repeat(1, 1, 2, 1)
+    _, mn, sc, _ = _pages_of(k, 2)
+    idx, count = select(q, mn[None, None], sc[None, None], 2, torch.tensor([n]), cfg, P)
+    got = idx[0, 0, :int(count[0])].tolist()
+    assert 13 in got and 0 in got and n - 1 in got
+    flat, _ = select(q, mn[None, None], sc[None, None], 2, torch.tensor([n]), SparseConfig(budget_tokens=4 * P,
+                                                                                        recent_tokens=P), P)
+    assert 13 in flat[0, 0].tolist()
+
+
+def _sparse_reference(case: Case, i: int, positions: torch.Tensor, n_closed: int) -> torch.Tensor:
+    """Request i's decode output at its last position, each KV head attending the shorter
+    sequence of its n_closed selected closed pages, then the open partition, by the dense
+    reference."""
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    length = case.done[i]
+    h = case.k[i].shape[1]
+    rep = case.q[i].shape[1] // h
+    outs = []
+    for head in range(h):
+        pages = positions[head, :n_closed]
+        ks = gather_sequence(case.k[i][:length, head:head + 1], pages, P)
+        vs = gather_sequence(case.v[i][:length, head:head + 1], pages, P)
+        q = case.q[i][length - 1:length, head * rep:(head + 1) * rep]
+        outs.append(attention(t(q), t(ks), t(vs), case.cfg, mode="hack")[0].transpose(0, 1)[-1])
+    return torch.cat(outs, 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4), dict(sink_tokens=1, kv_bits=4)],
+                         ids=lambda kw: make_cfg(partition_size=P, **kw).label())
+def test_sparse_decode_is_the_dense_step_over_the_selected_pages(kw, backend):
+    if backend == "cpu":
+        _need_kernel("native")
+    cfg = make_cfg(partition_size=P, **kw)
+    lens = [20 * P + 7, 9 * P, 3 * P + 1, 14 * P + 30]  # open pages, a page just closed, under the budget
+    case = Case(cfg, lens=lens, heads=2, rep=3, seed=5)
+    case.extend([n - 1 for n in lens])
+    sparse = SparseDecode(SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, dense_layers=0))
+    outs = case.decode(backend=backend, sparse=sparse)
+    sel = sparse.last
+    assert sel is not None and sel.n_closed.tolist() == [6, 6, 3, 6]
+    for i in range(len(lens)):
+        ref = _sparse_reference(case, i, sel.positions[i], int(sel.n_closed[i]))
+        err = (outs[i] - ref).abs().amax(-1)
+        assert float(err.max()) <= FLIP_TOL, (i, float(err.max()))
+        case.errs.append(err)
+    case.finish()
+    # heads chose differently somewhere (else per-head tables would not be needed)
+    assert any(not torch.equal(sel.positions[i, 0], sel.positions[i, 1]) for i in (0, 3))
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_every_page_selected_is_the_dense_step(backend):
+    """A budget as large as the context routes through the per-head tables with every page in
+    them: the same bytes read in the same order, so the dense step's output exactly."""
+    if backend == "cpu":
+        _need_kernel("native")
+    from hack_ops.paged.sparse import PageSelection, _as_table
+
+    cfg = make_cfg(partition_size=P, sink_tokens=4)
+    lens = [10 * P + 3, 7 * P]
+    outs = {}
+    for way in ("dense", "all-selected"):
+        case = Case(cfg, lens=lens, seed=8)
+        case.extend([n - 1 for n in lens])
+        if way == "dense":
+            outs[way] = case.decode(backend=backend)
+            continue
+        plan = case.store.plan(case.table, case.rows, lens)
+        nc = plan.seq_lens // P
+        idx = torch.arange(int(nc.max()))[None, None, :].repeat(2, 2, 1)
+        sel: PageSelection = _as_table(plan, idx, nc, nc, P)
+        q = torch.stack([case.q[i][n - 1] for i, n in enumerate(lens)])
+        k = torch.stack([case.k[i][n - 1] for i, n in enumerate(lens)])
+        v = torch.stack([case.v[i][n - 1] for i, n in enumerate(lens)])
+        fixed = _Fixed(sel)
+        o = decode(case.store, 0, plan, q, k, v, backend=backend, sparse=fixed)
+        outs[way] = {i: o[i] for i in range(2)}
+    for i in range(2):
+        assert torch.equal(outs["dense"][i], outs["all-selected"][i]), i
+
+
+class _Fixed(SparseDecode):
+    """A SparseDecode that hands out a prepared selection (to compare paths on the same pages)."""
+
+    def __init__(self, sel):
+        super().__init__(SparseConfig(budget_tokens=P, dense_layers=0))
+        self._sel = sel
+
+    def select(self, store, layer, plan, q):
+        return self._sel
+
+
+def test_layers_share_a_selection_and_counts_are_kept():
+    cfg = make_cfg(partition_size=P, sink_tokens=4)
+    lens = [16 * P + 3]
+    case = Case(cfg, lens=lens, seed=9)
+    case.extend([lens[0] - 1])
+    plan = case.store.plan(case.table, case.rows, lens)
+    sparse = SparseDecode(SparseConfig(budget_tokens=4 * P, recent_tokens=P, share_layers=2, dense_layers=0))
+    q = case.q[0][-1:]
+    case.store.write(0, plan, case.k[0][-1:], case.v[0][-1:])
+    first = sparse.select(case.store, 0, plan, q)
+    second = sparse.select(case.store, 1, plan, q * -1)  # other queries: still the shared selection
+    third = sparse.select(case.store, 0, plan, q * -1)  # the next group of layers selects anew
+    assert second is first and third is not first and sparse.selections == 2
+    assert sparse.pages_resident == 3 * 16 and sparse.pages_read == 3 * 4
+
+
+def test_refusals():
+    cfg = make_cfg(partition_size=P)
+    case = Case(cfg, lens=[5 * P], seed=1)
+    case.extend([5 * P - 1])
+    plan = case.store.plan(case.table, case.rows, [5 * P])
+    q, k, v = case.q[0][-1:], case.k[0][-1:], case.v[0][-1:]
+    sp = SparseConfig(budget_tokens=2 * P, dense_layers=0)
+    with pytest.raises(ValueError, match="sliding window"):
+        decode(case.store, 0, plan, q, k, v, window=40, sparse=sp)
+    with pytest.raises(ValueError, match="'hack' mode"):
+        decode(case.store, 0, plan, q, k, v, mode="dequant", sparse=sp)
+    with pytest.raises(ValueError, match="non-negative"):
+        SparseConfig(budget_tokens=-1)
+    with pytest.raises(ValueError, match="share_layers"):
+        SparseConfig(budget_tokens=64, share_layers=0)
+    token = Case(make_cfg(partition_size=P, orientation="token_k"), lens=[5 * P], seed=1)
+    token.extend([5 * P - 1])
+    with pytest.raises(ValueError, match="channel_k"):
+        select_for_decode(token.store, 0, token.store.plan(token.table, token.rows, [5 * P]), q, sp)
+    assert ROUNDOFF_TOL < FLIP_TOL
