@@ -8,6 +8,10 @@ through its own link, so a prefill reaches decode servers bound to another link'
 over its own shaped veth.
 Needs root (CAP_NET_ADMIN). Only addresses inside 10.211.0.0/16 on links this module creates
 are used. `netem` is not assumed to exist (delay/loss emulation is not offered).
+Name lookups inside the namespace fail at once instead of waiting on a DNS server the link
+cannot reach (`/etc/netns/<namespace>/resolv.conf`, which `ip netns exec` mounts over
+/etc/resolv.conf): torch's process-group store looks up its peer's name, and that lookup timed
+out after 10 s in every prefill server's startup.
 """
 from __future__ import annotations
 
@@ -15,13 +19,20 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Iterator
 
 NS_PREFIX = "hackpd-"
 VETH_PREFIX = "hkv"
 SUBNET = "10.211"
+NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` bind-mounts the files of NETNS_ETC/NS over /etc
+# No DNS server is reachable through the link; a resolver on the namespace's own loopback, where
+# nothing listens, answers "refused" at once (/etc/hosts still applies).
+RESOLV_CONF = "# written by disagg.netns: name lookups inside a shaped link's namespace fail at once\n" \
+              "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
 
 
 class LinkError(RuntimeError):
@@ -137,6 +148,8 @@ def _create_locked(tag: str, mbps: float) -> ShapedLink:
     link = ShapedLink(tag=tag, subnet_index=index, mbps=float(mbps))
     try:
         _run("ip", "netns", "add", link.namespace)
+        (NETNS_ETC / link.namespace).mkdir(parents=True, exist_ok=True)
+        (NETNS_ETC / link.namespace / "resolv.conf").write_text(RESOLV_CONF)
         _run("ip", "link", "add", link.veth_root, "type", "veth", "peer", "name", link.veth_ns)
         _run("ip", "link", "set", link.veth_ns, "netns", link.namespace)
         _run("ip", "addr", "add", f"{link.root_ip}/24", "dev", link.veth_root)
@@ -166,6 +179,8 @@ def remove(namespace: str | None, veth_root: str | None) -> list[str]:
     if namespace and namespace in list_namespaces():
         _run("ip", "netns", "del", namespace, check=False)
         removed.append(namespace)
+    if namespace and namespace.startswith(NS_PREFIX):
+        shutil.rmtree(NETNS_ETC / namespace, ignore_errors=True)
     return removed
 
 

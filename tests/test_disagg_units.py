@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -139,10 +140,17 @@ def test_shaped_link_is_created_and_removed():
             assert conn.recv(1) == b"x"
             conn.close()
         assert netns.veth_bytes(link)["rx"] > 0
+        # A reverse lookup of the namespace's own address (what torch's process-group store does
+        # at every server start) fails at once instead of timing out on an unreachable DNS server.
+        t0 = time.monotonic()
+        out = subprocess.run(["ip", "netns", "exec", link.namespace, "getent", "hosts", link.ns_ip],
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and time.monotonic() - t0 < 3.0, (out, time.monotonic() - t0)
     finally:
         netns.remove(link.namespace, link.veth_root)
     assert link.namespace not in netns.list_namespaces()
     assert link.veth_root not in netns.list_veths()
+    assert not (netns.NETNS_ETC / link.namespace).exists()
 
 
 def test_stale_cluster_state_is_cleaned(tmp_path, monkeypatch):
