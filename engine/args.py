@@ -11,8 +11,9 @@ from typing import Any
 
 from hack_ops import HackConfig
 from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS, RaisedTensors
-from hack_ops.modes import SERVING_MODES, PrefillMode
+from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode
 from hack_ops.rotation import Rotation
+from hack_ops.sparse import PageScore, SparseConfig
 
 from .layer_sets import LayerSet, LayerSpec, parse_layer_set
 from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
@@ -145,6 +146,31 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         choices=[m.value for m in SERVING_MODES],
         help="hack: homomorphic attention on codes (default); dequant: the strawman baseline "
              "that dequantizes the same pages before attention.")),
+    "hack_sparse_budget": ("--hack-sparse-budget", dict(
+        type=_non_negative_int, metavar="TOKENS",
+        help="Sparse decode: each decode step reads, per request and KV head, at most this many tokens of "
+             "closed pages, chosen by the upper bound of q.k that K's per-page min and scale give (plus the "
+             "first page, the recent pages and the FP16 open page). 0 (default): every page. Layers with a "
+             "sliding window and the first --hack-sparse-dense-layers always read every page. CPU path, "
+             "--hack-attention hack and --hack-orientation channel_k only; refused otherwise at startup.")),
+    "hack_sparse_recent": ("--hack-sparse-recent", dict(
+        type=_non_negative_int, metavar="TOKENS",
+        help="Sparse decode: the most recent closed tokens always read, within the budget (default 256).")),
+    "hack_sparse_dense_layers": ("--hack-sparse-dense-layers", dict(
+        type=_non_negative_int, metavar="N",
+        help="Sparse decode: the first N layers read every page (default 2; their attention is broad).")),
+    "hack_sparse_share_layers": ("--hack-sparse-share-layers", dict(
+        type=_positive_int, metavar="K",
+        help="Sparse decode: a layer's selection is reused by the next K-1 sparse layers (MPCache's "
+             "layer-wise index sharing; default 1: every layer selects its own).")),
+    "hack_sparse_score": ("--hack-sparse-score", dict(
+        choices=[s.value for s in PageScore],
+        help="Sparse decode: how a page is scored: bound (default; the exact upper bound of q.k over the "
+             "page) or linear (MPCache's stand-in, q.(0.6 max + 0.4 min)).")),
+    "hack_sparse_groups": ("--hack-sparse-groups", dict(
+        type=_non_negative_int, metavar="PAGES",
+        help="Sparse decode: score groups of this many pages first and choose pages within the best groups "
+             "(MPCache's two levels; default 0: one level).")),
     "hack_kv_budget_mb": ("--hack-kv-budget-mb", dict(
         type=_positive_float, metavar="MB",
         help="Size the KV pool from this fixed budget instead of free memory (any "
@@ -167,6 +193,16 @@ _CONFIG_FIELDS = {
     "hack_four_bit_layers": "four_bit_layers",
 }
 
+# SparseConfig fields set from options.
+_SPARSE_FIELDS = {
+    "hack_sparse_budget": "budget_tokens",
+    "hack_sparse_recent": "recent_tokens",
+    "hack_sparse_dense_layers": "dense_layers",
+    "hack_sparse_share_layers": "share_layers",
+    "hack_sparse_score": "score",
+    "hack_sparse_groups": "group_pages",
+}
+
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
 _REFERENCE_ONLY_FLAGS = {
     "k_outlier_channels": "--hack-k-outlier-channels",
@@ -184,6 +220,27 @@ def reference_only_refusal(cfg: HackConfig) -> str | None:
     return (f"{flags}: implemented in the reference attention only (hack_ops.attention, measured by "
             "`hack eval accuracy`); the compiled CPU store and kernels, the Triton kernels and the paged "
             "PyTorch path do not implement it yet. Drop the option to serve")
+
+
+def sparse_refusal(settings: EngineSettings) -> str | None:
+    """Why the sparse decode options cannot run with the rest of the settings, or None."""
+    sp, cfg = settings.sparse, settings.config
+    given = [f for d, f in _SPARSE_FIELDS.items() if getattr(sp, f) != getattr(SparseConfig(), f)]
+    if not sp.enabled:
+        if given:
+            return ("the --hack-sparse-* options shape sparse decode, which is off: set --hack-sparse-budget "
+                    "TOKENS (> 0) to turn it on")
+        return None
+    if settings.attention != AttentionMode.HACK:
+        return (f"--hack-sparse-budget reads the selected pages' codes homomorphically; --hack-attention "
+                f"{settings.attention.value} (the strawman baseline) does not take it")
+    if cfg.orientation != "channel_k":
+        return (f"--hack-sparse-budget scores pages from K's per-channel min and scale; --hack-orientation "
+                f"{cfg.orientation} quantizes K per token. Use channel_k (the default)")
+    if sp.budget_tokens < 2 * cfg.partition_size:
+        return (f"--hack-sparse-budget {sp.budget_tokens} is under two pages of {cfg.partition_size} tokens: the "
+                "first page and one more are always read")
+    return None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -228,6 +285,11 @@ def settings_from_options(ns: Any, enabled: bool) -> EngineSettings:
                       ("hack_kv_budget_mb", "kv_budget_mb")):
         if getattr(ns, dest, None) is not None:
             extra[key] = getattr(ns, dest)
+    sparse = {f: getattr(ns, d) for d, f in _SPARSE_FIELDS.items() if getattr(ns, d, None) is not None}
+    try:
+        extra["sparse"] = SparseConfig(**sparse)
+    except ValueError as exc:
+        raise HackArgumentError(f"invalid sparse decode option: {exc}") from None
     return EngineSettings(enabled=enabled, config=cfg, **extra)
 
 
@@ -256,6 +318,9 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
         raise HackArgumentError(f"--hack-4bit-tensors {cfg.raised_tensors.value} says which tensors of the raised "
                                 "layers take their bits; name those layers with --hack-4bit-layers or "
                                 "--hack-edge-layer-bits")
+    refusal = sparse_refusal(settings)
+    if refusal:
+        raise HackArgumentError(refusal)
     out: dict[str, Any] = {}
     page = getattr(ns, "page_size", None)
     if page is None:

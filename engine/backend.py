@@ -19,6 +19,12 @@ attention, and the output is rotated back here, once, after (hack_ops.rotation);
 below (CPU kernels, Triton, torch, the strawman, exact prefill, the PD transfer of pages and
 tails) then works on rotated values unchanged.
 
+Sparse decode (`--hack-sparse-budget`, hack_ops.sparse): a decode step reads, per request and
+KV head, the closed pages selected from K's side tables (the first page, the recent ones and the
+best-bounded rest up to the budget) through per-head page tables; one SparseDecode per decode
+forward carries a selection across the layers that share it. Prefill reads every page; layers
+with a sliding window and the first `dense_layers` always do.
+
 Layer features: each layer's sliding window (`sliding_window_size`), scaling and logit
 soft-cap go to the attention call. What no HACK path serves (cross-attention, encoder-only or
 non-causal layers, MLA) is refused at startup (engine.model_checks), never at a request.
@@ -36,6 +42,7 @@ from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
 from hack_ops.paged import extend_strawman
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
+from hack_ops.paged.sparse import SparseDecode, SparseTotals
 from hack_ops.rotation import Rotation, restore_output, rotate_qkv
 
 from . import fused_phases
@@ -87,6 +94,15 @@ class HackAttnBackend(AttentionBackend):
         if settings.config.rounding == "stochastic":
             # Seeded once per server so a run is reproducible for a fixed request order.
             self.generator = torch.Generator(device="cpu").manual_seed(0)
+        # Sparse decode (--hack-sparse-budget): one SparseDecode per decode forward carries the
+        # selection across its layers; the totals are what /server_info reports.
+        self.sparse = settings.sparse
+        self.sparse_totals = SparseTotals()
+        self.sparse_step: Optional[SparseDecode] = None
+        pool.sparse_totals = self.sparse_totals if self.sparse.enabled else None
+        if self.sparse.enabled and self.device.type == "cuda":
+            raise NotImplementedError("--hack-sparse-budget runs on the CPU path: the GPU decode kernels do not "
+                                      "take per-head page tables yet. Drop the option to serve on this GPU")
         self.gpu = None
         if self.device.type == "cuda":
             from .gpu_attention import GpuAttention
@@ -109,6 +125,13 @@ class HackAttnBackend(AttentionBackend):
         else:
             path = describe_extend_path(self.store, self.mode, self.generator, self.prefill)
         logger.info("HACK prefill attention path: %s [%s]", path, why_prefill)
+        if self.sparse.enabled:
+            sp = self.sparse
+            logger.info("HACK sparse decode: %d tokens of closed pages per request and KV head (recent %d), "
+                        "scored by %s%s; layers 0..%d and sliding-window layers read every page; a selection "
+                        "serves %d layer(s)", sp.budget_tokens, sp.recent_tokens, sp.score.value,
+                        f", two levels over groups of {sp.group_pages} pages" if sp.group_pages else "",
+                        sp.dense_layers - 1, sp.share_layers)
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -128,6 +151,8 @@ class HackAttnBackend(AttentionBackend):
                         if forward_batch.extend_seq_lens_cpu is not None
                         else _host_list(forward_batch.extend_seq_lens))
         req_to_token = self.req_to_token_pool.req_to_token
+        self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals)
+                            if self.sparse.enabled and mode.is_decode() else None)
         if self.gpu is not None:
             self.forward_metadata = self.gpu.plan(req_to_token, rows, seq_lens, ext_lens)
         else:
@@ -187,8 +212,11 @@ class HackAttnBackend(AttentionBackend):
             o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, layer.scaling,
                                 window=window, logit_cap=cap)
         else:  # the store step (HackKVStore.write) runs inside decode
+            sparse = self.sparse_step if self.sparse_step is not None and self.sparse.layer_is_sparse(lid, window) \
+                else None
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
-                             scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap)
+                             scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap,
+                             sparse=sparse)
         return restore_output(o.reshape(q3.shape), self.rotation).reshape(q3.shape[0], -1)
 
     def support_triton(self) -> bool:

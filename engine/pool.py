@@ -140,6 +140,8 @@ class HackKVPool(MHATokenToKVPool):
             "sink_slots_in_use": self.store.num_sink_slots - self.store.free_sink_slot_count,
             "bytes": nb,
             "capacity": self.capacity_info if hasattr(self, "capacity_info") else None,
+            # sparse decode (set by the attention backend when --hack-sparse-budget is on)
+            "sparse": totals.as_dict() if (totals := getattr(self, "sparse_totals", None)) is not None else None,
         }
 
     # ---- refused token-row paths -------------------------------------------------------------

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 from hack_ops import HackConfig
 from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
+from hack_ops.sparse import SparseConfig
 
 ENV_VAR = "SGLANG_HACK_ENGINE"
 KV_CACHE_DTYPE = "hack"
@@ -32,17 +33,22 @@ class EngineSettings:
     kv_budget_mb: fixed KV pool byte budget instead of profiling free memory (any KV dtype;
     used to compare capacities under the same budget).
     enabled: the server's KV cache is HACK (`--kv-cache-dtype hack`); False when only the
-    budget was given for another KV dtype."""
+    budget was given for another KV dtype.
+    sparse: sparse decode (`--hack-sparse-*`, hack_ops.sparse.SparseConfig; off by default):
+    each decode step reads the pages selected from the side tables, up to a token budget."""
 
     enabled: bool = True
     config: HackConfig = field(default_factory=HackConfig)
     prefill: PrefillMode = PrefillMode.AUTO
     attention: AttentionMode = AttentionMode.HACK
     kv_budget_mb: float | None = None
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, HackConfig):
             raise ValueError(f"config must be a HackConfig, got {type(self.config).__name__}")
+        if not isinstance(self.sparse, SparseConfig):
+            raise ValueError(f"sparse must be a SparseConfig, got {type(self.sparse).__name__}")
         object.__setattr__(self, "prefill", prefill_mode(self.prefill))  # frozen: set once, here
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
@@ -56,7 +62,7 @@ class EngineSettings:
         return self.config.partition_size
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "config": asdict(self.config)}, sort_keys=True)
+        return json.dumps({**asdict(self), "config": asdict(self.config), "sparse": asdict(self.sparse)}, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "EngineSettings":
@@ -68,7 +74,8 @@ class EngineSettings:
         if unknown:
             raise ValueError(f"{ENV_VAR} has unknown keys {sorted(unknown)}")
         cfg = HackConfig(**raw.pop("config", {}))
-        return cls(config=cfg, **raw)
+        sparse = SparseConfig(**raw.pop("sparse", {}))
+        return cls(config=cfg, sparse=sparse, **raw)
 
 
 def publish(settings: EngineSettings) -> None:

@@ -10,6 +10,7 @@ import importlib
 BENCH_MODULES: list[str] = [
     "hack_cli.bench_disagg",
     "hack_cli.bench_attention",
+    "hack_cli.bench_sparse",
     "hack_cli.bench_serve",
     "hack_cli.bench_codec",
     "hack_cli.bench_rotation",
@@ -20,7 +21,7 @@ BENCH_MODULES: list[str] = [
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run benchmarks (attention, serve, disagg, codec, rotation, hack-wire, plot, soak, all)")
+    p = sub.add_parser("bench", help="run benchmarks (attention, sparse, serve, disagg, codec, rotation, hack-wire, plot, soak, all)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
     mods = [importlib.import_module(m) for m in BENCH_MODULES]

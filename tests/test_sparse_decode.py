@@ -223,3 +223,36 @@ def test_refusals():
     with pytest.raises(ValueError, match="channel_k"):
         select_for_decode(token.store, 0, token.store.plan(token.table, token.rows, [5 * P]), q, sp)
     assert ROUNDOFF_TOL < FLIP_TOL
+
+
+@pytest.mark.parametrize("score", ["bound", "linear"])
+@pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4)],
+                         ids=lambda kw: make_cfg(partition_size=P, **kw).label())
+def test_compiled_selection_equals_the_reference(kw, score):
+    """hack_select.c: the page scores equal hack_ops.sparse.page_scores on the gathered side
+    tables (float32 round-off), and the whole selection (scores, top-k, the per-head table)
+    equals the PyTorch path's, page for page."""
+    _need_kernel("native")
+    from hack_ops.paged.sparse import _as_table, closed_page_meta, kernel_scores, kernel_select
+
+    cfg = make_cfg(partition_size=P, **kw)
+    lens = [20 * P + 7, 9 * P, 3 * P + 1, 14 * P + 30]
+    case = Case(cfg, lens=lens, heads=2, rep=3, seed=11)
+    case.extend([n - 1 for n in lens])
+    plan = case.store.plan(case.table, case.rows, lens)
+    q = torch.stack([case.q[i][n - 1] for i, n in enumerate(lens)])
+    case.store.write(0, plan, torch.stack([case.k[i][n - 1] for i, n in enumerate(lens)]),
+                     torch.stack([case.v[i][n - 1] for i, n in enumerate(lens)]))
+    mn, sc, n_closed = closed_page_meta(case.store, 0, plan)
+    bits = case.store.layout_for(0).k.bits
+    want = page_scores(q.reshape(4, 2, 3, -1), mn, sc, bits, score)
+    got = kernel_scores(case.store, 0, plan, q, score)
+    for b, nc in enumerate(n_closed.tolist()):
+        assert torch.allclose(got[b, :, :nc], want[b, :, :nc], rtol=1e-5, atol=1e-4)
+        assert bool(torch.isinf(got[b, :, nc:]).all())
+    sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, score=score)
+    compiled = kernel_select(case.store, 0, plan, q, sparse)
+    idx, count = select(q.reshape(4, 2, 3, -1), mn, sc, bits, n_closed, sparse, P)
+    torch_path = _as_table(plan, idx, count, n_closed, P)
+    for name in ("positions", "table", "n_closed", "seq_lens", "resident"):
+        assert torch.equal(getattr(compiled, name), getattr(torch_path, name)), name

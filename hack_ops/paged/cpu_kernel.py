@@ -1,5 +1,6 @@
 """The compiled CPU kernels (csrc/: hack_decode.c, hack_pages.c; hack_extend.c, bound in
-cpu_extend.py; hack_store.c, bound in cpu_store.py): build, load, call the attention kernel.
+cpu_extend.py; hack_store.c, bound in cpu_store.py; hack_select.c, bound in sparse.py): build,
+load, call the attention kernel.
 
 Plain C (no torch headers, so it builds in about a second) compiled with the machine's
 gcc: `-O3 -march=native` (AVX-512 VNNI where the CPU has it) into a cache directory keyed by
@@ -30,7 +31,8 @@ from ..config import OpenMode
 from ..modes import AttentionMode, PrefillMode
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c", CSRC / "hack_store.c"]
+SOURCES = [CSRC / "hack_decode.c", CSRC / "hack_pages.c", CSRC / "hack_extend.c", CSRC / "hack_store.c",
+           CSRC / "hack_select.c"]
 HEADERS = [CSRC / "hack_kernel.h"]
 VARIANTS = {
     "native": ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],

@@ -10,13 +10,27 @@ head's own pages (pages.request_pages).
 """
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..sparse import SparseConfig, select
+from ..sparse import LINEAR_ALPHA, PageScore, SparseConfig, select
 from .plan import ForwardPlan
+
+_I64, _P = ctypes.c_int64, ctypes.c_void_p
+# (page, KV head) scores per thread: below this a parallel region costs more than it saves
+# (waking a second thread measured ~10 ms on a loaded 2-core host; one 32K-token request's
+# 1,536 scores take 0.7 ms on one core)
+PAIRS_PER_THREAD = 16384
+
+
+class _SelArgs(ctypes.Structure):  # hack_select_args of csrc/hack_select.c, field for field
+    _fields_ = [(n, _I64) for n in (
+        "batch", "heads", "rep", "head_dim", "max_pages", "width", "k_page_bytes", "k_min_off", "k_scale_off",
+        "meta_fp32", "score", "nthreads")] + [("levels", ctypes.c_double), ("alpha", ctypes.c_double)] + [
+        (n, _P) for n in ("n_closed", "page_table", "k_pages", "q", "out")]
 
 
 @dataclass
@@ -61,22 +75,122 @@ def closed_page_meta(store, layer: int, plan: ForwardPlan) -> tuple[Tensor, Tens
     return mn, sc, n_closed
 
 
+class _ChooseArgs(ctypes.Structure):  # hack_choose_args of csrc/hack_select.c
+    _fields_ = [("s", _SelArgs), ("budget", _I64), ("out_width", _I64)] + [
+        (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")]
+
+
+def _library():
+    """The compiled library when it has the selection kernels (None: use the PyTorch path)."""
+    from . import cpu_kernel  # late import: the compiled kernels are optional
+
+    lib = cpu_kernel.load("native")
+    if lib is None or not hasattr(lib, "hack_select_pages"):
+        return None
+    lib.hack_page_scores.argtypes = [ctypes.POINTER(_SelArgs)]
+    lib.hack_page_scores.restype = ctypes.c_int
+    lib.hack_select_pages.argtypes = [ctypes.POINTER(_ChooseArgs)]
+    lib.hack_select_pages.restype = ctypes.c_int
+    return lib
+
+
+def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str, keep: list) -> _SelArgs:
+    """The scoring kernel's arguments; `keep` holds the tensors their pointers point into."""
+    lay = store.layout_for(layer)
+    p = store.page_size
+    b, hq, d = q.shape
+    h = store.num_heads
+    n_closed = (plan.seq_lens // p).to(torch.int64).contiguous()
+    width = max(1, int(n_closed.max()))
+    table = plan.page_table.to(torch.int64).contiguous()
+    qf = q.float().contiguous()
+    out = torch.empty(b, h, width, dtype=torch.float32)
+    buf = store.k_pages[layer]
+    if not buf.is_contiguous():
+        raise RuntimeError("the K pages must be contiguous")
+    keep += [n_closed, table, qf, out, buf]
+    threads = max(1, min(torch.get_num_threads(), b * h * width // PAIRS_PER_THREAD))
+    return _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=table.shape[1], width=width,
+                    k_page_bytes=lay.k.page_bytes, k_min_off=lay.k.minimum.offset, k_scale_off=lay.k.scale.offset,
+                    meta_fp32=int(lay.k.minimum.dtype == torch.float32),
+                    score=int(PageScore(score) != PageScore.BOUND), nthreads=threads,
+                    levels=float((1 << lay.k.bits) - 1), alpha=LINEAR_ALPHA, n_closed=n_closed.data_ptr(),
+                    page_table=table.data_ptr(), k_pages=buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
+
+
+def _usable(store, layer: int) -> bool:
+    return store.device.type == "cpu" and store.layout_for(layer).k.per_channel and _library() is not None
+
+
+def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str = PageScore.BOUND
+                  ) -> Tensor | None:
+    """hack_ops.sparse.page_scores of every request's closed pages, by the compiled kernel
+    reading K's minimum and scale inside the pages: float [B, H, N] (-inf past a request's
+    closed pages), or None where the kernel is not available."""
+    if not _usable(store, layer):
+        return None
+    keep: list = []
+    a = _score_args(store, layer, plan, q, score, keep)
+    if _library().hack_page_scores(ctypes.byref(a)) != 0:
+        raise RuntimeError(f"the page-score kernel rejected the geometry (head_dim {q.shape[2]}, "
+                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    return keep[3]
+
+
+def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
+    """The one-level selection of select_for_decode in one compiled call (scores, top-k, the
+    per-head page table), or None where the kernel is not available."""
+    if not _usable(store, layer):
+        return None
+    p = store.page_size
+    keep: list = []
+    s = _score_args(store, layer, plan, q, cfg.score, keep)
+    n_closed = keep[0]
+    budget = cfg.budget_pages(p)
+    recent_from = (n_closed - min(cfg.recent_pages(p), budget - 1)).contiguous()
+    num_pages = plan.num_pages.to(torch.int64).contiguous()
+    b, h = s.batch, s.heads
+    width = min(int(n_closed.max()), budget) + 1
+    positions = torch.empty(b, h, width, dtype=torch.int64)
+    table = torch.empty(b, h, width, dtype=torch.int64)
+    count = torch.empty(b, dtype=torch.int64)
+    a = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
+                    num_pages=num_pages.data_ptr(), positions=positions.data_ptr(), table=table.data_ptr(),
+                    count=count.data_ptr())
+    rc = _library().hack_select_pages(ctypes.byref(a))
+    if rc == -2:
+        raise MemoryError("the page-selection kernel could not allocate its heap")
+    if rc != 0:
+        raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
+                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    seq = count * p + (plan.seq_lens.to(torch.long) - n_closed * p)
+    return PageSelection(page_size=p, positions=positions, table=table, n_closed=count, seq_lens=seq,
+                         resident=n_closed)
+
+
 def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
     """The pages a decode step of `plan` reads at `layer` under `cfg`, for queries q [B, Hq, D]
     (scaled or not: the ranking is the same). None when no request has more closed pages than
-    the budget (every page is read: dense decode)."""
+    the budget (every page is read: dense decode). One level: the compiled page scores where
+    available; two levels (cfg.group_pages) and the portable path gather the side tables."""
     if not plan.is_decode:
         raise ValueError("sparse selection is for decode steps (one new token per request)")
     p = store.page_size
     h = store.num_heads
+    if not store.layout_for(layer).k.per_channel:
+        raise ValueError("sparse decode scores pages from K's per-channel side tables: orientation 'channel_k' only")
     n_closed = (plan.seq_lens // p).to(torch.long)
-    if int(n_closed.max()) <= cfg.budget_pages(p):
+    budget = cfg.budget_pages(p)
+    if int(n_closed.max()) <= budget:
         return None
+    if not cfg.group_pages:
+        sel = kernel_select(store, layer, plan, q, cfg)
+        if sel is not None:
+            return sel
     mn, sc, n_closed = closed_page_meta(store, layer, plan)
     b, hq, d = q.shape
     qg = q.float().reshape(b, h, hq // h, d).to(mn.device)
-    bits = store.layout_for(layer).k.bits
-    index, count = select(qg, mn, sc, bits, n_closed, cfg, p)
+    index, count = select(qg, mn, sc, store.layout_for(layer).k.bits, n_closed, cfg, p)
     return _as_table(plan, index, count, n_closed, p)
 
 
@@ -99,14 +213,33 @@ def _as_table(plan: ForwardPlan, index: Tensor, count: Tensor, n_closed: Tensor,
                          resident=n_closed)
 
 
+@dataclass
+class SparseTotals:
+    """What sparse decode read over a server's life (summed over sparse layers and requests, per
+    KV head): closed pages read against the closed pages resident, and the selections computed
+    (the rest were shared between layers). A server's /server_info reports them."""
+
+    pages_read: int = 0
+    pages_resident: int = 0
+    selections: int = 0
+    steps: int = 0  # decode forwards with at least one sparse layer
+
+    def as_dict(self) -> dict:
+        frac = self.pages_read / self.pages_resident if self.pages_resident else None
+        return {"pages_read": self.pages_read, "pages_resident": self.pages_resident, "selections": self.selections,
+                "steps": self.steps, "read_fraction": None if frac is None else round(frac, 4)}
+
+
 class SparseDecode:
     """The selection of one forward pass across its layers: each sparse layer selects from its
     own queries, or reuses the selection of the layer before it (SparseConfig.share_layers,
     MPCache's layer-wise index sharing: page ids name the same tokens in every layer). Counts
-    what was read for the metrics (pages selected and resident, summed over layers and heads)."""
+    what was read (pages selected and resident, summed over layers and heads), into `totals`
+    as well when given."""
 
-    def __init__(self, cfg: SparseConfig) -> None:
+    def __init__(self, cfg: SparseConfig, totals: SparseTotals | None = None) -> None:
         self.cfg = cfg
+        self.totals = totals
         self._plan: ForwardPlan | None = None
         self._last: PageSelection | None = None
         self._reuse_left = 0
@@ -121,6 +254,9 @@ class SparseDecode:
 
     def select(self, store, layer: int, plan: ForwardPlan, q: Tensor) -> PageSelection | None:
         """The pages this layer's decode reads (None: all), after the layer's store step."""
+        t = self.totals
+        if t is not None and self._plan is None:
+            t.steps += 1  # one SparseDecode per forward pass: its first sparse layer
         if plan is self._plan and self._reuse_left > 0:
             self._reuse_left -= 1
             sel = self._last
@@ -128,7 +264,13 @@ class SparseDecode:
             sel = select_for_decode(store, layer, plan, q, self.cfg)
             self._plan, self._last, self._reuse_left = plan, sel, self.cfg.share_layers - 1
             self.selections += 1
+            if t is not None:
+                t.selections += 1
         resident = int((plan.seq_lens // store.page_size).sum())
+        read = resident if sel is None else int(sel.n_closed.sum())
         self.pages_resident += resident
-        self.pages_read += resident if sel is None else int(sel.n_closed.sum())
+        self.pages_read += read
+        if t is not None:
+            t.pages_resident += resident
+            t.pages_read += read
         return sel

@@ -1,0 +1,153 @@
+"""`hack bench sparse`: sparse decode against dense HACK decode on this CPU, one layer.
+
+Per cell (shape x batch x context), measured side by side in one run on the same store:
+  dense        HACK decode over every page (the compiled kernel)
+  sparse-B     HACK decode over the pages hack_ops.sparse selects with a budget of B tokens per
+               (request, KV head), the selection included (--hack-sparse-budget B)
+  select-B     the selection alone (page scores from the side tables, top-k, page table)
+  bf16         torch SDPA over a contiguous BF16 cache of the same context (for scale)
+Reported: medians, sparse speedup over dense, and the selection's share of the sparse step.
+The store step that writes the new token is not timed (for no method). Writes
+docs/bench/sparse.json (or --out) with the host: the CPU model and whether it has AMX.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .bench_attention_options import SHAPES
+
+DEFAULT_OUT = Path("docs/bench/sparse.json")
+
+
+def register(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("sparse", help="sparse decode (--hack-sparse-budget) vs dense HACK decode, one layer")
+    p.add_argument("--shapes", default="smollm2,llama3-8b", help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--batches", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    p.add_argument("--contexts", default="8192,32768", help="comma-separated context lengths (default 8192,32768)")
+    p.add_argument("--budgets", default="1024,2048", help="comma-separated token budgets (default 1024,2048)")
+    p.add_argument("--score", choices=("bound", "linear"), default="bound", help="page score (default bound)")
+    p.add_argument("--groups", type=int, default=0, help="two-level selection over groups of this many pages")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats per cell (default 7)")
+    p.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON result (default {DEFAULT_OUT}; '' for none)")
+    p.set_defaults(func=run)
+
+
+def run_default(args: argparse.Namespace) -> int:
+    return run(argparse.Namespace(shapes="smollm2,llama3-8b", batches="1,4", contexts="8192,32768",
+                                  budgets="1024,2048", score="bound", groups=0, repeats=7, threads=None,
+                                  out=str(DEFAULT_OUT)))
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+def host() -> dict:
+    """The CPU these numbers come from (model name, cores, AMX or not)."""
+    from hack_ops.paged.cpu_extend import cpu_has_amx_int8
+
+    name = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": name, "cores": os.cpu_count(), "amx": cpu_has_amx_int8(), "threads": torch.get_num_threads()}
+
+
+def _medians(fns: dict, repeats: int) -> dict[str, float]:
+    for fn in fns.values():
+        fn()  # warm-up
+    times: dict[str, list[float]] = {m: [] for m in fns}
+    for _ in range(repeats):  # methods take turns: a load change on a shared host hits them alike
+        for m, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[m].append((time.perf_counter() - t0) * 1e3)
+    return {m: round(statistics.median(t), 4) for m, t in times.items()}
+
+
+def measure(shape: str, batch: int, context: int, budgets: list[int], score: str, groups: int,
+            repeats: int) -> dict:
+    """One cell: medians (ms) per method, speedups over dense and selection shares."""
+    import torch.nn.functional as F
+
+    from hack_ops.paged import decode
+    from hack_ops.paged.benchcases import DecodeCase
+    from hack_ops.paged.sparse import SparseDecode, select_for_decode
+    from hack_ops.sparse import SparseConfig
+
+    hq, h, d = SHAPES[shape]
+    case = DecodeCase(hq, h, d, batch, context)
+    q4 = case.q.reshape(batch, hq, 1, d)
+    fns = {"dense": lambda: decode(case.store, 0, case.plan, case.q),
+           "bf16": lambda: F.scaled_dot_product_attention(q4, case.k16, case.v16, enable_gqa=hq != h)}
+    read = {}
+    for b in budgets:
+        cfg = SparseConfig(budget_tokens=b, dense_layers=0, score=score, group_pages=groups)
+        fns[f"sparse-{b}"] = lambda cfg=cfg: decode(case.store, 0, case.plan, case.q, sparse=SparseDecode(cfg))
+        fns[f"select-{b}"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg)
+        probe = SparseDecode(cfg)
+        decode(case.store, 0, case.plan, case.q, sparse=probe)
+        read[b] = round(probe.pages_read / max(1, probe.pages_resident), 4)
+    ms = _medians(fns, repeats)
+    case.release()
+    return {"shape": shape, "batch": batch, "context": context, "ms": ms,
+            "speedup": {b: round(ms["dense"] / ms[f"sparse-{b}"], 2) for b in budgets},
+            "selection_share": {b: round(ms[f"select-{b}"] / ms[f"sparse-{b}"], 3) for b in budgets},
+            "pages_read_fraction": read}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    unknown = [s for s in shapes if s not in SHAPES]
+    if unknown:
+        raise ValueError(f"--shapes takes {', '.join(SHAPES)}, got {', '.join(unknown)}")
+    if args.repeats < 1:
+        raise ValueError("--repeats must be positive")
+    if args.groups < 0:
+        raise ValueError("--groups must be non-negative")
+    batches, contexts = _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts")
+    budgets = _ints(args.budgets, "--budgets")
+    machine = host()
+    print(f"host: {machine['cpu']}, {machine['cores']} CPUs, AMX {'yes' if machine['amx'] else 'no'}, "
+          f"{machine['threads']} threads")
+    rows = []
+    for shape in shapes:
+        for batch in batches:
+            for ctx in contexts:
+                r = measure(shape, batch, ctx, budgets, args.score, args.groups, args.repeats)
+                rows.append(r)
+                cells = "  ".join(f"sparse-{b} {r['ms'][f'sparse-{b}']:.2f} ms x{r['speedup'][b]:.2f} "
+                                  f"(select {100 * r['selection_share'][b]:.0f}%, reads "
+                                  f"{100 * r['pages_read_fraction'][b]:.0f}% of pages)" for b in budgets)
+                print(f"{shape:9s} batch {batch:2d} context {ctx:6d}: dense {r['ms']['dense']:.2f} ms  "
+                      f"bf16 {r['ms']['bf16']:.2f} ms  {cells}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        cmd = (f"hack bench sparse --shapes {args.shapes} --batches {args.batches} --contexts {args.contexts} "
+               f"--budgets {args.budgets} --score {args.score} --groups {args.groups} --repeats {args.repeats}")
+        out.write_text(json.dumps({"command": cmd, "date": datetime.date.today().isoformat(), "host": machine,
+                                   "rows": rows}, indent=1) + "\n")
+        print(f"wrote {out}")
+    return 0

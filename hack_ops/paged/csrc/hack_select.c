@@ -1,0 +1,170 @@
+/* Page scores for sparse decode (hack_ops.sparse.page_scores, the reference), read in place.
+ *
+ * For request b, KV head h and each of its n_closed[b] closed pages: the max over the group's
+ * rep query heads of q.min + L * relu(q).scale (score 0, the upper bound of q.k over the page)
+ * or q.min + alpha * L * q.scale (score 1, MPCache's linear stand-in), from the page's K
+ * per-channel minimum and scale (fp16 or fp32), where they sit inside the page. Pages past
+ * n_closed[b] get -inf. Nothing is gathered: a page costs two short dot products per query head.
+ * Work items: (request, KV head, run of SEL_PAGES pages), spread over the threads.
+ */
+#include <math.h>
+#include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "hack_kernel.h"
+
+#define SEL_PAGES 64
+
+typedef struct {
+    int64_t batch, heads, rep, head_dim, max_pages, width; /* width: the scores' last dim */
+    int64_t k_page_bytes, k_min_off, k_scale_off, meta_fp32, score, nthreads;
+    double levels, alpha;
+    const int64_t *n_closed, *page_table; /* page_table [batch, max_pages] */
+    const uint8_t *k_pages;
+    const float *q; /* [batch, heads * rep, head_dim] */
+    float *out;     /* [batch, heads, width] */
+} hack_select_args;
+
+static inline void load_meta(const uint8_t *p, int64_t off, int fp32, int d, float *dst) {
+    if (fp32) {
+        memcpy(dst, p + off, sizeof(float) * d);
+        return;
+    }
+    const uint16_t *m = (const uint16_t *)(p + off);
+#if HACK_SIMD
+    for (int c = 0; c < d; c += 16) _mm512_storeu_ps(dst + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m + c))));
+#else
+    for (int c = 0; c < d; c++) dst[c] = h2f(m[c]);
+#endif
+}
+
+int hack_page_scores(const hack_select_args *a) {
+    const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, W = a->width;
+    if (d > MAX_D || d % 16 || rep < 1 || rep > MAX_REP || W < 1) return -1;
+    for (int64_t b = 0; b < B; b++)
+        if (a->n_closed[b] < 0 || a->n_closed[b] > W || a->n_closed[b] > a->max_pages) return -1;
+    const int64_t runs = (W + SEL_PAGES - 1) / SEL_PAGES, n_items = B * H * runs;
+    const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
+    const float L = (float)a->levels, lin = (float)(a->alpha * a->levels);
+    const int64_t meta_bytes = a->meta_fp32 ? 4 : 2;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+    for (int64_t it = 0; it < n_items; it++) {
+        const int64_t b = it / (H * runs), h = (it / runs) % H, p0 = (it % runs) * SEL_PAGES;
+        const int64_t p1 = p0 + SEL_PAGES < W ? p0 + SEL_PAGES : W, nc = a->n_closed[b];
+        const float *q = a->q + (b * H + h) * rep * d;
+        float qp[MAX_REP * MAX_D]; /* relu(q) for the bound, q for the linear score */
+        for (int64_t j = 0; j < rep * d; j++) qp[j] = a->score == 0 ? (q[j] > 0.0f ? q[j] : 0.0f) : q[j];
+        float *out = a->out + (b * H + h) * W;
+        float mn[MAX_D], sc[MAX_D];
+        for (int64_t p = p0; p < p1; p++) {
+            if (p >= nc) { out[p] = -INFINITY; continue; }
+            const uint8_t *page = a->k_pages + a->page_table[b * a->max_pages + p] * a->k_page_bytes;
+            load_meta(page, a->k_min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
+            load_meta(page, a->k_scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
+            float best = -INFINITY;
+            for (int64_t r = 0; r < rep; r++) {
+                const float *qr = q + r * d, *pr = qp + r * d;
+#if HACK_SIMD
+                __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+                for (int64_t c = 0; c < d; c += 16) {
+                    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(mn + c), s0);
+                    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(pr + c), _mm512_loadu_ps(sc + c), s1);
+                }
+                float s = _mm512_reduce_add_ps(s0) + (a->score == 0 ? L : lin) * _mm512_reduce_add_ps(s1);
+#else
+                float s0 = 0.0f, s1 = 0.0f;
+                for (int64_t c = 0; c < d; c++) { s0 += qr[c] * mn[c]; s1 += pr[c] * sc[c]; }
+                float s = s0 + (a->score == 0 ? L : lin) * s1;
+#endif
+                best = s > best ? s : best;
+            }
+            out[p] = best;
+        }
+    }
+    return 0;
+}
+
+/* The whole one-level selection in one call (hack_ops.sparse.select_pages on page_scores, the
+ * reference): for each (request, KV head) the scores of its closed pages, then the first page
+ * and the pages from recent_from[b] on kept, the best-scored rest up to budget (a min-heap), the
+ * chosen positions sorted, then the open page's position; written as the per-head page table
+ * the decode kernel takes (positions and page ids [batch, heads, width], width = min(max
+ * n_closed, budget) + 1, padding 0). count[b] = min(n_closed[b], budget). Ties between equal
+ * scores may resolve to another page than torch.topk's. */
+typedef struct {
+    hack_select_args s;   /* the scoring part; s.out: [batch, heads, s.width] scratch scores */
+    int64_t budget, out_width;
+    const int64_t *recent_from, *num_pages;
+    int64_t *positions, *table, *count; /* [batch, heads, out_width] x2, [batch] */
+} hack_choose_args;
+
+static void sift_down(float *hs, int64_t *hi, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && (hs[l] < hs[m] || (hs[l] == hs[m] && hi[l] > hi[m]))) m = l;
+        if (r < n && (hs[r] < hs[m] || (hs[r] == hs[m] && hi[r] > hi[m]))) m = r;
+        if (m == i) return;
+        float ts = hs[i]; hs[i] = hs[m]; hs[m] = ts;
+        int64_t ti = hi[i]; hi[i] = hi[m]; hi[m] = ti;
+        i = m;
+    }
+}
+
+static int cmp_i64(const void *x, const void *y) {
+    int64_t a = *(const int64_t *)x, b = *(const int64_t *)y;
+    return (a > b) - (a < b);
+}
+
+int hack_select_pages(const hack_choose_args *c) {
+    const hack_select_args *a = &c->s;
+    const int64_t B = a->batch, H = a->heads, W = a->width, K = c->budget, OW = c->out_width;
+    if (K < 1 || OW < 2) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t nc = a->n_closed[b];
+        if ((nc < K ? nc : K) + 1 > OW || c->num_pages[b] < 1 || c->num_pages[b] > a->max_pages) return -1;
+    }
+    int rc = hack_page_scores(a);
+    if (rc) return rc;
+    const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth) reduction(| : failed)
+    for (int64_t it = 0; it < B * H; it++) {
+        const int64_t b = it / H, nc = a->n_closed[b], k = nc < K ? nc : K;
+        const float *sc = a->out + it * W;
+        int64_t *pos = c->positions + it * OW, *tab = c->table + it * OW;
+        const int64_t rf = c->recent_from[b] > 1 ? c->recent_from[b] : 1;
+        int64_t n = 0, free_k;
+        if (nc > 0) pos[n++] = 0; /* the first page (sinks) */
+        for (int64_t p = rf; p < nc && n < k; p++) pos[n++] = p; /* the recent pages */
+        free_k = k - n;
+        if (free_k > 0) { /* the best of the pages between them: a min-heap of the free slots */
+            float *hs = (float *)malloc(sizeof(float) * free_k);
+            int64_t *hi = (int64_t *)malloc(sizeof(int64_t) * free_k);
+            if (!hs || !hi) { free(hs); free(hi); failed = 1; continue; }
+            int64_t m = 0;
+            for (int64_t p = 1; p < rf && p < nc; p++) {
+                float v = sc[p];
+                if (m < free_k) {
+                    hs[m] = v; hi[m] = p; m++;
+                    if (m == free_k)
+                        for (int64_t i = m / 2 - 1; i >= 0; i--) sift_down(hs, hi, m, i);
+                } else if (v > hs[0] || (v == hs[0] && p < hi[0])) {
+                    hs[0] = v; hi[0] = p;
+                    sift_down(hs, hi, m, 0);
+                }
+            }
+            for (int64_t i = 0; i < m; i++) pos[n++] = hi[i];
+            free(hs);
+            free(hi);
+        }
+        qsort(pos, (size_t)n, sizeof(int64_t), cmp_i64);
+        pos[n] = nc; /* the open page (read from the FP16 tail) */
+        for (int64_t j = n + 1; j < OW; j++) pos[j] = 0;
+        const int64_t *row = a->page_table + b * a->max_pages, last = c->num_pages[b] - 1;
+        for (int64_t j = 0; j < OW; j++) tab[j] = row[pos[j] < last ? pos[j] : last];
+        if (it % H == 0) c->count[b] = n;
+    }
+    return failed ? -2 : 0;
+}
