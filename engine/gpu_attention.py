@@ -1,8 +1,12 @@
-"""GPU path of the `hack` backend: hack_ops.triton kernels on the pool's own buffers.
+"""GPU path of the `hack` backend: hack_ops.cuda and hack_ops.triton kernels on the pool's own buffers.
 
 The plan is the same HackKVStore.plan the CPU path uses (page table, request rows, sink slots,
-all checks), turned into the CSR page table the Triton wrappers take (ForwardPlan.csr_pages). Per layer: decode stores
-the new token (store kernel) then runs HackDecodeAttention; extend runs HackPrefillAttention,
+all checks), turned into the CSR page table the kernels take (ForwardPlan.csr_pages). Per layer: decode stores
+the new token (store kernel) then runs the decode kernel chosen at startup (engine.decode_choice):
+the CUDA kernel (hack_ops.cuda.CudaDecodeAttention) on the layers it reads, else, and on every
+layer where it cannot run, the Triton HackDecodeAttention; a CUDA build that fails at a layer's
+first call (a soft-capping variant, say) moves that layer to Triton with a logged warning. Both
+take the same plan and cache. Extend runs HackPrefillAttention,
 which stores the chunk's pages, attends, then appends the tails (PrefillMode.HOMOMORPHIC), or
 (PrefillMode.DENSE) stores the chunk with the store kernel and attends densely: the chunk's
 own tokens in full precision, a cached prefix dequantized once per chunk, torch SDPA
@@ -12,18 +16,25 @@ layout (store.layout_for: layers may differ in bits, K's and V's apart); the ker
 pages before the window.
 
 The project's CI machine has no GPU. What can be checked there is checked: the format is
-accepted by kernel_spec at startup, the plan conversion is pure torch, and the kernels run on
-CPU tensors in Triton's interpreter (tests/test_triton_prefill.py). Formats the kernels do not
+accepted by kernel_spec at startup, the plan conversion is pure torch, the Triton kernels run on
+CPU tensors in Triton's interpreter (tests/test_triton_prefill.py), and the CUDA kernel's source
+runs on the CPU in its fiber harness (tests/test_cuda_simt.py). Formats the Triton kernels do not
 implement are refused when the server starts.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import Tensor
 
+from hack_ops.cuda.spec import ACT_DTYPES, DecodeKernel, layout_why_not
 from hack_ops.modes import AttentionMode, PrefillMode
 from hack_ops.paged.plan import ForwardPlan
+
+from .decode_choice import choose_decode_kernel, decode_kernel_from_env
+
+logger = logging.getLogger(__name__)
 
 
 class GpuAttention:
@@ -48,6 +59,9 @@ class GpuAttention:
         self._decode: dict[tuple[int, int, int], Any] = {}
         self._prefill: dict[tuple[int, int, int], Any] = {}
         self._csr: tuple[Tensor, Tensor, Tensor, Tensor, Tensor] | None = None
+        self.decode_kernel, why = choose_decode_kernel(self.device, decode_kernel_from_env())
+        logger.info("HACK decode attention kernel: %s [%s]", self.decode_kernel.value, why)
+        self._on_triton: dict[tuple[int, int, int], str] = {}  # layer formats the CUDA kernel does not take, and why
 
     def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
         plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
@@ -74,13 +88,42 @@ class GpuAttention:
         key = (hq, lay.config.bits("k"), lay.config.bits("v"))
         attn = self._decode.get(key)
         if attn is None:
-            attn = HackDecodeAttention(lay, hq, sm_scale=scale)
+            attn = self._decode_kernel(key, lay, hq, q, scale)
             attn.plan(indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
             self._decode[key] = attn
         attn.sm_scale = float(scale)
         cache = self._cache(layer)
         store_tokens(lay, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
-        return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+        try:
+            return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+        except RuntimeError as exc:
+            if isinstance(attn, HackDecodeAttention):
+                raise
+            self._on_triton[key] = f"the CUDA kernel failed: {exc}"
+            logger.warning("HACK decode: layers with %d query heads, K %d / V %d bits move to the Triton kernels: %s",
+                           *key, exc)
+            triton = HackDecodeAttention(lay, hq, sm_scale=scale)
+            triton.plan(indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
+            self._decode[key] = triton
+            return triton.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+
+    def _decode_kernel(self, key: tuple[int, int, int], lay: Any, hq: int, q: Tensor, scale: float) -> Any:
+        """The decode wrapper of one layer format: the CUDA kernel where it was chosen and reads
+        the format, else Triton (each format's reason logged once)."""
+        from hack_ops.triton.decode import HackDecodeAttention
+
+        if self.decode_kernel == DecodeKernel.CUDA and key not in self._on_triton:
+            why = layout_why_not(lay, hq)
+            if why is None and q.dtype not in ACT_DTYPES:
+                why = f"{q.dtype} activations (the kernel takes bf16 or fp16)"
+            if why is None:
+                from hack_ops.cuda.decode import CudaDecodeAttention
+
+                return CudaDecodeAttention(lay, hq, sm_scale=scale)
+            self._on_triton[key] = why
+            logger.info("HACK decode: layers with %d query heads, K %d / V %d bits run on the Triton kernels: %s",
+                        *key, why)
+        return HackDecodeAttention(lay, hq, sm_scale=scale)
 
     def extend(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
                scale: float, window: int | None = None, logit_cap: float = 0.0) -> Tensor:

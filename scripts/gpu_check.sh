@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# The GPU checks in one prepared run, for a machine with a CUDA GPU and only torch, triton,
-# numpy and pytest (pytest-xdist and pytest-timeout used when present): the Triton kernel tests
-# on CUDA, then `hack bench attention --device cuda`. Everything lands in OUT_DIR (default
-# ./gpu-check), written as it happens, so a run stopped at a time limit keeps what it did:
-#   tests.log     one line per test (PASSED/FAILED), then pytest's summary and slowest tests
-#   failures.log  each failure's traceback, appended the moment it fails
-#   attention-cuda.json / bench.log   the benchmark (the JSON is rewritten after every cell;
-#                 render it here with `hack bench attention --device cuda --from-json FILE`)
-# Usage: scripts/gpu_check.sh [OUT_DIR] [TEST_SECONDS] [BENCH_SECONDS] [extra bench args...]
+# The GPU checks in one prepared run, for a machine with a CUDA GPU, nvcc, and only torch, triton,
+# numpy and pytest (pytest-xdist and pytest-timeout used when present). Everything lands in OUT_DIR
+# (default ./gpu-check), written as it happens, so a run stopped at a time limit keeps what it did.
+# In order, each phase within its own time limit (about 8 minutes in all by default):
+#   1. build      the CUDA decode kernel's libraries for this GPU, in parallel    -> build.log
+#   2. tests      tests/test_cuda_decode.py (the cases marked cuda first) and the static checks
+#                                                                                -> tests.log, failures.log
+#   3. bench      python -m hack_cli.bench_decode_cuda: the CUDA kernel, its fragment-order variant,
+#                 the Triton kernel and BF16 per cell   -> decode-cuda.json (after every cell), bench.log
+#   4. ncu        one launch of the kernel at batch 32 x 32K (Llama-3-8B shape), `ncu --set full`
+#                 (when ncu is installed and time is left)                       -> ncu.txt
+#   5. triton     only with HACK_GPU_CHECK_TRITON=1: the Triton kernel tests and
+#                 `hack bench attention --device cuda` (the earlier version of this script)
+#                                                             -> attention-cuda.json, triton-tests.log
+# device.txt collects the GPU, the versions and every phase's exit status.
+# Back on a machine without a GPU: python -m hack_cli.bench_decode_cuda --from-json OUT_DIR/decode-cuda.json
+# writes docs/bench/decode-cuda.json and the table in docs/kernels.md.
+# Usage: scripts/gpu_check.sh [OUT_DIR] [TEST_SECONDS] [BENCH_SECONDS] [extra bench_decode_cuda args...]
 set -u
-out=${1:-gpu-check}; test_s=${2:-420}; bench_s=${3:-300}; shift $(( $# < 3 ? $# : 3 ))
+out=${1:-gpu-check}; test_s=${2:-150}; bench_s=${3:-210}; shift $(( $# < 3 ? $# : 3 ))
+build_s=${HACK_GPU_BUILD_SECONDS:-90}; ncu_s=${HACK_GPU_NCU_SECONDS:-75}
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HACK_KERNEL_DEVICE=cuda HACK_FAILURE_LOG="$out/failures.log"
@@ -17,35 +27,67 @@ export PYTHONUNBUFFERED=1 HACK_KERNEL_DEVICE=cuda HACK_FAILURE_LOG="$out/failure
 # cores x workers threads and the run crawls.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 if ! "$py" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "scripts/gpu_check.sh needs a CUDA GPU that torch sees; here it sees none (the kernel tests run in" \
-       "Triton's interpreter by \`make test\` instead)" >&2
+  echo "scripts/gpu_check.sh needs a CUDA GPU that torch sees; here it sees none (the CPU checks run in" \
+       "\`make test\` instead)" >&2
   exit 2
 fi
 : >"$out/failures.log"
 nvidia-smi -L 2>&1 | tee "$out/device.txt"
 "$py" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" \
   2>&1 | tee -a "$out/device.txt"
+(nvcc --version 2>&1 | tail -1) | tee -a "$out/device.txt"
 workers=()
 if "$py" -c "import xdist" 2>/dev/null; then
   n=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )); workers=(-n "$n")
 fi
 has_timeout=0
 "$py" -c "import pytest_timeout" 2>/dev/null && has_timeout=1
-tests=(tests/test_triton_decode.py tests/test_triton_prefill.py tests/test_triton_store.py
-       "tests/test_triton_aot.py::test_launches_run_on_the_gpu_with_the_aot_registers")
 start=$SECONDS
-# The cases marked cuda (real shapes, driver registers) first: they are what only a GPU shows.
+
+# 1. build: every variant the tests and the benchmark load, for this GPU, before anything times it.
+timeout "$build_s" "$py" -m hack_ops.cuda.build --head-dims 64,128,256 --dtypes bf16,fp16 --orders token,fragment \
+  --caps 0,1 >"$out/build.log" 2>&1
+echo "build: exit $? ($(( SECONDS - start ))s; 124: stopped at ${build_s}s)" | tee -a "$out/device.txt"
+
+# 2. tests: the CUDA kernel on the GPU (cuda-marked first: what only a GPU shows), then the rest of
+# its files (they also run in CI, without a GPU).
+tests=(tests/test_cuda_decode.py tests/test_cuda_static.py)
+t0=$SECONDS
 for pass in cuda "not cuda"; do
-  left=$(( test_s - (SECONDS - start) ))
+  left=$(( test_s - (SECONDS - t0) ))
   (( left > 10 )) || { echo "no time left for the tests marked '$pass'" >>"$out/tests.log"; continue; }
   echo "=== tests marked '$pass' (${left}s) ===" >>"$out/tests.log"
   per_test=()
   (( has_timeout )) && per_test=(--timeout "$left")
   timeout "$left" "$py" -m pytest "${tests[@]}" -m "$pass" -v -p no:cacheprovider -p no:benchmark "${workers[@]}" \
-    "${per_test[@]}" -rfE --tb=short --durations=15 >>"$out/tests.log" 2>&1
-  echo "kernel tests marked '$pass': exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
+    "${per_test[@]}" -rfE --tb=short --durations=10 >>"$out/tests.log" 2>&1
+  echo "CUDA kernel tests marked '$pass': exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
 done
-echo "kernel tests: $(grep -c ' PASSED' "$out/tests.log") passed, $(grep -c ' FAILED' "$out/tests.log") failed" \
+echo "CUDA kernel tests: $(grep -c ' PASSED' "$out/tests.log") passed, $(grep -c ' FAILED' "$out/tests.log") failed" \
   | tee -a "$out/device.txt"
-timeout "$bench_s" "$py" -m hack_cli.bench_attention_gpu --out "$out/attention-cuda.json" "$@" >"$out/bench.log" 2>&1
-echo "benchmark: exit $? (124: stopped at ${bench_s}s)" | tee -a "$out/device.txt"
+
+# 3. bench: the decode grid against BF16, the JSON rewritten after every cell.
+timeout "$bench_s" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@" >"$out/bench.log" 2>&1
+echo "bench_decode_cuda: exit $? (124: stopped at ${bench_s}s)" | tee -a "$out/device.txt"
+
+# 4. ncu: what bounds one launch (memory or issue), when the tool is here.
+if command -v ncu >/dev/null 2>&1; then
+  timeout "$ncu_s" ncu --target-processes all -k regex:hack_decode_kernel -c 1 --set full --page details --csv \
+    "$py" -m hack_cli.bench_decode_cuda --shapes llama3-8b --batches 32 --contexts 32768 --repeats 1 \
+    --out /tmp/hack-ncu-cell.json >"$out/ncu.txt" 2>&1
+  echo "ncu: exit $? (124: stopped at ${ncu_s}s)" | tee -a "$out/device.txt"
+else
+  echo "ncu: not installed, skipped" | tee -a "$out/device.txt"
+fi
+
+# 5. the Triton kernels, on request.
+if [[ "${HACK_GPU_CHECK_TRITON:-0}" == 1 ]]; then
+  timeout "${HACK_GPU_TRITON_TEST_SECONDS:-420}" "$py" -m pytest tests/test_triton_decode.py tests/test_triton_prefill.py \
+    tests/test_triton_store.py "tests/test_triton_aot.py::test_launches_run_on_the_gpu_with_the_aot_registers" -v \
+    -p no:cacheprovider -p no:benchmark "${workers[@]}" -rfE --tb=short >"$out/triton-tests.log" 2>&1
+  echo "Triton kernel tests: exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
+  timeout "${HACK_GPU_TRITON_BENCH_SECONDS:-300}" "$py" -m hack_cli.bench_attention_gpu \
+    --out "$out/attention-cuda.json" >>"$out/triton-tests.log" 2>&1
+  echo "bench_attention_gpu: exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
+fi
+echo "total: $(( SECONDS - start ))s" | tee -a "$out/device.txt"

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from hack_ops.triton.sass_profile import opcodes, page_loop, profile_sass
+from hack_ops.triton.sass_profile import mma_loop, opcodes, page_loop, profile_sass
 
 SASS = """
         /*0000*/                   MOV R1, c[0x0][0x28] ;            /* 0x00000a0000017a02 */
@@ -38,6 +38,36 @@ def test_parses_the_largest_backward_branch_as_the_page_loop():
         (11, 6, 1, 1, 1, 1, 1, 0, 1)
     with pytest.raises(ValueError, match="no loop"):
         page_loop(opcodes(SASS.replace("@!P1 BRA 0x20", "NOP")))
+
+
+# nvcc's shape: a loop (0x20..0x70) whose shuffle has a divergent fallback placed after EXIT (entered by
+# BRA.DIV, branching back into the loop), which the largest-backward-branch rule takes for the loop.
+NVCC_SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   MOV R2, RZ ;
+        /*0020*/                   LDS.128 R4, [R2] ;
+        /*0030*/                   BRA.DIV UR4, 0xa0 ;
+        /*0040*/                   SHFL.IDX PT, R5, R4, RZ, 0x1f ;
+        /*0050*/                   HMMA.16816.F32 R8, R4, R6, R8 ;
+        /*0060*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0070*/               @P0 BRA 0x20 ;
+        /*0080*/                   EXIT ;
+        /*0090*/                   BRA 0x90 ;
+        /*00a0*/                   WARPSYNC.COLLECTIVE R3, 0xc0 ;
+        /*00b0*/                   SHFL.IDX P2, R5, R4, RZ, 0x1f ;
+        /*00c0*/                   BRA 0x50 ;
+"""
+
+
+def test_mma_loop_follows_the_control_flow_graph():
+    assert len(page_loop(opcodes(NVCC_SASS))) == 8  # 0x50..0xc0: up to the cold path's branch back
+    loop = mma_loop(NVCC_SASS)
+    assert loop == ["LDS.128 R4, [R2]", "BRA.DIV UR4, 0xa0", "SHFL.IDX PT, R5, R4, RZ, 0x1f",
+                    "HMMA.16816.F32 R8, R4, R6, R8", "IADD3 R2, R2, 0x10, RZ", "BRA 0x20"]
+    p = profile_sass(NVCC_SASS, "decode", "x", 90, loop)
+    assert (p.loop, p.mma, p.shuffles, p.shared) == (6, 1, 1, 1)
+    with pytest.raises(ValueError, match="no loop"):
+        mma_loop(NVCC_SASS.replace("@P0 BRA 0x20", "NOP"))
 
 
 @pytest.mark.slow

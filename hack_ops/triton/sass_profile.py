@@ -81,9 +81,101 @@ def page_loop(ins: list[tuple[int, str]]) -> list[str]:
     return [t for _, t in ins[best[0]:best[1] + 1]]
 
 
-def profile_sass(sass: str, kernel: str, variant: str, arch: int) -> LoopProfile:
+_BRA_TARGET = re.compile(r"^BRA(?:\.\w+)*\s+(?:`\()?0x([0-9a-f]+)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def mma_loop(sass: str) -> list[str]:
+    """The body of the natural loop holding the most tensor-core MMAs, from the control-flow graph
+    (blocks, dominators, back edges), for nvcc's code: it puts rarely taken paths (a warp's
+    divergent-shuffle fallback, entered by BRA.DIV) after the kernel's exit, whence they branch
+    back into the loop, so the largest backward branch (page_loop) is not the loop there.
+    BRA.DIV's target is left out of the graph (never taken by a converged warp); every other block
+    of the loop counts once, conditional ones included."""
+    ins = []
+    for line in sass.splitlines():
+        m = _LINE.match(line)
+        if m:
+            text = m.group(2)
+            ins.append((int(m.group(1), 16), _PREDICATE.sub("", text), bool(_PREDICATE.match(text))))
+    if not ins:
+        raise ValueError("no instructions in this SASS")
+    at = {a: i for i, (a, _, _) in enumerate(ins)}
+
+    def target(text: str) -> int | None:
+        m = _BRA_TARGET.match(text)
+        return at.get(int(m.group(1), 16)) if m and not text.startswith("BRA.DIV") else None
+
+    ends = ("BRA", "EXIT", "RET", "JMP")
+    leaders = {0}
+    for i, (_, text, _) in enumerate(ins):
+        if text.startswith(ends):
+            leaders.add(i + 1)
+            tgt = target(text)
+            if tgt is not None:
+                leaders.add(tgt)
+    starts = sorted(x for x in leaders if x < len(ins))
+    block_of = {}
+    for b, lo in enumerate(starts):
+        for i in range(lo, starts[b + 1] if b + 1 < len(starts) else len(ins)):
+            block_of[i] = b
+    nb = len(starts)
+    last = [(starts[b + 1] if b + 1 < nb else len(ins)) - 1 for b in range(nb)]
+    succ: list[list[int]] = []
+    for b in range(nb):
+        _, text, pred = ins[last[b]]
+        nxt = [b + 1] if b + 1 < nb else []
+        tgt = target(text)
+        if text.startswith(("EXIT", "RET")) or (tgt is not None and not pred and text.startswith("BRA")):
+            out = [] if tgt is None else [block_of[tgt]]
+            out += nxt if pred else []
+        else:
+            out = nxt + ([block_of[tgt]] if tgt is not None else [])
+        succ.append(out)
+    reach, stack = {0}, [0]  # blocks the entry reaches; the cold paths left out above are not among them
+    while stack:
+        for c in succ[stack.pop()]:
+            if c not in reach:
+                reach.add(c)
+                stack.append(c)
+    preds: list[list[int]] = [[] for _ in range(nb)]
+    for b in reach:
+        for c in succ[b]:
+            preds[c].append(b)
+    dom = [set(range(nb)) for _ in range(nb)]
+    dom[0] = {0}
+    changed = True
+    while changed:
+        changed = False
+        for b in range(1, nb):
+            ps = [dom[p] for p in preds[b]]
+            new = ({b} | set.intersection(*ps)) if ps else {b}
+            if new != dom[b]:
+                dom[b], changed = new, True
+    best: tuple[int, int, list[int]] | None = None
+    for u in sorted(reach):
+        for h in succ[u]:
+            if h not in dom[u]:
+                continue  # not a back edge
+            body, stack = {h, u}, [u]
+            while stack:
+                for p in preds[stack.pop()]:
+                    if p not in body:
+                        body.add(p)
+                        stack.append(p)
+            texts = [ins[i][1] for blk in sorted(body) for i in range(starts[blk], last[blk] + 1)]
+            key = (sum(t.startswith(("HMMA", "IMMA")) for t in texts), len(texts), texts)
+            if best is None or key[:2] > best[:2]:
+                best = key
+    if best is None:
+        raise ValueError("no loop in this kernel's SASS")
+    return best[2]
+
+
+def profile_sass(sass: str, kernel: str, variant: str, arch: int, loop: list[str] | None = None) -> LoopProfile:
+    """Counts of one loop iteration: `loop` (instruction texts) or, by default, page_loop's."""
     ins = opcodes(sass)
-    ops = Counter(t.split()[0] for t in page_loop(ins))
+    ops = Counter(t.split()[0] for t in (page_loop(ins) if loop is None else loop))
 
     def n(*prefixes: str) -> int:
         return sum(c for op, c in ops.items() if op.startswith(prefixes))

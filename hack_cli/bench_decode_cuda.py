@@ -1,0 +1,278 @@
+"""The CUDA decode kernel against BF16 decode on a GPU: `python -m hack_cli.bench_decode_cuda`.
+
+Per cell (shape, batch, context), in one run on one GPU: the CUDA kernel on the pool's pages
+(`cuda`, token order) and on the same pages in fragment order (`cuda_fragment`), the Triton
+kernel on the same pages (`triton`), and the BF16 baseline (`bf16`: FlashInfer's paged decode when
+flashinfer imports, else torch SDPA's flash backend on a contiguous cache, as
+hack_cli.bench_attention_gpu). Median of CUDA-event timings after warm-up, methods alternating,
+L2 flushed before every call (hack_ops.triton.benchcases); bytes each method must read; achieved
+bandwidth against the device-to-device copy bandwidth measured in the same run; the issue-33
+targets (docs/kernels.md) checked per cell. The JSON is rewritten after every cell, so a run
+stopped at its time limit keeps what it measured; `--from-json FILE` renders a GPU run's file into
+docs/kernels.md here, with no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hack_cli.bench_doc import DOCS, replace_block
+
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # query heads, KV heads, head_dim
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (2048, 8192, 32768)
+REPEATS, WARMUP = 20, 3
+MEMORY_FACTOR = 2.4  # device memory per cell in units of its BF16 KV: the cache (twice while FlashInfer copies it), the pages twice
+DOC = DOCS / "kernels.md"
+DOC_BLOCK = "decode-cuda"
+METHODS = ("cuda", "cuda_fragment", "triton", "bf16")
+
+
+@dataclass(frozen=True)
+class Cell:
+    shape: str
+    batch: int
+    context: int
+
+
+def targets(cell: Cell, speedup: float, fraction: float) -> dict[str, bool | None]:
+    """Issue 33's decode targets for one cell (None: the target does not apply to it)."""
+    return {
+        "ge_1x": speedup >= 1.0,
+        "ge_3x_batch8_8k": speedup >= 3.0 if cell.batch >= 8 and cell.context >= 8192 else None,
+        "ge_4x_32k": speedup >= 4.0 if cell.context >= 32768 else None,
+        "ge_half_copy_bw_32k": fraction >= 0.5 if cell.context >= 32768 else None,
+    }
+
+
+def cuda_decode_bytes(layout, seq_lens: list[int], q_heads: int) -> int:
+    """What the CUDA kernel reads: per closed page K's and V's codes, minimum and scale (not K's
+    code sums, which FP16 arithmetic does not need), the FP16 open partition and sinks, the queries."""
+    from hack_ops.triton.benchcases import hack_decode_bytes
+
+    sums = layout.k.sums.nbytes
+    return hack_decode_bytes(layout, seq_lens, q_heads) - sum(n // layout.page_size for n in seq_lens) * sums
+
+
+class CudaCell:
+    """One cell's data and methods: benchcases.DecodeCase (pages by the Triton store, the BF16
+    cache, the Triton kernel) plus the CUDA kernel on its pages and on a fragment-order copy."""
+
+    def __init__(self, cell: Cell, baseline, device: torch.device) -> None:
+        from hack_ops.cuda import CodeOrder, CudaDecodeAttention
+        from hack_ops.cuda.fragment import convert_pages
+        from hack_ops.triton import benchcases as bc
+
+        hq, h, d = SHAPES[cell.shape]
+        self.case = bc.DecodeCase(bc.AttnShape(cell.shape, hq, h, d), cell.batch, cell.context, baseline, device)
+        b = self.case.hack.batch
+        self.cuda = {}
+        self.frag_bufs = {k: v for k, v in self.case.bufs.items()}
+        self.frag_bufs["k_buf"] = self.case.bufs["k_buf"].clone()
+        self.frag_bufs["v_buf"] = self.case.bufs["v_buf"].clone()
+        convert_pages(self.case.layout, self.frag_bufs["k_buf"], self.frag_bufs["v_buf"], CodeOrder.FRAGMENT)
+        for order in CodeOrder:
+            att = CudaDecodeAttention(self.case.layout, hq, order=order)
+            att.plan(b.kv_indptr, b.kv_indices, b.seq_lens, b.tail_rows, b.sink_slots)
+            self.cuda[order] = att
+        self.out = torch.empty_like(self.case.q)
+        self.splits = self.cuda[CodeOrder.TOKEN].splits(None)
+
+    def methods(self) -> dict:
+        from hack_ops.cuda import CodeOrder
+        from hack_ops.triton.store import cache_kwargs
+
+        q, case = self.case.q, self.case
+        tok, frag = cache_kwargs(case.bufs), cache_kwargs(self.frag_bufs)
+        return {"cuda": lambda: self.cuda[CodeOrder.TOKEN].run(q, **tok, out=self.out),
+                "cuda_fragment": lambda: self.cuda[CodeOrder.FRAGMENT].run(q, **frag, out=self.out),
+                "triton": case.run_hack, "bf16": case.run_bf16}
+
+    def bytes(self) -> dict[str, int]:
+        from hack_ops.triton import benchcases as bc
+
+        c, s = self.case, self.case.shape
+        cuda = cuda_decode_bytes(c.layout, c.seq_lens, s.q_heads)
+        return {"cuda": cuda, "cuda_fragment": cuda, "triton": bc.hack_decode_bytes(c.layout, c.seq_lens, s.q_heads),
+                "bf16": bc.bf16_decode_bytes(c.seq_lens, s.kv_heads, s.q_heads, s.head_dim)}
+
+    def differences(self) -> dict[str, float]:
+        """Max |difference| of the CUDA kernel's output from the Triton kernel's (INT8 Q'/P', same
+        pages) and from BF16 attention (the 2-bit error itself): sanity numbers beside the timings."""
+        m = self.methods()
+        cuda = m["cuda"]().float().clone()
+        frag = m["cuda_fragment"]().float()
+        return {"cuda_vs_fragment": float((cuda - frag).abs().max()),
+                "cuda_vs_triton": float((cuda - m["triton"]().float()).abs().max()),
+                "cuda_vs_bf16": float((cuda - m["bf16"]().float()).abs().max())}
+
+    def release(self) -> None:
+        self.case.release()
+        self.frag_bufs = self.cuda = None
+
+
+def row_from(cell: Cell, times: dict[str, float], nbytes: dict[str, int], copy_bps: float, splits) -> dict:
+    methods = {}
+    for m, ms in times.items():
+        bps = nbytes[m] / (ms * 1e-3)
+        methods[m] = {"median_ms": round(ms, 4), "bytes": nbytes[m], "gb_per_s": round(bps / 1e9, 1),
+                      "fraction_of_copy": round(bps / copy_bps, 3)}
+    speedup = times["bf16"] / times["cuda"]
+    return {**asdict(cell), "splits": list(splits), "methods": methods, "cuda_vs_bf16": round(speedup, 2),
+            "fragment_vs_bf16": round(times["bf16"] / times["cuda_fragment"], 2),
+            "cuda_vs_triton": round(times["triton"] / times["cuda"], 2),
+            "targets": targets(cell, speedup, methods["cuda"]["fraction_of_copy"])}
+
+
+def table(doc: dict) -> str:
+    lines = [f"Measured on {doc['device']} ({doc['date']}) with `{doc['command']}`; BF16 baseline: "
+             f"**{doc['bf16_baseline']}**; torch {doc['torch']}, triton {doc['triton']}, nvcc {doc.get('nvcc', '?')}. "
+             f"Median of {doc['repeats']} CUDA-event timings after {doc['warmup']} warm-up calls, methods alternating, "
+             f"L2 flushed before each call. Copy bandwidth (read + write) in the same run: "
+             f"{doc['copy_bandwidth_gb_per_s']:.0f} GB/s.", ""]
+    if doc.get("complete") is False:
+        lines[-1:] = [f"Stopped early: {doc['cells_done']} of {doc['cells_planned']} planned cells measured.", ""]
+    lines += ["| shape | batch | context | CUDA ms | fragment ms | Triton ms | BF16 ms | CUDA vs BF16 | fragment vs BF16 "
+              "| CUDA GB/s (of copy) | BF16 GB/s (of copy) | targets |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        m = r["methods"]
+        t = [k for k, v in r["targets"].items() if v is False]
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {m['cuda']['median_ms']:.3f} "
+                     f"| {m['cuda_fragment']['median_ms']:.3f} | {m['triton']['median_ms']:.3f} "
+                     f"| {m['bf16']['median_ms']:.3f} | x{r['cuda_vs_bf16']:.2f} | x{r['fragment_vs_bf16']:.2f} "
+                     f"| {m['cuda']['gb_per_s']:.0f} ({100 * m['cuda']['fraction_of_copy']:.0f}%) "
+                     f"| {m['bf16']['gb_per_s']:.0f} ({100 * m['bf16']['fraction_of_copy']:.0f}%) "
+                     f"| {'met' if not t else 'missed: ' + ', '.join(t)} |")
+    for s in doc.get("skipped", []):
+        lines.append(f"| {s['shape']} | {s['batch']} | {s['context']} | skipped: {s['reason']} | | | | | | | | |")
+    return "\n".join(lines)
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) <= 0:
+        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    return vals
+
+
+def plan_cells(shapes: list[str], batches, contexts, free_bytes: int) -> tuple[list[Cell], list[dict]]:
+    cells, skipped = [], []
+    for name in shapes:
+        _, h, d = SHAPES[name]
+        for batch in batches:
+            for ctx in contexts:
+                if ctx % 64:
+                    raise ValueError(f"contexts must be whole 64-token pages, got {ctx}")
+                need = MEMORY_FACTOR * 2 * batch * ctx * h * d * 2
+                if need > free_bytes:
+                    skipped.append({"shape": name, "batch": batch, "context": ctx,
+                                    "reason": f"needs ~{need / 2**30:.0f} GiB, {free_bytes / 2**30:.0f} GiB free"})
+                else:
+                    cells.append(Cell(name, batch, ctx))
+    return cells, skipped
+
+
+def nvcc_version() -> str:
+    import subprocess
+
+    from hack_ops.cuda.build import nvcc
+
+    tool = nvcc()
+    if tool is None:
+        return "none"
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
+    return out[-1] if out else "?"
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("bench_decode_cuda needs a CUDA GPU, and torch sees none here", file=sys.stderr)
+        return 2
+    import triton
+
+    from hack_ops.triton import benchcases as bc
+
+    device = torch.device("cuda")
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES]
+    if bad:
+        raise ValueError(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    baseline = bc.choose_baseline(device, bc.flashinfer_importable())
+    free, _ = torch.cuda.mem_get_info(device)
+    cells, skipped = plan_cells(shapes, _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts"),
+                                int(0.9 * free))
+    flush = bc.l2_flush(device)
+    copy_bps = bc.copy_bandwidth(device)
+    head = {"device": torch.cuda.get_device_name(device), "capability": list(torch.cuda.get_device_capability(device)),
+            "date": datetime.date.today().isoformat(), "command": args.command_line, "bf16_baseline": baseline.value,
+            "torch": torch.__version__, "triton": triton.__version__, "nvcc": nvcc_version(),
+            "repeats": args.repeats, "warmup": WARMUP, "copy_bandwidth_gb_per_s": round(copy_bps / 1e9, 1)}
+    print(f"decode on {head['device']}: copy {copy_bps / 1e9:.0f} GB/s; BF16 baseline: {baseline.value}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for i, cell in enumerate(cells):
+        c = CudaCell(cell, baseline, device)
+        times = bc.median_ms(c.methods(), args.repeats, WARMUP, bc.Timer(device), flush)
+        row = row_from(cell, times, c.bytes(), copy_bps, c.splits)
+        row["max_abs_diff"] = {k: round(v, 5) for k, v in c.differences().items()}
+        c.release()
+        torch.cuda.empty_cache()
+        results.append(row)
+        out.write_text(json.dumps({**head, "complete": False, "cells_done": i + 1, "cells_planned": len(cells),
+                                   "results": results, "skipped": skipped}, indent=1) + "\n")
+        m = row["methods"]
+        print(f"{cell.shape:10s} batch {cell.batch:3d} context {cell.context:6d}: "
+              + "  ".join(f"{k} {v['median_ms']:.3f} ms ({v['gb_per_s']:.0f} GB/s)" for k, v in m.items())
+              + f"  cuda vs bf16 x{row['cuda_vs_bf16']:.2f}", flush=True)
+    out.write_text(json.dumps({**head, "complete": True, "results": results, "skipped": skipped}, indent=1) + "\n")
+    return 0
+
+
+def render_json(path: Path) -> int:
+    """docs/kernels.md's CUDA decode table from a GPU run's JSON (no GPU needed)."""
+    doc = json.loads(path.read_text())
+    missing = [k for k in ("device", "date", "command", "results", "copy_bandwidth_gb_per_s") if k not in doc]
+    if missing:
+        raise ValueError(f"{path} is not a bench_decode_cuda result (missing {', '.join(missing)})")
+    (DOCS / "bench").mkdir(parents=True, exist_ok=True)
+    (DOCS / "bench" / "decode-cuda.json").write_text(json.dumps(doc, indent=1) + "\n")
+    replace_block(DOC, DOC_BLOCK, table(doc), heading="### CUDA decode kernel: measured on a GPU")
+    print(f"wrote docs/bench/decode-cuda.json and the table in {DOC} ({len(doc['results'])} cells, {doc['device']})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hack_cli.bench_decode_cuda", description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    ap.add_argument("--repeats", type=int, default=REPEATS)
+    ap.add_argument("--out", default="decode-cuda.json", help="the JSON, rewritten after every cell")
+    ap.add_argument("--from-json", type=Path, help="render a GPU run's JSON into docs/kernels.md (no GPU)")
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    args.command_line = " ".join(["python -m hack_cli.bench_decode_cuda", *argv])
+    try:
+        if args.from_json:
+            return render_json(args.from_json)
+        if args.repeats <= 0:
+            raise ValueError("--repeats must be positive")
+        return run(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"bench_decode_cuda: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

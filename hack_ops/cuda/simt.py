@@ -1,0 +1,48 @@
+"""Run the CUDA decode kernel's own source on the CPU (csrc/hack_simt_host.cpp): every thread a
+fiber, the warp collectives (mma, movmatrix, shuffles) and barriers emulated, the same argument
+struct that run() fills. For the CPU tests of the kernel's control flow, indexing and arithmetic;
+slow (milliseconds per page), not a serving path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from torch import Tensor
+
+from ..cbuild import LibraryCache
+from .build import Variant, simt_library
+from .decode import CudaDecodeAttention
+from .launch import DecodeParams
+
+_WANTED: dict[str, Variant] = {}
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.hack_simt_decode.argtypes = [ctypes.POINTER(DecodeParams)]
+    lib.hack_simt_decode.restype = ctypes.c_int
+
+
+LIBS = LibraryCache(lambda key: simt_library(_WANTED[key]), _declare)
+
+
+def load(variant: Variant) -> ctypes.CDLL:
+    _WANTED[variant.name] = variant
+    lib = LIBS.load(variant.name)
+    if lib is None:
+        raise RuntimeError(f"the CUDA kernel's CPU harness ({variant.name}) is unavailable: "
+                           f"{LIBS.errors.get(variant.name)}")
+    return lib
+
+
+def run_on_cpu(att: CudaDecodeAttention, q: Tensor, k_buf: Tensor, v_buf: Tensor, tail_k: Tensor,
+               tail_v: Tensor | None = None, sink_k: Tensor | None = None, sink_v: Tensor | None = None,
+               out: Tensor | None = None, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+    """att.run(...) with CPU tensors, through the kernel's source compiled for the CPU."""
+    if q.device.type != "cpu":
+        raise ValueError(f"the CPU harness takes CPU tensors, got q on {q.device}")
+    call = att.prepare(q, k_buf, v_buf, tail_k, tail_v, sink_k, sink_v, out, window, logit_cap)
+    if call.params is not None:
+        err = load(call.variant).hack_simt_decode(ctypes.byref(call.params))
+        if err:
+            raise RuntimeError({1: "a warp collective deadlocked (divergent lanes)", 2: "bad arguments"}.get(err, err))
+    return call.out

@@ -1,0 +1,80 @@
+"""hack_cli.bench_decode_cuda without a GPU: the refusal, the grid's memory planning, the bytes the
+CUDA kernel reads, the targets per cell, the table and rendering a GPU run's JSON into the docs."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from hack_cli import bench_decode_cuda as bench
+from hack_ops import HackConfig
+from hack_ops.layout import page_layout
+from hack_ops.triton import benchcases as bc
+
+
+def test_without_cuda_it_exits_with_a_sentence(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main(["--batches", "1"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert bench.main(["--repeats", "0"]) == 2
+
+
+def test_cells_that_do_not_fit_are_skipped():
+    cells, skipped = bench.plan_cells(["llama3-8b"], (8, 128), (2048, 32768), 30 * 2**30)
+    # Llama-3-8B: 4 KiB of BF16 K+V per token; 128 x 32K = 16 GiB x 2.4 does not fit in 30 GiB
+    assert [(c.batch, c.context) for c in cells] == [(8, 2048), (8, 32768), (128, 2048)]
+    assert [(s["batch"], s["context"]) for s in skipped] == [(128, 32768)]
+
+
+def test_the_kernel_reads_the_pages_without_k_sums():
+    lay = page_layout(HackConfig(), 8, 128)
+    full = bc.hack_decode_bytes(lay, [64 * 10 + 5], 32)
+    assert bench.cuda_decode_bytes(lay, [64 * 10 + 5], 32) == full - 10 * lay.k.sums.nbytes
+    per_page = lay.k.codes.nbytes + lay.k.minimum.nbytes + lay.k.scale.nbytes + lay.v.page_bytes
+    assert bench.cuda_decode_bytes(lay, [64 * 10], 0) == 10 * per_page + 2 * 8 * 128 * 2  # + the sink
+
+
+def test_targets_and_table():
+    cell = bench.Cell("llama3-8b", 32, 32768)
+    assert bench.targets(cell, 4.5, 0.6) == {"ge_1x": True, "ge_3x_batch8_8k": True, "ge_4x_32k": True,
+                                             "ge_half_copy_bw_32k": True}
+    small = bench.targets(bench.Cell("llama3-8b", 1, 2048), 0.8, 0.1)
+    assert small == {"ge_1x": False, "ge_3x_batch8_8k": None, "ge_4x_32k": None, "ge_half_copy_bw_32k": None}
+    times = {"cuda": 1.0, "cuda_fragment": 0.9, "triton": 20.0, "bf16": 4.0}
+    nbytes = {"cuda": 2 * 10**9, "cuda_fragment": 2 * 10**9, "triton": 2 * 10**9, "bf16": 12 * 10**9}
+    row = bench.row_from(cell, times, nbytes, 5e12, (1, 512))
+    assert row["cuda_vs_bf16"] == 4.0 and row["fragment_vs_bf16"] == 4.44 and row["cuda_vs_triton"] == 20.0
+    assert row["targets"]["ge_4x_32k"] and row["targets"]["ge_half_copy_bw_32k"] is False  # 2 TB/s of 5
+    doc = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-12-01", "command": "python -m hack_cli.bench_decode_cuda",
+           "bf16_baseline": "sdpa-flash", "torch": "2.11", "triton": "3.6.0", "nvcc": "V13.0.88", "repeats": 20,
+           "warmup": 3, "copy_bandwidth_gb_per_s": 5000.0, "complete": True, "results": [row],
+           "skipped": [{"shape": "llama3-8b", "batch": 128, "context": 131072, "reason": "needs x"}]}
+    text = bench.table(doc)
+    assert "NVIDIA H100 80GB HBM3 (2026-12-01)" in text and "**sdpa-flash**" in text
+    assert ("| llama3-8b | 32 | 32768 | 1.000 | 0.900 | 20.000 | 4.000 | x4.00 | x4.44 | 2000 (40%) | 3000 (60%) "
+            "| missed: ge_half_copy_bw_32k |") in text
+    assert "| 128 | 131072 | skipped: needs x |" in text
+    assert "Stopped early: 1 of 9" in bench.table({**doc, "complete": False, "cells_done": 1, "cells_planned": 9})
+
+
+def test_from_json_renders_into_the_docs(tmp_path, monkeypatch, capsys):
+    row = bench.row_from(bench.Cell("qwen2.5-7b", 8, 8192), {"cuda": 0.5, "cuda_fragment": 0.45, "triton": 5.0,
+                                                             "bf16": 1.0},
+                         {m: 10**9 for m in bench.METHODS}, 4e12, (2, 64))
+    doc = {"device": "NVIDIA H100", "date": "2026-12-01", "command": "python -m hack_cli.bench_decode_cuda",
+           "bf16_baseline": "sdpa-flash", "torch": "2.11", "triton": "3.6.0", "repeats": 20, "warmup": 3,
+           "copy_bandwidth_gb_per_s": 3000.0, "results": [row]}
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps(doc))
+    kernels = tmp_path / "kernels.md"
+    kernels.write_text("# Kernels\n\n<!-- bench-decode-cuda:begin -->\nold\n<!-- bench-decode-cuda:end -->\ntail\n")
+    monkeypatch.setattr(bench, "DOC", kernels)
+    monkeypatch.setattr(bench, "DOCS", tmp_path)
+    assert bench.main(["--from-json", str(src)]) == 0
+    text = kernels.read_text()
+    assert "old" not in text and text.endswith("tail\n")
+    assert "| qwen2.5-7b | 8 | 8192 | 0.500 | 0.450 | 5.000 | 1.000 | x2.00 |" in text
+    assert "missed: ge_3x_batch8_8k" in text
+    assert json.loads((tmp_path / "bench" / "decode-cuda.json").read_text())["device"] == "NVIDIA H100"
+    src.write_text("{}")
+    assert bench.main(["--from-json", str(src)]) == 2
