@@ -39,7 +39,7 @@ from engine.args import LAYER_SPEC_METAVAR, layer_list
 from engine.layer_sets import resolve_for_model_path
 from hack_eval.models import MODELS
 from hack_ops.config import RaisedTensors
-from .server_methods import METHODS, method_args
+from .server_methods import METHOD_NAMES, is_method, method_args
 from hack_metrics import rundir
 
 from .bench_doc import DOCS, command_line, replace_block
@@ -48,7 +48,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("serve", help="real servers: capacity, decode/prefill speed, throughput (HACK vs BF16)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--quick", action="store_true", help="contexts 128 and 2K, fewer tokens and requests")
-    p.add_argument("--methods", default="bf16,hack", help=f"comma-separated, of {', '.join(METHODS)}")
+    p.add_argument("--methods", default="bf16,hack", help=f"comma-separated, of {', '.join(METHOD_NAMES)}")
     p.add_argument("--contexts", default=None, help="comma-separated prompt lengths (default 128,2048,8000)")
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens generated per decode run (default 32)")
     p.add_argument("--concurrency", type=int, default=8)
@@ -173,17 +173,25 @@ def metrics_env(run_dir: Path) -> dict[str, str]:
             "HACK_METRICS_INSTANCE": "0", "HACK_METRICS_PROMETHEUS": "0"}
 
 
+def _context_limit(model_path: str) -> int:
+    """The longest prompt a context cell may take on this model: its max_position_embeddings,
+    less room for the decode and throughput tokens (SmolLM2: 8192 -> 8100)."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    return int(cfg.get("max_position_embeddings", 8192)) - 92
+
+
 def run(args: argparse.Namespace) -> int:
     from hack_eval.models import prepare
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if not is_method(m)]
     if bad or "bf16" not in methods:
-        raise ValueError(f"--methods must include bf16 and only name {list(METHODS)}, got {args.methods!r}")
+        raise ValueError(f"--methods must include bf16 and only name {METHOD_NAMES}, got {args.methods!r}")
     contexts = ([int(x) for x in args.contexts.split(",")] if args.contexts
                 else ([128, 2048] if args.quick else [128, 2048, 8000]))
-    if min(contexts) <= 0 or max(contexts) > 8100:
-        raise ValueError("contexts must be in 1..8100 (SmolLM2's context is 8192 tokens)")
+    if min(contexts) <= 0:
+        raise ValueError("contexts must be positive")
     cfg = {"contexts": contexts, "decode_tokens": args.decode_tokens or (16 if args.quick else 32),
            "concurrency": args.concurrency, "requests": args.requests or (8 if args.quick else 16),
            "tp_prompt": 256 if args.quick else 512, "tp_tokens": 32 if args.quick else 64,
@@ -197,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1")
     say = (lambda *a: None) if args.json else print
     model_path = str(prepare(args.model, log=say))
+    limit = _context_limit(model_path)
+    if max(contexts) > limit:
+        raise ValueError(f"contexts must be at most {limit} for {args.model} (its context is {limit + 92} tokens, "
+                         "less room for the generated ones)")
     if "hack-4bit-layers" in methods:  # 'full' as the model's indices, for the record and the servers
         cfg["four_bit_layers"] = list(resolve_for_model_path(layers, model_path))
         cfg["four_bit_tensors"] = getattr(args, "four_bit_tensors", "kv")

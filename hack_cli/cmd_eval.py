@@ -11,7 +11,7 @@ from engine.args import LAYER_SPEC_METAVAR, layer_list
 from hack_eval.models import MODELS
 from hack_ops.rotation import Rotation
 
-from .server_methods import METHODS as SERVED_METHODS
+from .server_methods import METHOD_NAMES as SERVED_METHODS
 
 # hack_eval.attention_paths.AttentionPath's values (that module imports torch, which `hack --help`
 # should not wait for; tests/test_eval_attention_paths.py checks they agree).

@@ -10,7 +10,7 @@ from typing import Callable
 
 from hack_eval.workloads import common_prefix, recall_prompt
 
-from .server_methods import METHODS, method_args
+from .server_methods import METHOD_NAMES, is_method, method_args
 
 
 def recall_rows(prompts: list, outputs: dict[str, list[list[int]]], capacity: dict[str, int],
@@ -35,9 +35,9 @@ def run_served_recall(model_name: str, methods: list[str], prompts: int = 6, n_n
     from engine.launcher import SGLangServer
     from hack_eval.models import prepare
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if not is_method(m)]
     if unknown or not methods:
-        raise ValueError(f"--served takes methods of {list(METHODS)}, got {methods!r}")
+        raise ValueError(f"--served takes methods of {METHOD_NAMES}, got {methods!r}")
     if prompts < 1 or n_new < 1:
         raise ValueError("need at least one prompt and one new token")
     methods = ["bf16"] + [m for m in dict.fromkeys(methods) if m != "bf16"]

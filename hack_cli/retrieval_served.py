@@ -14,7 +14,7 @@ from typing import Callable
 
 from hack_eval.retrieval import ANSWER, DEPTHS, INTRO, NEEDLE, QUESTION, Item, build_items
 
-from .server_methods import METHODS, method_args
+from .server_methods import METHOD_NAMES, is_method, method_args
 
 SERVED_MODE = "served"
 
@@ -51,9 +51,9 @@ def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, me
     from hack_eval.accuracy import MODEL_TITLES
     from hack_eval.models import prepare
 
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if not is_method(m)]
     if unknown or not methods:
-        raise ValueError(f"--served takes methods of {list(METHODS)}, got {methods!r}")
+        raise ValueError(f"--served takes methods of {METHOD_NAMES}, got {methods!r}")
     server_args = {m: method_args(m, four_bit_layers, raised) for m in methods}  # refuses a missing --4bit-layers now
     path = prepare(model_name, log=log)
     items = build_items(AutoTokenizer.from_pretrained(str(path)), contexts, per_cell, seed)

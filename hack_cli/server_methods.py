@@ -21,13 +21,34 @@ METHODS = {
 }
 
 
+# hack-sparse-TOKENS: the default server with sparse decode at that budget (--hack-sparse-budget)
+SPARSE_PREFIX = "hack-sparse-"
+METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS"]
+
+
+def sparse_budget(method: str) -> int | None:
+    """The token budget a hack-sparse-TOKENS method names (None: not such a method)."""
+    tail = method[len(SPARSE_PREFIX):] if method.startswith(SPARSE_PREFIX) else ""
+    return int(tail) if tail.isdigit() and int(tail) > 0 else None
+
+
+def is_method(method: str) -> bool:
+    return method in METHODS or sparse_budget(method) is not None
+
+
 def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None", raised: str = "kv") -> list[str]:
     """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers: indices,
     or a set's name that the server resolves from the model's config; raised 'k' or 'v' gives
-    only that tensor of those layers 4 bits: --hack-4bit-tensors)."""
+    only that tensor of those layers 4 bits: --hack-4bit-tensors; hack-sparse-TOKENS is the
+    default server with --hack-sparse-budget TOKENS)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors
 
+    budget = sparse_budget(method)
+    if budget is not None:
+        return [*METHODS["hack"], "--hack-sparse-budget", str(budget)]
+    if method not in METHODS:
+        raise ValueError(f"unknown KV method {method!r}: choose from {', '.join(METHOD_NAMES)}")
     if method != "hack-4bit-layers":
         return list(METHODS[method])
     if four_bit_layers is None or four_bit_layers is LayerSet.NONE:

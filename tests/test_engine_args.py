@@ -63,6 +63,20 @@ def test_every_option_maps_onto_settings(parser):
     assert settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]) == s
 
 
+def test_sparse_options_map_onto_settings(parser):
+    from hack_ops.sparse import SparseConfig
+
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-sparse-budget", "2048", "--hack-sparse-recent", "128",
+                "--hack-sparse-dense-layers", "1", "--hack-sparse-share-layers", "2", "--hack-sparse-score", "linear",
+                "--hack-sparse-groups", "8")
+    apply_cli_namespace(ns)
+    s = settings_mod.active()
+    assert s.sparse == SparseConfig(budget_tokens=2048, recent_tokens=128, dense_layers=1, share_layers=2,
+                                    score="linear", group_pages=8)
+    assert settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]) == s
+    assert not settings_mod.EngineSettings().sparse.enabled  # off by default
+
+
 def test_matching_page_size_and_backend_are_accepted(parser):
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--page-size", "64", "--attention-backend", "hack")
     apply_cli_namespace(ns)
@@ -86,6 +100,13 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--hack-4bit-tensors", "k"],
      "--hack-4bit-tensors k says which tensors of the raised layers take their bits; name those layers"),
     (["--hack-k-bits", "4"], "only apply with --kv-cache-dtype hack"),
+    (["--hack-sparse-budget", "1024"], "only apply with --kv-cache-dtype hack"),
+    (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", "--hack-attention", "dequant"],
+     "--hack-attention dequant (the strawman baseline) does not take it"),
+    (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", "--hack-orientation", "token_k"],
+     "--hack-orientation token_k quantizes K per token"),
+    (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "100"], "is under two pages of 64 tokens"),
+    (["--kv-cache-dtype", "hack", "--hack-sparse-share-layers", "2"], "sparse decode, which is off"),
 ])
 def test_bad_combinations_are_refused(parser, argv, message):
     ns = _parse(parser, *argv)
@@ -107,6 +128,9 @@ def test_bad_combinations_are_refused(parser, argv, message):
     ["--hack-4bit-tensors", "q"],
     ["--hack-kv-budget-mb", "0"],
     ["--kv-cache-dtype", "int3"],
+    ["--hack-sparse-budget", "-1"],
+    ["--hack-sparse-share-layers", "0"],
+    ["--hack-sparse-score", "mean"],
 ])
 def test_malformed_values_are_argparse_errors(parser, argv, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -256,3 +256,13 @@ def test_compiled_selection_equals_the_reference(kw, score):
     torch_path = _as_table(plan, idx, count, n_closed, P)
     for name in ("positions", "table", "n_closed", "seq_lens", "resident"):
         assert torch.equal(getattr(compiled, name), getattr(torch_path, name)), name
+
+
+def test_sparse_methods_of_the_served_benchmarks():
+    from hack_cli.server_methods import is_method, method_args, sparse_budget
+
+    assert sparse_budget("hack-sparse-2048") == 2048 and sparse_budget("hack-sparse-x") is None
+    assert not is_method("hack-sparse-0") and is_method("hack-sparse-1024") and is_method("hack")
+    assert method_args("hack-sparse-1024", None) == ["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024"]
+    with pytest.raises(ValueError, match="unknown KV method"):
+        method_args("hack-sparse", None)
