@@ -10,9 +10,9 @@
 #                 the Triton kernel and BF16 per cell   -> decode-cuda.json (after every cell), bench.log
 #   4. ncu        one launch of the kernel at batch 32 x 32K (Llama-3-8B shape), `ncu --set full`
 #                 (when ncu is installed and time is left)                       -> ncu.txt
-#   5. triton     only with HACK_GPU_CHECK_TRITON=1: the Triton kernel tests and
-#                 `hack bench attention --device cuda` (the earlier version of this script)
-#                                                             -> attention-cuda.json, triton-tests.log
+#   5. triton     only with HACK_GPU_CHECK_TRITON=1: the Triton kernel tests (cuda-marked first) and
+#                 `hack bench attention --device cuda` (what this script ran before the CUDA kernel)
+#                                                             -> triton-tests.log, attention-cuda.json
 # device.txt collects the GPU, the versions and every phase's exit status.
 # Back on a machine without a GPU: python -m hack_cli.bench_decode_cuda --from-json OUT_DIR/decode-cuda.json
 # writes docs/bench/decode-cuda.json and the table in docs/kernels.md.
@@ -80,12 +80,21 @@ else
   echo "ncu: not installed, skipped" | tee -a "$out/device.txt"
 fi
 
-# 5. the Triton kernels, on request.
+# 5. the Triton kernels, on request: their tests (cuda-marked first) and the attention benchmark.
 if [[ "${HACK_GPU_CHECK_TRITON:-0}" == 1 ]]; then
-  timeout "${HACK_GPU_TRITON_TEST_SECONDS:-420}" "$py" -m pytest tests/test_triton_decode.py tests/test_triton_prefill.py \
-    tests/test_triton_store.py "tests/test_triton_aot.py::test_launches_run_on_the_gpu_with_the_aot_registers" -v \
-    -p no:cacheprovider -p no:benchmark "${workers[@]}" -rfE --tb=short >"$out/triton-tests.log" 2>&1
-  echo "Triton kernel tests: exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
+  triton_tests=(tests/test_triton_decode.py tests/test_triton_prefill.py tests/test_triton_store.py
+                "tests/test_triton_aot.py::test_launches_run_on_the_gpu_with_the_aot_registers")
+  triton_s=${HACK_GPU_TRITON_TEST_SECONDS:-420}; t0=$SECONDS
+  for pass in cuda "not cuda"; do
+    left=$(( triton_s - (SECONDS - t0) ))
+    (( left > 10 )) || { echo "no time left for the Triton tests marked '$pass'" >>"$out/triton-tests.log"; continue; }
+    echo "=== Triton tests marked '$pass' (${left}s) ===" >>"$out/triton-tests.log"
+    per_test=()
+    (( has_timeout )) && per_test=(--timeout "$left")
+    timeout "$left" "$py" -m pytest "${triton_tests[@]}" -m "$pass" -v -p no:cacheprovider -p no:benchmark \
+      "${workers[@]}" "${per_test[@]}" -rfE --tb=short --durations=15 >>"$out/triton-tests.log" 2>&1
+    echo "Triton kernel tests marked '$pass': exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
+  done
   timeout "${HACK_GPU_TRITON_BENCH_SECONDS:-300}" "$py" -m hack_cli.bench_attention_gpu \
     --out "$out/attention-cuda.json" >>"$out/triton-tests.log" 2>&1
   echo "bench_attention_gpu: exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"

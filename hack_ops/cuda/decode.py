@@ -39,6 +39,10 @@ TOL_MEAN_ABS = 2.5e-4
 TOL_BF16_MAX_ABS = 1.5e-2
 
 
+def _fingerprint(t: Tensor | None) -> tuple | None:
+    return None if t is None else (t.data_ptr(), t.dtype, tuple(t.shape), t.stride(), t.device)
+
+
 def choose_splits(batch: int, kv_heads: int, span_pages: int, sms: int) -> int:
     """Splits of the sequence: enough blocks for BLOCKS_PER_SM per SM, never fewer than
     MIN_SPLIT_PAGES pages per split."""
@@ -84,6 +88,7 @@ class CudaDecodeAttention:
         self.order = CodeOrder(order)
         self.batch: PagedBatch | None = None
         self._splits: dict[int, tuple[int, int]] = {}
+        self._last: tuple | None = None  # (arguments' fingerprint, Call, library) of the last run
 
     def plan(self, kv_indptr: Tensor, kv_indices: Tensor, seq_lens: Tensor,
              tail_rows: Tensor | None = None, sink_slots: Tensor | None = None) -> None:
@@ -91,6 +96,7 @@ class CudaDecodeAttention:
         index); sink_slots: sink row per request (default: the sequence's first page)."""
         self.batch = plan_batch(kv_indptr, kv_indices, seq_lens, PAGE, None, tail_rows, sink_slots)
         self._splits = {}
+        self._last = None
 
     def splits(self, window: int | None) -> tuple[int, int]:
         """(num_splits, pages_per_split) over the pages a query of this batch can see."""
@@ -112,10 +118,20 @@ class CudaDecodeAttention:
         logit_cap > 0: tanh soft-capping."""
         if q.device.type != "cuda":
             raise ValueError(f"the CUDA decode kernel runs on CUDA tensors, got q on {q.device}")
-        call = self.prepare(q, k_buf, v_buf, tail_k, tail_v, sink_k, sink_v, out, window, logit_cap)
-        if call.params is None:
-            return call.out
-        lib = load(call.variant, device_arch(q.device))
+        # A call repeating the last one's tensors (same memory, shapes, strides: a benchmark, a
+        # CUDA-graph warm-up) reuses its checked arguments: the launch then costs ~10 µs of Python.
+        key = None
+        if out is not None:
+            key = (self.sm_scale, window, logit_cap, *(_fingerprint(t) for t in (q, k_buf, v_buf, tail_k, tail_v, sink_k,
+                                                                                  sink_v, out)))
+        if key is not None and self._last is not None and self._last[0] == key:
+            call, lib = self._last[1], self._last[2]
+        else:
+            call = self.prepare(q, k_buf, v_buf, tail_k, tail_v, sink_k, sink_v, out, window, logit_cap)
+            if call.params is None:
+                return call.out
+            lib = load(call.variant, device_arch(q.device))
+            self._last = (key, call, lib) if key is not None else None
         stream = torch.cuda.current_stream(q.device).cuda_stream
         err = lib.hack_cuda_decode(ctypes.byref(call.params), q.device.index or 0, ctypes.c_void_p(stream))
         if err:
