@@ -2,24 +2,28 @@
 # The GPU checks in one prepared run, for a machine with a CUDA GPU, nvcc, and only torch, triton,
 # numpy and pytest (pytest-xdist and pytest-timeout used when present). Everything lands in OUT_DIR
 # (default ./gpu-check), written as it happens, so a run stopped at a time limit keeps what it did.
-# In order, each phase within its own time limit (about 8 minutes in all by default):
-#   1. build      the CUDA decode kernel's libraries for this GPU, in parallel    -> build.log
-#   2. tests      tests/test_cuda_decode.py (the cases marked cuda first) and the static checks
-#                                                                                -> tests.log, failures.log
-#   3. bench      python -m hack_cli.bench_decode_cuda: the CUDA kernel, its fragment-order variant,
-#                 the Triton kernel and BF16 per cell   -> decode-cuda.json (after every cell), bench.log
-#   4. ncu        one launch of the kernel at batch 32 x 32K (Llama-3-8B shape), `ncu --set full`
-#                 (when ncu is installed and time is left)                       -> ncu.txt
-#   5. triton     only with HACK_GPU_CHECK_TRITON=1: the Triton kernel tests (cuda-marked first) and
-#                 `hack bench attention --device cuda` (what this script ran before the CUDA kernel)
-#                                                             -> triton-tests.log, attention-cuda.json
-# device.txt collects the GPU, the versions and every phase's exit status.
+# In order, each phase within its own limit and all within TOTAL_SECONDS (default 480: 8 minutes;
+# a phase that would start with under 20 s left is skipped and says so):
+#   1. build   the CUDA decode kernel's libraries for this GPU, in parallel (90 s)     -> run.log
+#   2. tests   tests/test_cuda_decode.py (the cases marked cuda first) and the static checks (150 s)
+#                                                                             -> tests.log, failures.log
+#   3. bench   python -m hack_cli.bench_decode_cuda: per cell the CUDA kernel, its fragment-order
+#              variant, the Triton kernel and BF16 (180 s)   -> decode-cuda.json (after every cell), run.log
+#   4. model   python -m hack_cli.bench_decode_model: Llama-3-8B shapes at 32K, tokens/s of BF16 and
+#              HACK KV at equal KV memory (120 s)                            -> decode-model.json, run.log
+#   5. ncu     one launch of the kernel at batch 32 x 32K, `ncu --set full` (60 s, when ncu is here)
+#                                                                                      -> ncu.txt
+#   6. triton  only with HACK_GPU_CHECK_TRITON=1, outside the total: the Triton kernel tests
+#              (cuda-marked first) and `hack bench attention --device cuda`
+#                                                                 -> tests.log, attention-cuda.json, run.log
+# device.txt collects the GPU, the versions and every phase's exit status (8 files at most in all).
+# Phase limits:
+# HACK_GPU_{BUILD,TEST,BENCH,MODEL,NCU}_SECONDS.
 # Back on a machine without a GPU: python -m hack_cli.bench_decode_cuda --from-json OUT_DIR/decode-cuda.json
 # writes docs/bench/decode-cuda.json and the table in docs/kernels.md.
-# Usage: scripts/gpu_check.sh [OUT_DIR] [TEST_SECONDS] [BENCH_SECONDS] [extra bench_decode_cuda args...]
+# Usage: scripts/gpu_check.sh [OUT_DIR] [TOTAL_SECONDS] [extra bench_decode_cuda args...]
 set -u
-out=${1:-gpu-check}; test_s=${2:-150}; bench_s=${3:-210}; shift $(( $# < 3 ? $# : 3 ))
-build_s=${HACK_GPU_BUILD_SECONDS:-90}; ncu_s=${HACK_GPU_NCU_SECONDS:-75}
+out=${1:-gpu-check}; total=${2:-480}; shift $(( $# < 2 ? $# : 2 ))
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HACK_KERNEL_DEVICE=cuda HACK_FAILURE_LOG="$out/failures.log"
@@ -44,17 +48,30 @@ has_timeout=0
 "$py" -c "import pytest_timeout" 2>/dev/null && has_timeout=1
 start=$SECONDS
 
-# 1. build: every variant the tests and the benchmark load, for this GPU, before anything times it.
-timeout "$build_s" "$py" -m hack_ops.cuda.build --head-dims 64,128,256 --dtypes bf16,fp16 --orders token,fragment \
-  --caps 0,1 >"$out/build.log" 2>&1
-echo "build: exit $? ($(( SECONDS - start ))s; 124: stopped at ${build_s}s)" | tee -a "$out/device.txt"
+# limit PHASE SECONDS: the phase's own limit or what the total leaves, whichever is less (0: skip).
+limit() {
+  local left=$(( total - (SECONDS - start) )) want=$2
+  (( want > left )) && want=$left
+  if (( want < 20 )); then echo "$1: skipped, ${left}s of the ${total}s total left" | tee -a "$out/device.txt"; echo 0
+  else echo "$want"; fi
+}
+
+# 1. build: every variant the tests and the benchmarks load, for this GPU, before anything times it.
+s=$(limit build "${HACK_GPU_BUILD_SECONDS:-90}" | tail -1)
+if (( s > 0 )); then
+  timeout "$s" "$py" -m hack_ops.cuda.build --head-dims 64,128,256 --dtypes bf16,fp16 --orders token,fragment \
+    --caps 0,1 >"$out/run.log" 2>&1
+  echo "build: exit $? ($(( SECONDS - start ))s; 124: stopped at ${s}s)" | tee -a "$out/device.txt"
+fi
 
 # 2. tests: the CUDA kernel on the GPU (cuda-marked first: what only a GPU shows), then the rest of
 # its files (they also run in CI, without a GPU).
 tests=(tests/test_cuda_decode.py tests/test_cuda_static.py)
+s=$(limit tests "${HACK_GPU_TEST_SECONDS:-150}" | tail -1)
 t0=$SECONDS
 for pass in cuda "not cuda"; do
-  left=$(( test_s - (SECONDS - t0) ))
+  (( s > 0 )) || break
+  left=$(( s - (SECONDS - t0) ))
   (( left > 10 )) || { echo "no time left for the tests marked '$pass'" >>"$out/tests.log"; continue; }
   echo "=== tests marked '$pass' (${left}s) ===" >>"$out/tests.log"
   per_test=()
@@ -63,40 +80,55 @@ for pass in cuda "not cuda"; do
     "${per_test[@]}" -rfE --tb=short --durations=10 >>"$out/tests.log" 2>&1
   echo "CUDA kernel tests marked '$pass': exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
 done
-echo "CUDA kernel tests: $(grep -c ' PASSED' "$out/tests.log") passed, $(grep -c ' FAILED' "$out/tests.log") failed" \
-  | tee -a "$out/device.txt"
+echo "CUDA kernel tests: $(grep -c ' PASSED' "$out/tests.log" 2>/dev/null) passed," \
+     "$(grep -c ' FAILED' "$out/tests.log" 2>/dev/null) failed" | tee -a "$out/device.txt"
 
 # 3. bench: the decode grid against BF16, the JSON rewritten after every cell.
-timeout "$bench_s" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@" >"$out/bench.log" 2>&1
-echo "bench_decode_cuda: exit $? (124: stopped at ${bench_s}s)" | tee -a "$out/device.txt"
-
-# 4. ncu: what bounds one launch (memory or issue), when the tool is here.
-if command -v ncu >/dev/null 2>&1; then
-  timeout "$ncu_s" ncu --target-processes all -k regex:hack_decode_kernel -c 1 --set full --page details --csv \
-    "$py" -m hack_cli.bench_decode_cuda --shapes llama3-8b --batches 32 --contexts 32768 --repeats 1 \
-    --out /tmp/hack-ncu-cell.json >"$out/ncu.txt" 2>&1
-  echo "ncu: exit $? (124: stopped at ${ncu_s}s)" | tee -a "$out/device.txt"
-else
-  echo "ncu: not installed, skipped" | tee -a "$out/device.txt"
+s=$(limit bench "${HACK_GPU_BENCH_SECONDS:-180}" | tail -1)
+if (( s > 0 )); then
+  echo "=== bench_decode_cuda ===" >>"$out/run.log"
+  timeout "$s" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@" >>"$out/run.log" 2>&1
+  echo "bench_decode_cuda: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
 fi
 
-# 5. the Triton kernels, on request: their tests (cuda-marked first) and the attention benchmark.
+# 4. model: tokens/s at equal KV memory (HACK's batch against BF16's), Llama-3-8B shapes at 32K.
+s=$(limit model "${HACK_GPU_MODEL_SECONDS:-120}" | tail -1)
+if (( s > 0 )); then
+  echo "=== bench_decode_model ===" >>"$out/run.log"
+  timeout "$s" "$py" -m hack_cli.bench_decode_model --out "$out/decode-model.json" >>"$out/run.log" 2>&1
+  echo "bench_decode_model: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
+fi
+
+# 5. ncu: what bounds one launch (memory or issue), when the tool is here.
+s=$(limit ncu "${HACK_GPU_NCU_SECONDS:-60}" | tail -1)
+if (( s > 0 )); then
+  if command -v ncu >/dev/null 2>&1; then
+    timeout "$s" ncu --target-processes all -k regex:hack_decode_kernel -c 1 --set full --page details --csv \
+      "$py" -m hack_cli.bench_decode_cuda --shapes llama3-8b --batches 32 --contexts 32768 --repeats 1 \
+      --out /tmp/hack-ncu-cell.json >"$out/ncu.txt" 2>&1
+    echo "ncu: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
+  else
+    echo "ncu: not installed, skipped" | tee -a "$out/device.txt"
+  fi
+fi
+echo "total: $(( SECONDS - start ))s" | tee -a "$out/device.txt"
+
+# 6. the Triton kernels, on request: their tests (cuda-marked first) and the attention benchmark.
 if [[ "${HACK_GPU_CHECK_TRITON:-0}" == 1 ]]; then
   triton_tests=(tests/test_triton_decode.py tests/test_triton_prefill.py tests/test_triton_store.py
                 "tests/test_triton_aot.py::test_launches_run_on_the_gpu_with_the_aot_registers")
   triton_s=${HACK_GPU_TRITON_TEST_SECONDS:-420}; t0=$SECONDS
   for pass in cuda "not cuda"; do
     left=$(( triton_s - (SECONDS - t0) ))
-    (( left > 10 )) || { echo "no time left for the Triton tests marked '$pass'" >>"$out/triton-tests.log"; continue; }
-    echo "=== Triton tests marked '$pass' (${left}s) ===" >>"$out/triton-tests.log"
+    (( left > 10 )) || { echo "no time left for the Triton tests marked '$pass'" >>"$out/tests.log"; continue; }
+    echo "=== Triton tests marked '$pass' (${left}s) ===" >>"$out/tests.log"
     per_test=()
     (( has_timeout )) && per_test=(--timeout "$left")
     timeout "$left" "$py" -m pytest "${triton_tests[@]}" -m "$pass" -v -p no:cacheprovider -p no:benchmark \
-      "${workers[@]}" "${per_test[@]}" -rfE --tb=short --durations=15 >>"$out/triton-tests.log" 2>&1
+      "${workers[@]}" "${per_test[@]}" -rfE --tb=short --durations=15 >>"$out/tests.log" 2>&1
     echo "Triton kernel tests marked '$pass': exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
   done
   timeout "${HACK_GPU_TRITON_BENCH_SECONDS:-300}" "$py" -m hack_cli.bench_attention_gpu \
-    --out "$out/attention-cuda.json" >>"$out/triton-tests.log" 2>&1
+    --out "$out/attention-cuda.json" >>"$out/run.log" 2>&1
   echo "bench_attention_gpu: exit $? (124: stopped at its time limit)" | tee -a "$out/device.txt"
 fi
-echo "total: $(( SECONDS - start ))s" | tee -a "$out/device.txt"

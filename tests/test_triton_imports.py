@@ -15,7 +15,7 @@ MODULES = ["test_triton_store", "test_triton_decode", "test_triton_prefill", "te
            "hack_cli.bench_attention", "hack_cli.bench_attention_options", "hack_ops.kernel_device", "hack_ops.triton.sass_profile", "test_sass_profile",
            # the CUDA decode kernel's tests, build and benchmark (scripts/gpu_check.sh runs them there)
            "test_cuda_decode", "test_cuda_static", "hack_ops.cuda.build", "hack_ops.cuda.profile", "hack_ops.cuda.simt",
-           "hack_ops.cuda.emulate", "hack_cli.bench_decode_cuda"]
+           "hack_ops.cuda.emulate", "hack_cli.bench_decode_cuda", "hack_cli.bench_decode_model"]
 
 # Run in a fresh interpreter: load the allowed packages (and what they pull in), then refuse
 # every new top-level module that is neither stdlib nor this project's.
