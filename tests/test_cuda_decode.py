@@ -242,10 +242,16 @@ def test_real_shapes(shape, batch, context):
 @pytest.mark.cuda
 def test_driver_registers_equal_the_static_profile():
     """What the driver loads is what the cubin profile (tests/test_cuda_static.py) measured."""
+    from pathlib import Path
+
+    import triton
+
     from hack_ops.cuda.build import ActDtype, Variant, device_arch
     from hack_ops.cuda.launch import kernel_attributes, load
     from hack_ops.cuda.profile import profile
 
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("Triton's wheel ships no cuobjdump here: the static profile cannot be read")
     arch = device_arch()
     for v in (Variant(128, ActDtype.BF16), Variant(128, ActDtype.BF16, CodeOrder.FRAGMENT)):
         attrs = kernel_attributes(load(v, arch), torch.cuda.current_device())
