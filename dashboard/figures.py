@@ -173,14 +173,19 @@ def average_breakdown_figure(views: dict[str, RunView], legend: bool = True) -> 
 
 
 def memory_figure(view: RunView, max_points: int = 1500) -> go.Figure:
-    """Per server: stacked bytes in codes / side tables / tails vs the BF16 equivalent."""
+    """Per server: stacked bytes in codes / side tables / tails vs the BF16 equivalent; with
+    sparse decode, the closed pages a decode step read per sparse layer beside the pages a dense
+    step reads there (right axis)."""
     title = TITLES["memory"]
     mem = analysis.memory_series(view.samples, view.t0_ns, max_points)
     if not len(mem):
         return _empty(title, "no memory samples yet")
     servers = list(dict.fromkeys(mem["server"]))
+    # sparse decode: the pages a decode step read beside those it would read dense (right axis)
+    sparse = bool(mem["pages_selected"].notna().any())
     fig = make_subplots(rows=len(servers), cols=1, shared_xaxes=True,
-                        subplot_titles=servers, vertical_spacing=0.08)
+                        subplot_titles=servers, vertical_spacing=0.08,
+                        specs=[[{"secondary_y": sparse}] for _ in servers])
     parts = MEMORY_PARTS
     if view.data.meta.get("kv_mode") == "bf16":     # a BF16 pool reports its KV as codes
         parts = (("bytes_codes", "BF16 KV", MEMORY_PARTS[0][2]),) + MEMORY_PARTS[1:]
@@ -194,6 +199,13 @@ def memory_figure(view: RunView, max_points: int = 1500) -> go.Figure:
                                  name="BF16 equivalent", line=dict(color="black", dash="dash"),
                                  legendgroup="bf16", showlegend=row == 1), row=row, col=1)
         fig.update_yaxes(title_text="MiB", row=row, col=1)
+        if sparse:
+            for col, name, dash in (("pages_visible", "pages a dense decode step reads", "dot"),
+                                    ("pages_selected", "pages the sparse step read", "solid")):
+                fig.add_trace(go.Scatter(x=m["t_s"], y=m[col], name=name, mode="lines",
+                                         line=dict(color="#8c564b", dash=dash), legendgroup=col,
+                                         showlegend=row == 1), row=row, col=1, secondary_y=True)
+            fig.update_yaxes(title_text="pages per step and layer", row=row, col=1, secondary_y=True)
     fig.update_xaxes(title_text="seconds since run start", row=len(servers), col=1)
     fig.update_layout(title=title, height=220 + 220 * len(servers))
     return fig

@@ -47,6 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="with --variants: keep only the rows in these attention modes (hack, dequant; "
                           "comma-separated), e.g. --variants =default --modes hack")
     _add_layer_bits_flag(acc)
+    acc.add_argument("--sparse-budgets", default=None, metavar="TOKENS[,TOKENS]",
+                     help="also score the default format under sparse decode at these token budgets (the server's "
+                          "--hack-sparse-budget): every position reads the closed pages its own selection keeps, "
+                          "as a decode step would; 'dequant' rows on the fast path, 'hack' rows on the reference "
+                          "(slow past 2K: e.g. --variants =default --modes dequant)")
     _add_report_flags(acc, "accuracy")
     acc.set_defaults(func=_accuracy)
 
@@ -190,9 +195,24 @@ def _accuracy(args: argparse.Namespace) -> int:
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
                     path=args.attention_path, four_bit_layers=_layer_indices(args),
-                    raised=_raised(args), four_bit_rotation=_four_bit_rotation(args))
+                    raised=_raised(args), four_bit_rotation=_four_bit_rotation(args),
+                    sparse_budgets=_sparse_budgets(args))
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
+
+
+def _sparse_budgets(args: argparse.Namespace) -> tuple[int, ...]:
+    """--sparse-budgets as positive token counts (ValueError naming the flag otherwise)."""
+    text = getattr(args, "sparse_budgets", None)
+    if not text:
+        return ()
+    try:
+        budgets = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--sparse-budgets takes comma-separated token counts, got {text!r}") from None
+    if not budgets or min(budgets) <= 0:
+        raise ValueError(f"--sparse-budgets takes positive token counts, got {text!r}")
+    return budgets
 
 
 def _layer_indices(args: argparse.Namespace) -> tuple[int, ...] | None:

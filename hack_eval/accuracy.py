@@ -28,7 +28,7 @@ from .attention_paths import AttentionPath, attention_path
 from .runner import EXACT, Variant, greedy, hidden_for, load_model, logits_from_hidden, row_path
 from .texts import essay_files, humaneval_prompts, play_files, token_windows
 from .variants import (byte_ratio, core_variants, generation_variants, layer_bits_variants, quick_variants,
-                       select_variants, study_variants)
+                       select_variants, sparse_variants, study_variants)
 
 
 @dataclass
@@ -110,8 +110,10 @@ def run_study(
     variants: list[Variant] | None = None,
     raised: tuple[RaisedTensors | str, ...] = (RaisedTensors.KV,),
     four_bit_rotation: Rotation | str = Rotation.NONE,
+    sparse_budgets: tuple[int, ...] = (),
 ) -> dict:
-    """variant_patterns: instead of the quick/core/full set, the rows of the full study whose
+    """sparse_budgets: add the default format under sparse decode at these token budgets
+    (variants.sparse_variants, in `modes` or both modes). variant_patterns: instead of the quick/core/full set, the rows of the full study whose
     name or config label contains one of these (plus the exact baseline). path: where the
     attention runs (attention_paths.AttentionPath; rows the fast paths refuse run on the
     reference either way, and each row records where it ran). modes: with variant_patterns,
@@ -122,7 +124,7 @@ def run_study(
     path = attention_path(path)
     explicit = variants is not None
     if variants is not None:
-        if variant_patterns is not None or quick or core or four_bit_layers:
+        if variant_patterns is not None or quick or core or four_bit_layers or sparse_budgets:
             raise ValueError("explicit variants replace every other row selection")
         if not variants or variants[0] != EXACT:
             raise ValueError("explicit variants start with the exact baseline")
@@ -130,11 +132,12 @@ def run_study(
         if quick or core:
             raise ValueError("--variants replaces --quick/--core (it selects from the full study); give one")
         variants = select_variants(study_variants(), variant_patterns, modes)  # before the model loads: fails fast
-    elif modes is not None:
-        raise ValueError("--modes filters the rows --variants selects; give --variants too")
+    elif modes is not None and not sparse_budgets:
+        raise ValueError("--modes filters the rows --variants (or --sparse-budgets) selects; give --variants too")
     else:
         variants = quick_variants() if quick else core_variants() if core else study_variants()
     raised_rows = layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation) if four_bit_layers else []
+    raised_rows += sparse_variants(sparse_budgets, modes) if sparse_budgets else []
     variants = variants + raised_rows
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
@@ -193,6 +196,7 @@ def run_study(
         "four_bit_layers": list(four_bit_layers or []),
         "raised_tensors": [raised_tensors(t).value for t in raised] if four_bit_layers else [],
         "four_bit_rotation": Rotation(four_bit_rotation).value if four_bit_layers else Rotation.NONE.value,
+        "sparse_budgets": list(sparse_budgets),
         "variant_patterns": variant_patterns, "modes": modes, "attention_path": path.value, "rows": rows,
     }
 

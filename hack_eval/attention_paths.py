@@ -28,13 +28,14 @@ import torch
 from torch import Tensor
 
 from hack_ops import AttentionMode, HackConfig, attention
-from hack_ops.attention import check_logit_cap, check_window, quantize_kv, soft_cap, visible
+from hack_ops.attention import check_logit_cap, check_window, k_page_tables, quantize_kv, soft_cap, visible
 from hack_ops.config import OpenMode
 from hack_ops.modes import attention_mode
 from hack_ops.paged.attention import extend, masked_dense
 from hack_ops.paged.store import HackKVStore
 from hack_ops.quant import dequantize
 from hack_ops.rotation import restore_output, rotate_qkv
+from hack_ops.sparse import SparseConfig, row_page_mask
 
 QUERY_BLOCK = 256  # queries per block: a [heads, 256, keys] score block instead of [heads, n, n]
 
@@ -77,13 +78,18 @@ def fast_refusal(config: HackConfig | None, mode: AttentionMode | str) -> str | 
 def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, mode: AttentionMode | str,
                     scale: float | None = None, window: int | None = None, logit_cap: float = 0.0,
                     path: AttentionPath | str = AttentionPath.FAST,
-                    tensors: QuantizedTensors | str = QuantizedTensors.KV) -> Tensor:
+                    tensors: QuantizedTensors | str = QuantizedTensors.KV,
+                    sparse: SparseConfig | None = None) -> Tensor:
     """Causal self-attention of one sequence, q [1, Hq, m, D] (the last m positions), k/v
     [1, H, n, D]; returns float32 [1, Hq, m, D] as hack_ops.attention does for the same
     arguments. On the reference for AttentionPath.REFERENCE, when fast_refusal() says so, or
     for m < n (a generation step). tensors: K or V alone quantized (the other read in FP16),
-    'dequant' mode on the fast path only."""
+    'dequant' mode on the fast path only. sparse: every query reads the pages its sparse
+    decode selection keeps (hack_ops.sparse): 'dequant' on the fast path, 'hack' on the
+    reference (the serving extend kernel has no per-query selection)."""
     mode, path, tensors = attention_mode(mode), attention_path(path), QuantizedTensors(tensors)
+    if sparse is not None and not sparse.enabled:
+        sparse = None
     if tensors != QuantizedTensors.KV and (mode != AttentionMode.DEQUANT or path != AttentionPath.FAST
                                            or q.shape[2] != k.shape[2] or fast_refusal(config, mode)):
         raise ValueError(f"K or V alone ({tensors.value}) is computed by the fast 'dequant' path over whole "
@@ -95,8 +101,12 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
     # Fewer queries than keys (a generation step over transformers' cache) is the reference's
     # bottom-right case; the fast paths take whole sequences.
     whole = q.shape[2] == k.shape[2]
-    if path == AttentionPath.REFERENCE or not whole or fast_refusal(config, mode) is not None:
-        return attention(q, k, v, cfg, mode=mode, causal=True, scale=scale, window=window, logit_cap=logit_cap)
+    if (path == AttentionPath.REFERENCE or not whole or fast_refusal(config, mode) is not None
+            or (sparse is not None and mode == AttentionMode.HACK)):
+        return attention(q, k, v, cfg, mode=mode, causal=True, scale=scale, window=window, logit_cap=logit_cap,
+                         sparse=sparse)
+    if sparse is not None and (mode != AttentionMode.DEQUANT or tensors != QuantizedTensors.KV):
+        raise ValueError("sparse decode is studied in 'hack' and 'dequant' modes with K and V quantized")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if mode == AttentionMode.EXACT:
         q, k, v = q.float(), k.float(), v.float()
@@ -113,7 +123,12 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
             vc = vo = v.half().float()
         elif tensors == QuantizedTensors.V:
             kc = ko = k.half().float()
-        out = _blocked(q * scale, kc, ko, vc, vo, cfg.partition_size, window, logit_cap)
+        pages = None
+        if sparse is not None:
+            if window is not None or cfg.orientation != "channel_k":
+                raise ValueError("sparse decode: orientation 'channel_k' and no sliding window")
+            pages = (sparse, *k_page_tables(k, cfg), cfg.bits("k"))
+        out = _blocked(q * scale, kc, ko, vc, vo, cfg.partition_size, window, logit_cap, pages)
     return restore_output(out, cfg.rotation)
 
 
@@ -147,12 +162,14 @@ def dequant_views(k: Tensor, v: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor
 
 
 def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: int,
-             window: int | None, logit_cap: float) -> Tensor:
+             window: int | None, logit_cap: float, sparse: tuple | None = None) -> Tensor:
     """Attention of scaled queries qs [1, Hq, n, D] over keys 0..t (and the window) in blocks of
     queries. Key j is read from the closed views (kc, vc) when j < ((t+1) // page) * page, the
     keys the query's partition has moved past, else from the open views (ko, vo). Keys before the block's first partition are closed and unmasked (but for the
     window) for every query of the block, so only the block's own partitions pay for the
-    choice and the causal mask. Memory O(heads * QUERY_BLOCK * keys)."""
+    choice and the causal mask. Memory O(heads * QUERY_BLOCK * keys). sparse: (SparseConfig,
+    K's page minimum, scale [1, H, pages, D], K bits): each query reads only the closed pages
+    its selection keeps (hack_ops.sparse.row_page_mask)."""
     n, rep = qs.shape[2], qs.shape[1] // kc.shape[1]
     heads = (lambda x: x.repeat_interleave(rep, 1)) if rep > 1 else (lambda x: x)
     kc, ko, vc, vo = heads(kc), heads(ko), heads(vc), heads(vo)
@@ -169,6 +186,14 @@ def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: i
         open_key = jd[None, :] >= (((t + 1) // page) * page)[:, None]  # [queries, keys from d_lo]
         s[..., d:] = torch.where(open_key, qb @ ko[:, :, d_lo:hi].transpose(-1, -2), s[..., d:])
         s = soft_cap(s, logit_cap)
+        if sparse is not None:  # no window here: keys 0..hi-1
+            cfg_sp, mn, sc, bits = sparse
+            h = kc.shape[1] // rep
+            keep = row_page_mask(qb.reshape(1, h, rep, hi - lo, qb.shape[-1]), mn, sc, bits, (t + 1) // page,
+                                 cfg_sp, page)  # [1, H, rows, pages]
+            keep = torch.nn.functional.pad(keep, (0, max(0, -(-hi // page) - keep.shape[-1])), value=True)
+            keep = keep.repeat_interleave(page, -1)[..., :hi]
+            s.masked_fill_(~(keep.repeat_interleave(rep, 1) if rep > 1 else keep), float("-inf"))
         if window is None:
             s[..., d:].masked_fill_(jd[None, :] > t[:, None], float("-inf"))
         else:

@@ -19,6 +19,8 @@ import torch
 from hack_ops import AttentionMode, HackConfig
 from hack_ops.modes import attention_mode
 
+from hack_ops.sparse import SparseConfig
+
 from .attention_paths import AttentionPath, QuantizedTensors, attention_path, fast_refusal, study_attention
 
 ATTN_NAME = "hack_reference"
@@ -35,6 +37,7 @@ class Variant:
     config: HackConfig | None = None
     layers: tuple[int, ...] | None = None
     tensors: QuantizedTensors = QuantizedTensors.KV
+    sparse: SparseConfig | None = None  # sparse decode in every query (hack_ops.sparse), its layers only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", attention_mode(self.mode))  # frozen: coerced once, here
@@ -70,8 +73,10 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
         cfg, mode, tensors = None, AttentionMode.EXACT, QuantizedTensors.KV
     if cfg is not None and cfg.per_layer:  # e.g. more bits for the first and last layer
         cfg = cfg.for_layer(int(module.layer_idx), int(module.config.num_hidden_layers))
+    sparse = var.sparse if var.sparse is not None and var.sparse.layer_is_sparse(int(module.layer_idx), window) \
+        and mode != AttentionMode.EXACT else None
     out = study_attention(query, key, value, cfg, mode, scale=scaling, window=window,
-                          logit_cap=softcap or 0.0, path=path, tensors=tensors)
+                          logit_cap=softcap or 0.0, path=path, tensors=tensors, sparse=sparse)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
@@ -87,6 +92,8 @@ def row_path(v: Variant, path: AttentionPath) -> AttentionPath:
     cfg = v.config
     if cfg is not None and cfg.per_layer:
         cfg = cfg.replace(edge_layer_bits=0, four_bit_layers=())
+    if v.sparse is not None and v.sparse.enabled and v.mode == AttentionMode.HACK:
+        return AttentionPath.REFERENCE  # the serving extend kernel has no per-query selection
     return AttentionPath.REFERENCE if fast_refusal(cfg, v.mode) is not None else path
 
 

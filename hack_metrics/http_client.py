@@ -19,7 +19,7 @@ import requests
 
 from hack_metrics.reader import StreamStatus
 from hack_metrics.runload import RunData, table_to_frame
-from hack_metrics.schema import COLUMNS, arrow_schema, check_schema
+from hack_metrics.schema import COLUMNS, arrow_schema, check_schema, conform
 
 MAX_PAGES = 50   # per stream and load: bounds one refresh on a huge backlog
 
@@ -128,7 +128,7 @@ class HttpRunLoader:
                 except Exception as exc:
                     st.problem = f"reading events failed: {exc}"
                     break
-                self._batches[key].extend(table.to_batches())
+                self._batches[key].extend(conform(b) for b in table.to_batches())  # an older server's version too
                 st.rows += table.num_rows
                 self._cursor[key] = int(r.headers.get("X-Hack-Next", 0))
                 st.last_seq = self._cursor[key]

@@ -142,6 +142,7 @@ class StreamTail:
                 else:
                     batch = pa.ipc.read_record_batch(message, self._schema)
                     batch.validate(full=True)
+                    batch = S.conform(batch)  # an older version's stream: its missing columns as nulls
                     out.append(batch)
                     st.rows += batch.num_rows
                     if batch.num_rows:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+SCHEMA_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
 VERSION_KEY = b"hack.schema_version"
 
 POINT_KINDS = ("arrival", "first_token", "finish", "error")
@@ -50,7 +50,12 @@ ROLES = ("prefill", "decode", "colocated", "router")
 METHODS = ("timer", "attributed", "derived")
 
 SAMPLE_FIELDS = ("pages_used", "pages_total", "bytes_codes", "bytes_side", "bytes_tail",
-                 "bytes_bf16", "running", "queued", "rss_bytes")
+                 "bytes_bf16", "running", "queued", "rss_bytes", "pages_selected", "pages_visible")
+# Columns each version added. Version 2: sparse decode's pages per decode step and sparse
+# layer over the sample's interval, summed over the batch: `pages_selected` (the closed pages
+# the selection read) and `pages_visible` (the closed pages a dense step reads there); null
+# without sparse decode or without a decode step in the interval.
+ADDED_IN = {2: ("pages_selected", "pages_visible")}
 
 _FIELDS = [
     ("schema_version", pa.uint16(), False),
@@ -107,7 +112,7 @@ def check_schema(schema: pa.Schema, source: str = "stream") -> int:
         raise SchemaVersionError(
             f"{source}: metrics schema version {version} is not supported "
             f"(this code reads version {known}); upgrade sglang-hack to read it")
-    missing = [c for c in COLUMNS if c not in schema.names]
+    missing = [c for c in columns_of(version) if c not in schema.names]
     if missing:
         raise SchemaVersionError(f"{source}: schema version {version} but columns "
                                  f"{missing} are missing")
@@ -134,3 +139,20 @@ def validate_record(row: dict) -> None:
     if kind != "sample" and kind != "error" and row.get("rid") is None \
             and row.get("room") is None:
         raise ValueError(f"kind {kind!r} needs a rid or a room")
+
+
+def columns_of(version: int) -> tuple[str, ...]:
+    """The columns a stream of `version` holds (later versions only add columns)."""
+    later = {c for v, cols in ADDED_IN.items() if v > version for c in cols}
+    return tuple(c for c in COLUMNS if c not in later)
+
+
+def conform(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch of an older supported version in the current schema: the columns its version
+    lacks are added as nulls, so readers see one schema whatever wrote the stream."""
+    if batch.schema.names == list(COLUMNS):
+        return batch
+    schema = arrow_schema()
+    cols = [batch.column(name) if name in batch.schema.names else pa.nulls(batch.num_rows, schema.field(name).type)
+            for name in COLUMNS]
+    return pa.RecordBatch.from_arrays(cols, schema=schema)

@@ -54,6 +54,7 @@ from .homomorphic import homomorphic_matmul_q, pv_token_v_codes, pv_token_v_min,
 from .modes import AttentionMode, attention_mode
 from .quant import QTensor, dequantize, quantize, widest_channels
 from .rotation import restore_output, rotate_qkv
+from .sparse import SparseConfig, row_page_mask
 
 MODES = tuple(AttentionMode)
 
@@ -95,11 +96,14 @@ def attention(
     generator: torch.Generator | None = None,
     window: int | None = None,
     logit_cap: float = 0.0,
+    sparse: SparseConfig | None = None,
 ) -> Tensor:
     """Attention over dense [batch, heads, seq, head_dim] tensors; GQA when k/v have fewer
     heads. Queries are the last len(q) positions of the sequence (causal, bottom-right).
     window: sliding window (keys t-window..t visible; None or -1: none); logit_cap: soft-cap
-    of the scaled scores (0: none). Returns float32 [batch, q_heads, len(q), head_dim]."""
+    of the scaled scores (0: none). sparse: every query reads only the closed pages its
+    selection keeps (hack_ops.sparse, as a decode step would: 'hack' or 'dequant' mode,
+    'channel_k', no window). Returns float32 [batch, q_heads, len(q), head_dim]."""
     mode = _check(q, k, v, mode)
     window = check_window(window)
     logit_cap = check_logit_cap(logit_cap)
@@ -111,6 +115,10 @@ def attention(
         raise ValueError(f"{cfg.label()} differs per layer: pass config.for_layer(layer, num_layers)")
     if mode != AttentionMode.EXACT and cfg.k_outlier_channels >= d:
         raise ValueError(f"k_outlier_channels ({cfg.k_outlier_channels}) must be below head_dim {d}")
+    if sparse is not None and sparse.enabled and (mode == AttentionMode.EXACT or window is not None
+                                                  or cfg.orientation != "channel_k"):
+        raise ValueError("sparse decode selects closed pages from K's per-channel side tables: a quantized "
+                         "mode, orientation 'channel_k', no sliding window")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     rep = q.shape[1] // k.shape[1]
     pos = _positions(q.shape[2], k.shape[2], causal)
@@ -125,8 +133,38 @@ def attention(
         s = s.masked_fill(~valid, float("-inf"))
         out = torch.softmax(s, -1) @ vf
     else:
-        out = _quantized_attention(qs, k, v, cfg, mode, pos, rep, generator, window, logit_cap)
+        keep = None
+        if sparse is not None and sparse.enabled:
+            keep = sparse_key_mask(qs, k, cfg, sparse, pos)
+        out = _quantized_attention(qs, k, v, cfg, mode, pos, rep, generator, window, logit_cap, keep)
     return restore_output(out, cfg.rotation)
+
+
+def k_page_tables(k: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor]:
+    """K's per-channel minimum and scale of every whole page of k [B, H, n, D] as the store
+    quantizes them ('channel_k': sinks out of page 0's range), float [B, H, n // Π, D]."""
+    p = cfg.partition_size
+    npg = k.shape[-2] // p
+    j = torch.arange(npg * p)
+    kp = k[..., :npg * p, :].float()
+    mask = (j >= cfg.sink_tokens)[:, None].expand(kp.shape)
+    qt = quantize_kv(kp, dim=-2, group=p, cfg=cfg, gen=None, mask=mask, name="k")
+    return qt.minimum.float(), qt.scale.float()
+
+
+def sparse_key_mask(qs: Tensor, k: Tensor, cfg: HackConfig, sparse: SparseConfig, pos: Tensor) -> Tensor:
+    """The keys each query reads under sparse decode: bool [B, Hq, Sq, Skp] (keys padded to
+    whole pages), False on the closed pages its selection drops (hack_ops.sparse.row_page_mask
+    over the pages' K minimum and scale)."""
+    p = cfg.partition_size
+    b, hq, sq, d = qs.shape
+    h = k.shape[1]
+    mn, sc = k_page_tables(k, cfg)
+    npg_all = -(-k.shape[-2] // p)
+    keep = row_page_mask(qs.reshape(b, h, hq // h, sq, d), mn, sc, cfg.bits("k"), (pos + 1) // p, sparse, p)
+    if keep.shape[-1] < npg_all:  # the last, partial page is never closed
+        keep = torch.nn.functional.pad(keep, (0, npg_all - keep.shape[-1]), value=True)
+    return _heads(keep.repeat_interleave(p, -1), hq // h)
 
 
 def check_window(window: int | None) -> int | None:
@@ -292,7 +330,7 @@ def _pv_channel_v(pr: Tensor, w: Tensor, v: Tensor, vmask: Tensor, cfg: HackConf
 
 
 def _quantized_attention(qs, k, v, cfg: HackConfig, mode: AttentionMode, pos: Tensor, rep: int, gen,
-                         window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+                         window: int | None = None, logit_cap: float = 0.0, keep: Tensor | None = None) -> Tensor:
     sk = k.shape[-2]
     c = _Cache(pos, sk, cfg, window)
     k = _pad(k, c.skp)
@@ -312,6 +350,8 @@ def _quantized_attention(qs, k, v, cfg: HackConfig, mode: AttentionMode, pos: Te
             q_k = c.valid & not_sink
     s = torch.where(q_k, s_q, qs @ _heads(k.half().float(), rep).transpose(-1, -2))
     s = soft_cap(s, logit_cap).masked_fill(~c.valid, float("-inf"))
+    if keep is not None:  # sparse decode: the closed pages a query's selection drops
+        s = s.masked_fill(~keep, float("-inf"))
     pr = torch.exp(s - s.amax(-1, keepdim=True))  # unnormalized numerator; masked -> 0
     denom = pr.sum(-1, keepdim=True)
     # Values: same split.

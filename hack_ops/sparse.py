@@ -180,3 +180,28 @@ def gather_sequence(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
     nc = x.shape[0] // p
     parts = [x[int(i) * p:(int(i) + 1) * p] for i in pages.tolist()]
     return torch.cat([*parts, x[nc * p:]], 0)
+
+
+def row_page_mask(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tensor, cfg: SparseConfig,
+                  page_size: int) -> Tensor:
+    """The pages each query row of a teacher-forced pass reads under sparse decode, as if every
+    row were a decode step: q [B, H, R, Sq, D] (the R query heads of each KV head's group),
+    the pages' K minimum and scale [B, H, N, D], n_closed [Sq] (closed pages of each row).
+    Returns bool [B, H, Sq, N]: True for the closed pages the row's selection keeps and for
+    every page at or past its n_closed (not closed: the caller's visibility decides there).
+    One level only (the reference's; two levels are served, hack_ops.paged.sparse)."""
+    if cfg.group_pages:
+        raise ValueError("the reference's per-row selection is one level; two-level selection runs on the paged path")
+    b, h, r, sq, d = q.shape
+    n = minimum.shape[-2]
+    scores = page_scores(q.transpose(2, 3), minimum[:, :, None], scale[:, :, None], bits, cfg.score)  # [B, H, Sq, N]
+    rows = scores.permute(0, 2, 1, 3).reshape(b * sq, h, n)
+    nc = n_closed.to(torch.long).cpu().repeat(b)
+    budget = cfg.budget_pages(page_size)
+    idx, count = select_pages(rows, nc, budget, nc - min(cfg.recent_pages(page_size), budget - 1))
+    keep = torch.zeros(b * sq, h, n, dtype=torch.bool)
+    if idx.shape[-1]:
+        taken = torch.arange(idx.shape[-1])[None, None, :] < count[:, None, None]
+        keep.scatter_(-1, idx.clamp(max=n - 1), taken.expand(idx.shape).clone())
+    keep |= torch.arange(n)[None, None, :] >= nc[:, None, None]
+    return keep.reshape(b, sq, h, n).permute(0, 2, 1, 3)

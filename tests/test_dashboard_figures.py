@@ -74,6 +74,26 @@ def test_memory_and_compression_figures_are_downsampled_and_exact(runs):
     assert any(f"{wire:.2f}x" in a.text for a in comp.layout.annotations)
 
 
+def test_memory_figure_shows_the_pages_a_sparse_step_reads(tmp_path):
+    """With sparse decode (samples carry pages_selected / pages_visible) the memory chart adds
+    both, per step and layer, on its right axis; without, it has no such trace."""
+    run = write_synthetic_run(SyntheticSpec(requests=40, seed=3, sparse_budget=256), root=tmp_path)
+    view = Source(str(run), "dir").view()
+    fig = F.memory_figure(view)
+    def peak(name: str) -> float:
+        ys = [np.asarray(t.y, dtype=float) for t in fig.data if t.name == name]
+        return float(np.nanmax(np.concatenate(ys)))
+
+    sel = [t for t in fig.data if t.name == "pages the sparse step read"]
+    bf16_axes = {t.yaxis for t in fig.data if t.name == "BF16 equivalent"}
+    assert sel and not {t.yaxis for t in sel} & bf16_axes  # the right axis
+    assert peak("pages the sparse step read") <= peak("pages a dense decode step reads")
+    dec = view.samples[view.samples["server"] == "decode-0"]
+    assert peak("pages a dense decode step reads") == pytest.approx(float(dec["pages_visible"].max()))
+    plain = write_synthetic_run(SyntheticSpec(requests=40, seed=3), root=tmp_path / "plain")
+    assert not any(t.name == "pages the sparse step read" for t in F.memory_figure(Source(str(plain), "dir").view()).data)
+
+
 def test_latency_figure_equals_the_percentiles(runs):
     hack, bf16 = runs
     fig = F.latency_figure({"hack": hack, "bf16": bf16})

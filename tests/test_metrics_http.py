@@ -1,6 +1,8 @@
 """Live HTTP access to metrics streams: /hack/events?since=, /hack/streams, the client."""
 from __future__ import annotations
 
+from hack_metrics import schema as S
+
 import io
 import socket
 import threading
@@ -36,7 +38,7 @@ def test_events_since_and_limit(run):
     body = client.get("/hack/events", params={"since": 0}).json()
     assert [e["seq"] for e in body["events"]] == [1, 2, 3, 4, 5]
     assert body["next"] == 5 and body["more"] is False and body["closed"] is False
-    assert body["schema_version"] == 1 and body["stream"] == "prefill-0"
+    assert body["schema_version"] == S.SCHEMA_VERSION and body["stream"] == "prefill-0"
     body = client.get("/hack/events", params={"since": 3}).json()
     assert [e["rid"] for e in body["events"]] == ["r3", "r4"]
     body = client.get("/hack/events", params={"since": 1, "limit": 2}).json()

@@ -32,7 +32,7 @@ def test_round_trip_keeps_every_value_and_the_version(tmp_path):
     sink.close()
     table, status = read_stream(tmp_path / "prefill-0.arrows")
     assert status.closed and status.problem is None and status.version == S.SCHEMA_VERSION
-    assert table.schema.metadata[S.VERSION_KEY] == b"1"
+    assert table.schema.metadata[S.VERSION_KEY] == str(S.SCHEMA_VERSION).encode()
     rows = table.to_pylist()
     assert [r["seq"] for r in rows] == list(range(1, 8))
     assert {r["schema_version"] for r in rows} == {S.SCHEMA_VERSION}
@@ -45,6 +45,23 @@ def test_round_trip_keeps_every_value_and_the_version(tmp_path):
     assert table.column_names == list(S.COLUMNS)
 
 
+def test_a_version_1_stream_reads_with_the_later_columns_null(tmp_path):
+    """Streams written before version 2 (no sparse decode columns) still read, in today's
+    schema: the columns their version lacks are null."""
+    v1 = pa.schema([f for f in S.arrow_schema() if f.name in S.columns_of(1)], metadata={S.VERSION_KEY: b"1"})
+    assert "pages_selected" not in v1.names and "pages_used" in v1.names
+    row = {name: None for name in v1.names}
+    row.update(schema_version=1, seq=1, t_ns=5, kind="sample", role="decode", server="decode-0", pages_used=7)
+    path = tmp_path / "decode-0.arrows"
+    with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, v1) as w:
+        w.write_table(pa.Table.from_pylist([row], schema=v1))
+    table, status = read_stream(path)
+    assert status.problem is None and status.version == 1
+    assert table.column_names == list(S.COLUMNS)
+    got = table.to_pylist()[0]
+    assert got["pages_used"] == 7 and got["pages_selected"] is None and got["pages_visible"] is None
+
+
 def test_unknown_version_is_refused_with_a_clear_message(tmp_path):
     schema = S.arrow_schema().with_metadata({S.VERSION_KEY: b"99"})
     path = tmp_path / "decode-0.arrows"
@@ -52,7 +69,7 @@ def test_unknown_version_is_refused_with_a_clear_message(tmp_path):
         w.write_table(schema.empty_table())
     table, status = read_stream(path)
     assert table.num_rows == 0
-    assert "version 99 is not supported" in status.problem and "reads version 1" in status.problem
+    assert "version 99 is not supported" in status.problem and "reads version 1, 2" in status.problem
     with pytest.raises(S.SchemaVersionError, match="not a HACK metrics stream"):
         S.check_schema(pa.schema([("x", pa.int8())]))
 

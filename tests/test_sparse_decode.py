@@ -266,3 +266,49 @@ def test_sparse_methods_of_the_served_benchmarks():
     assert method_args("hack-sparse-1024", None) == ["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024"]
     with pytest.raises(ValueError, match="unknown KV method"):
         method_args("hack-sparse", None)
+
+
+@pytest.mark.parametrize("mode", ["hack", "dequant"])
+def test_reference_sparse_attention_is_each_row_a_sparse_decode_step(mode):
+    """hack_ops.attention(..., sparse=): a teacher-forced pass where every row reads only the
+    pages its own selection keeps. Its last row equals the paged sparse decode step, and a row
+    under the budget equals dense attention."""
+    from hack_ops.attention import k_page_tables
+
+    cfg = make_cfg(partition_size=P, sink_tokens=4)
+    sp = SparseConfig(budget_tokens=5 * P, recent_tokens=P, dense_layers=0)
+    n = 17 * P + 9
+    case = Case(cfg, lens=[n], heads=2, rep=3, seed=13)
+    case.extend([n - 1])
+    sparse = SparseDecode(sp)
+    out = case.decode(backend="torch", sparse=sparse)[0] if mode == "hack" else None
+    t = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+    ref = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode=mode, sparse=sp)[0].transpose(0, 1)
+    dense = attention(t(case.q[0]), t(case.k[0]), t(case.v[0]), cfg, mode=mode)[0].transpose(0, 1)
+    if out is not None:
+        assert float((ref[-1] - out).abs().max()) <= FLIP_TOL
+    assert torch.equal(ref[:6 * P - 1], dense[:6 * P - 1])  # rows with at most 5 closed pages read all
+    assert float((ref[-1] - dense[-1]).abs().max()) > 10 * FLIP_TOL  # and the last one did not
+    mn, sc = k_page_tables(t(case.k[0]), cfg)
+    assert mn.shape == (1, 2, 17, 64) and bool((sc >= 0).all())
+
+
+def test_study_fast_dequant_path_with_sparse_equals_the_reference():
+    """hack_eval's blocked 'dequant' path, where the study measures sparse decode's perplexity at
+    long contexts, selects and masks as the reference does (float round-off), across blocks."""
+    from hack_eval.attention_paths import QUERY_BLOCK, study_attention
+
+    cfg = make_cfg(partition_size=P, sink_tokens=4)
+    g = torch.Generator().manual_seed(17)
+    n, d = QUERY_BLOCK + 5 * P + 3, 64
+    q = torch.randn(1, 6, n, d, generator=g).half().float()
+    k = (torch.randn(1, 2, n, d, generator=g) * (1 + torch.arange(d) % 5)).half().float()
+    v = torch.randn(1, 2, n, d, generator=g).half().float()
+    sp = SparseConfig(budget_tokens=3 * P, recent_tokens=P, dense_layers=0)
+    fast = study_attention(q, k, v, cfg, "dequant", sparse=sp)
+    ref = attention(q, k, v, cfg, mode="dequant", sparse=sp)
+    assert float((fast - ref).abs().max()) <= 1e-4
+    dense = attention(q, k, v, cfg, mode="dequant")
+    assert float((fast - dense).abs().max()) > 1e-2  # the selection did drop pages
+    with pytest.raises(ValueError, match="sparse decode"):
+        study_attention(q, k, v, cfg, "dequant", sparse=sp, window=40)

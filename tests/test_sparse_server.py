@@ -38,13 +38,13 @@ def servers(model_path, tmp_path_factory):
               "--sleep-on-idle"]
     dense = SGLangServer(model_path, common, log_path=logs / "dense.log")
     sparse = SGLangServer(model_path, [*common, "--hack-sparse-budget", str(BUDGET), "--hack-sparse-recent", "64"],
-                          log_path=logs / "sparse.log")
+                          log_path=logs / "sparse.log", env={"HACK_METRICS_RUN_DIR": str(logs / "metrics")})
     try:
         dense.start()
         sparse.start()
         dense.wait_ready()
         sparse.wait_ready()
-        yield {"dense": dense, "sparse": sparse}
+        yield {"dense": dense, "sparse": sparse, "metrics_dir": logs / "metrics"}
     finally:
         dense.stop()
         sparse.stop()
@@ -53,7 +53,8 @@ def servers(model_path, tmp_path_factory):
 def test_sparse_server_recalls_what_the_dense_one_does(servers, model_path):
     items = [recall_prompt(model_path, i, n_new=NEW_TOKENS) for i in range(PROMPTS)]
     recalled = {}
-    for name, server in servers.items():
+    for name in ("dense", "sparse"):
+        server = servers[name]
         outs = [list(server.generate(p.ids, NEW_TOKENS)["output_ids"]) for p in items]
         recalled[name] = [common_prefix(o, list(p.source)) for o, p in zip(outs, items)]
     stats = servers["sparse"].kv_usage()["hack"]["sparse"]
@@ -95,3 +96,22 @@ def test_long_prompts_and_a_batch_decode_sparsely(servers, model_path):
     assert not errors, errors
     assert all(len(results[i]["output_ids"]) == 12 for i in range(3))
     assert sparse.proc.poll() is None
+
+
+def test_the_metrics_samples_show_pages_read_against_visible(servers):
+    """The sampler records, per decode step and sparse layer, the pages read and the pages a
+    dense step would read (what the dashboard's memory chart draws)."""
+    import time
+
+    from hack_metrics.runload import RunLoader
+
+    deadline = time.monotonic() + 30
+    while True:
+        rec = RunLoader(servers["metrics_dir"]).load().records
+        samples = rec[(rec["kind"] == "sample") & rec["pages_selected"].notna()] if len(rec) else rec
+        if len(samples) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert len(samples), "no sample carried sparse decode's pages"
+    assert (samples["pages_selected"] <= samples["pages_visible"]).all()
+    assert (samples["pages_selected"] < samples["pages_visible"]).any()

@@ -95,7 +95,8 @@ class StreamIndex:
                 first = seq[0].as_py()
                 picked.append(batch.slice(max(0, since - first + 1)))
             schema = self._tails[name].schema
-        table = pa.Table.from_batches(picked, schema=schema) if schema is not None \
+        # batches are in the current schema whatever version wrote the file (reader.conform)
+        table = pa.Table.from_batches(picked, schema=arrow_schema()) if schema is not None \
             else arrow_schema().empty_table()
         more = table.num_rows > limit
         return name, table.slice(0, limit), more

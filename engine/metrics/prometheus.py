@@ -17,7 +17,7 @@ Exported:
   hack:request_errors_total{role,server}
   hack:<sample field>{role,server}               the latest periodic sample (gauges):
       pages_used, pages_total, bytes_codes, bytes_side, bytes_tail, bytes_bf16,
-      running, queued, rss_bytes
+      running, queued, rss_bytes, pages_selected, pages_visible (sparse decode)
   hack:kv_compression_ratio{role,server}         bytes_bf16 / (codes + side + tail)
 """
 from __future__ import annotations

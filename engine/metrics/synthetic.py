@@ -31,6 +31,7 @@ class SyntheticSpec:
     error_every: int = 50          # every n-th request fails in transfer (0: never)
     step_records: int = 10         # the first n requests report every decode step
     sample_every_s: float = 0.5
+    sparse_budget: int = 0         # > 0: the decode server runs sparse decode (pages read per step)
 
 
 def _wire_ratio(mode: str) -> float:
@@ -156,5 +157,16 @@ def _samples(spec: SyntheticSpec, prompt, outlen, arrive, rows, horizon) -> list
                 "bytes_codes": int(full_tokens * BF16_BYTES_PER_TOKEN * ratio_codes),
                 "bytes_side": int(full_tokens * BF16_BYTES_PER_TOKEN * ratio_side),
                 "bytes_tail": int(tail_tokens * BF16_BYTES_PER_TOKEN),
-                "bytes_bf16": bf16, "rss_bytes": 900_000_000 + bf16 // 4}))
+                "bytes_bf16": bf16, "rss_bytes": 900_000_000 + bf16 // 4,
+                **_sparse_sample(spec, role, tokens)}))
     return out
+
+
+def _sparse_sample(spec: SyntheticSpec, role: str, tokens: np.ndarray) -> dict:
+    """A decode server with sparse decode: per step and sparse layer, the closed pages read
+    (at most the budget per request) beside the closed pages a dense step reads."""
+    if spec.sparse_budget <= 0 or role != "decode" or not len(tokens):
+        return {}
+    closed = tokens // PAGE
+    return {"pages_visible": int(closed.sum()),
+            "pages_selected": int(np.minimum(closed, max(2, spec.sparse_budget // PAGE)).sum())}

@@ -223,11 +223,22 @@ class SparseTotals:
     pages_resident: int = 0
     selections: int = 0
     steps: int = 0  # decode forwards with at least one sparse layer
+    layer_steps: int = 0  # (decode forward, sparse layer) pairs
 
     def as_dict(self) -> dict:
         frac = self.pages_read / self.pages_resident if self.pages_resident else None
         return {"pages_read": self.pages_read, "pages_resident": self.pages_resident, "selections": self.selections,
-                "steps": self.steps, "read_fraction": None if frac is None else round(frac, 4)}
+                "steps": self.steps, "layer_steps": self.layer_steps,
+                "read_fraction": None if frac is None else round(frac, 4)}
+
+    def per_layer_step_since(self, before: "SparseTotals") -> tuple[int | None, int | None]:
+        """(pages selected, pages visible) per (decode step, sparse layer) since `before`, summed
+        over the batch; (None, None) when no sparse layer ran in between."""
+        n = self.layer_steps - before.layer_steps
+        if n <= 0:
+            return None, None
+        return (round((self.pages_read - before.pages_read) / n),
+                round((self.pages_resident - before.pages_resident) / n))
 
 
 class SparseDecode:
@@ -273,4 +284,5 @@ class SparseDecode:
         if t is not None:
             t.pages_resident += resident
             t.pages_read += read
+            t.layer_steps += 1
         return sel
