@@ -118,8 +118,14 @@ def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScor
                     page_table=table.data_ptr(), k_pages=buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
 
 
-def _usable(store, layer: int) -> bool:
-    return store.device.type == "cpu" and store.layout_for(layer).k.per_channel and _library() is not None
+SEL_MAX_QD = 16384  # csrc/hack_select.c: query heads x head_dim of one request
+
+
+def _usable(store, layer: int, q: Tensor) -> bool:
+    """Whether the compiled selection takes this call (else the PyTorch path runs it)."""
+    d = store.head_dim
+    return (store.device.type == "cpu" and store.layout_for(layer).k.per_channel and d % 16 == 0 and d <= 256
+            and q.shape[1] // store.num_heads <= 16 and q.shape[1] * d <= SEL_MAX_QD and _library() is not None)
 
 
 def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str = PageScore.BOUND
@@ -127,7 +133,7 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
     """hack_ops.sparse.page_scores of every request's closed pages, by the compiled kernel
     reading K's minimum and scale inside the pages: float [B, H, N] (-inf past a request's
     closed pages), or None where the kernel is not available."""
-    if not _usable(store, layer):
+    if not _usable(store, layer, q):
         return None
     keep: list = []
     a = _score_args(store, layer, plan, q, score, keep)
@@ -140,7 +146,7 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
 def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
     """The one-level selection of select_for_decode in one compiled call (scores, top-k, the
     per-head page table), or None where the kernel is not available."""
-    if not _usable(store, layer):
+    if not _usable(store, layer, q):
         return None
     p = store.page_size
     keep: list = []

@@ -16,6 +16,7 @@
 #include "hack_kernel.h"
 
 #define SEL_PAGES 64
+#define SEL_MAX_QD 16384 /* query heads x head_dim of one request (Llama-3-70B: 64 x 128 = 8,192) */
 
 typedef struct {
     int64_t batch, heads, rep, head_dim, max_pages, width; /* width: the scores' last dim */
@@ -42,45 +43,60 @@ static inline void load_meta(const uint8_t *p, int64_t off, int fp32, int d, flo
 
 int hack_page_scores(const hack_select_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, W = a->width;
-    if (d > MAX_D || d % 16 || rep < 1 || rep > MAX_REP || W < 1) return -1;
+    if (d > MAX_D || d % 16 || rep < 1 || rep > MAX_REP || H < 1 || H * rep * d > SEL_MAX_QD || W < 1) return -1;
     for (int64_t b = 0; b < B; b++)
         if (a->n_closed[b] < 0 || a->n_closed[b] > W || a->n_closed[b] > a->max_pages) return -1;
-    const int64_t runs = (W + SEL_PAGES - 1) / SEL_PAGES, n_items = B * H * runs;
+    /* items: (request, run of pages), every KV head of a page in turn, so each page's side
+     * tables (all heads' minimums, then all heads' scales, each contiguous) are read once */
+    const int64_t runs = (W + SEL_PAGES - 1) / SEL_PAGES, n_items = B * runs;
     const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
     const float L = (float)a->levels, lin = (float)(a->alpha * a->levels);
     const int64_t meta_bytes = a->meta_fp32 ? 4 : 2;
+    const float mul = a->score == 0 ? L : lin;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
     for (int64_t it = 0; it < n_items; it++) {
-        const int64_t b = it / (H * runs), h = (it / runs) % H, p0 = (it % runs) * SEL_PAGES;
+        const int64_t b = it / runs, p0 = (it % runs) * SEL_PAGES;
         const int64_t p1 = p0 + SEL_PAGES < W ? p0 + SEL_PAGES : W, nc = a->n_closed[b];
-        const float *q = a->q + (b * H + h) * rep * d;
-        float qp[MAX_REP * MAX_D]; /* relu(q) for the bound, q for the linear score */
-        for (int64_t j = 0; j < rep * d; j++) qp[j] = a->score == 0 ? (q[j] > 0.0f ? q[j] : 0.0f) : q[j];
-        float *out = a->out + (b * H + h) * W;
+        const float *q = a->q + b * H * rep * d;
+        float qp[SEL_MAX_QD]; /* relu(q) for the bound, q for the linear score: [H * rep * d] */
+        for (int64_t j = 0; j < H * rep * d; j++) qp[j] = a->score == 0 ? (q[j] > 0.0f ? q[j] : 0.0f) : q[j];
         float mn[MAX_D], sc[MAX_D];
         for (int64_t p = p0; p < p1; p++) {
-            if (p >= nc) { out[p] = -INFINITY; continue; }
-            const uint8_t *page = a->k_pages + a->page_table[b * a->max_pages + p] * a->k_page_bytes;
-            load_meta(page, a->k_min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
-            load_meta(page, a->k_scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
-            float best = -INFINITY;
-            for (int64_t r = 0; r < rep; r++) {
-                const float *qr = q + r * d, *pr = qp + r * d;
-#if HACK_SIMD
-                __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-                for (int64_t c = 0; c < d; c += 16) {
-                    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(mn + c), s0);
-                    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(pr + c), _mm512_loadu_ps(sc + c), s1);
-                }
-                float s = _mm512_reduce_add_ps(s0) + (a->score == 0 ? L : lin) * _mm512_reduce_add_ps(s1);
-#else
-                float s0 = 0.0f, s1 = 0.0f;
-                for (int64_t c = 0; c < d; c++) { s0 += qr[c] * mn[c]; s1 += pr[c] * sc[c]; }
-                float s = s0 + (a->score == 0 ? L : lin) * s1;
-#endif
-                best = s > best ? s : best;
+            float *out = a->out + b * H * W + p;
+            if (p >= nc) {
+                for (int64_t h = 0; h < H; h++) out[h * W] = -INFINITY;
+                continue;
             }
-            out[p] = best;
+            const uint8_t *page = a->k_pages + a->page_table[b * a->max_pages + p] * a->k_page_bytes;
+            if (p + 1 < nc) { /* the next page's side tables while this one is scored */
+                const uint8_t *next = a->k_pages + a->page_table[b * a->max_pages + p + 1] * a->k_page_bytes;
+                for (int64_t off = 0; off < H * d * meta_bytes; off += 64) {
+                    __builtin_prefetch(next + a->k_min_off + off);
+                    __builtin_prefetch(next + a->k_scale_off + off);
+                }
+            }
+            for (int64_t h = 0; h < H; h++) {
+                load_meta(page, a->k_min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
+                load_meta(page, a->k_scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
+                float best = -INFINITY;
+                for (int64_t r = 0; r < rep; r++) {
+                    const float *qr = q + (h * rep + r) * d, *pr = qp + (h * rep + r) * d;
+#if HACK_SIMD
+                    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+                    for (int64_t c = 0; c < d; c += 16) {
+                        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(mn + c), s0);
+                        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(pr + c), _mm512_loadu_ps(sc + c), s1);
+                    }
+                    float v = _mm512_reduce_add_ps(_mm512_fmadd_ps(_mm512_set1_ps(mul), s1, s0));
+#else
+                    float s0 = 0.0f, s1 = 0.0f;
+                    for (int64_t c = 0; c < d; c++) { s0 += qr[c] * mn[c]; s1 += pr[c] * sc[c]; }
+                    float v = s0 + mul * s1;
+#endif
+                    best = v > best ? v : best;
+                }
+                out[h * W] = best;
+            }
         }
     }
     return 0;
