@@ -108,7 +108,7 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Decode speed, GPU kernel", (
         Source("docs/bench/attention-cuda.json", _gpu_decode,
-               "docs/kernels.md#running-on-a-gpu", "NVIDIA H200"),
+               "docs/kernels.md#measured-on-a-gpu", "NVIDIA H200"),
     )),
     Row("PD mean JCT, 7.5K-token documents", (
         Source("docs/bench/disagg.json",

@@ -5,8 +5,8 @@ compiles it with triton.compile(..., target=GPUTarget("cuda", cc, 32)) for sm80/
 (INT8 MMA) and sm70/75 (the fp16 fallback). It runs in a subprocess: this test process runs
 Triton in its CPU interpreter, and compiling needs the normal mode. What is checked: every
 kernel compiles for every target (a kernel that only works in the interpreter fails here),
-fits the target's shared memory, does not spill, and docs/kernels.md shows these numbers; the
-kernels with K codes of other bits than V's (HackConfig.k_bits) compile without spills too.
+fits the target's shared memory, does not spill, and docs/bench/aot-triton.md (linked from
+docs/kernels.md) shows these numbers; the kernels with K codes of other bits than V's (HackConfig.k_bits) compile without spills too.
 On a CUDA machine (tests/conftest.py), the same launches also run on the GPU and the driver's
 register counts are checked against the AOT numbers for that GPU's architecture.
 """
@@ -28,7 +28,7 @@ from hack_ops.triton.aot import (DOC_BEGIN, DOC_END, DOT_KERNELS, FALLBACK_TARGE
                                  markdown, update_docs)
 from hack_ops.triton.spec import int8_mma_supported
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "kernels.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "bench" / "aot-triton.md"  # linked from docs/kernels.md
 DEFAULT = VARIANTS[0].name  # the serving default: Π=64, D=128, GQA 4
 KERNELS = ("store", "store_tail", "prefill", "decode", "decode_combine", "decode_1split")
 
@@ -65,8 +65,8 @@ def test_resources_fit_and_int8_path_does_not_spill(compiled):
 
 @pytest.mark.slow
 def test_docs_show_these_numbers(compiled):
-    """docs/kernels.md carries the generated table (python -m hack_ops.triton.aot --update-docs
-    docs/kernels.md); it must match what this Triton produces."""
+    """docs/bench/aot-triton.md carries the generated table (python -m hack_ops.triton.aot
+    --update-docs docs/bench/aot-triton.md); it must match what this Triton produces."""
     text = DOCS.read_text()
     assert DOC_BEGIN in text and DOC_END in text
     table = text.split(DOC_BEGIN, 1)[1].split(DOC_END, 1)[0]

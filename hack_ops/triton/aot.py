@@ -7,7 +7,7 @@ thread and spills (cuobjdump --dump-resource-usage on the cubin, the numbers the
 see), and the PTX register declarations.
 
     python -m hack_ops.triton.aot                       # print the table
-    python -m hack_ops.triton.aot --update-docs docs/kernels.md --json aot.json
+    python -m hack_ops.triton.aot --update-docs docs/bench/aot-triton.md --json aot.json
 It must run without TRITON_INTERPRET (the tests call it in a subprocess for that reason).
 """
 from __future__ import annotations
