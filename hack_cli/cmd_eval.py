@@ -47,6 +47,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="with --variants: keep only the rows in these attention modes (hack, dequant; "
                           "comma-separated), e.g. --variants =default --modes hack")
     _add_layer_bits_flag(acc)
+    acc.add_argument("--bits-plan", action="store_true",
+                     help="score exactly three rows instead of a selection: exact, the plain 2-bit default and the "
+                          "default with the model's calibrated bit plan (what a server's --hack-bits auto loads; "
+                          "`hack calibrate`), in the --modes given (default hack)")
     acc.add_argument("--sparse-budgets", default=None, metavar="TOKENS[,TOKENS]",
                      help="also score the default format under sparse decode at these token budgets (the server's "
                           "--hack-sparse-budget): every position reads the closed pages its own selection keeps, "
@@ -96,6 +100,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     rec.add_argument("--out", default=None, help="markdown report ('' = none; default docs/study/recall-MODEL.md)")
     rec.add_argument("--json-out", default=None, help="raw results ('' = none; default docs/study/recall-MODEL.json)")
     rec.set_defaults(func=_recall)
+
+    fid = esub.add_parser("fidelity", help="prefill fidelity through real servers: each method's greedy "
+                                           "continuation of ShareGPT turns against BF16's")
+    fid.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
+    fid.add_argument("--served", default="bf16,hack-homomorphic-prefill,hack-exact-prefill,hack-dense-prefill",
+                     metavar="METHODS", help="KV methods, one server each (comma-separated, of "
+                                             f"{', '.join(SERVED_METHODS)}; bf16, the reference, always runs)")
+    fid.add_argument("--prompts", type=int, default=6, help="ShareGPT first turns of 256-2048 tokens (default 6)")
+    fid.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    fid.add_argument("--budget-mb", type=float, default=256.0, help="the KV budget of every server (default 256)")
+    fid.add_argument("--out", default=None, help="markdown report ('' = none; default docs/study/fidelity-MODEL.md)")
+    fid.add_argument("--json-out", default=None, help="raw results ('' = none; default docs/study/fidelity-MODEL.json)")
+    fid.set_defaults(func=_fidelity)
 
     lay = esub.add_parser("layers", help="where the 2-bit error sits: each layer alone, K against V "
                                          "(dequant mode, teacher-forced over the study's windows)")
@@ -190,6 +207,12 @@ def _accuracy(args: argparse.Namespace) -> int:
     if args.context < 2 or args.essays < 0 or args.plays < 0 or args.essays + args.plays == 0:
         raise ValueError("need a context of at least 2 tokens and at least one window")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.bits_plan:
+        res = run_study(context=args.context, essays=args.essays, plays=args.plays, gen_prompts=args.gen_prompts,
+                        gen_tokens=args.gen_tokens, threads=args.threads, log=log, model_name=args.model,
+                        path=args.attention_path, variants=_plan_variants(args))
+        _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
+        return 0
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
                     gen_prompts=args.gen_prompts, gen_tokens=args.gen_tokens,
                     quick=args.quick, core=args.core, threads=args.threads, log=log, model_name=args.model,
@@ -199,6 +222,28 @@ def _accuracy(args: argparse.Namespace) -> int:
                     sparse_budgets=_sparse_budgets(args))
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
+
+
+def _plan_variants(args: argparse.Namespace) -> list:
+    """exact, the plain default and the default with the model's bit plan, in --modes (default hack)."""
+    from hack_eval.models import prepare
+    from hack_eval.runner import EXACT, Variant
+    from hack_ops import HackConfig
+    from hack_ops.bit_plan import find_plan
+
+    if args.variants or args.quick or args.core or args.four_bit_layers or args.sparse_budgets:
+        raise ValueError("--bits-plan scores its own three rows; drop --variants/--quick/--core/--4bit-layers/"
+                         "--sparse-budgets")
+    folder = prepare(args.model, log=lambda *a, **k: None)
+    found = find_plan(folder)
+    if found is None:
+        raise ValueError(f"no bit plan for {args.model} ({folder}); `hack calibrate {args.model}` writes one")
+    plan, _ = found
+    rows = [EXACT]
+    for mode in _csv(args.modes) or ["hack"]:
+        rows += [Variant("default, plain 2-bit", mode.strip(), HackConfig()),
+                 Variant("default, calibrated bit plan", mode.strip(), plan.apply(HackConfig()))]
+    return rows
 
 
 def _sparse_budgets(args: argparse.Namespace) -> tuple[int, ...]:
@@ -283,6 +328,18 @@ def _recall(args: argparse.Namespace) -> int:
                             four_bit_layers=_layer_indices(args), raised=raised[0].value, budget_mb=args.budget_mb,
                             log=log)
     _write_reports(args, "recall", [], res, render_recall(res, _rerun_command("recall")))
+    return 0
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from .fidelity_served import render_fidelity, run_served_fidelity
+
+    if args.prompts < 1 or args.tokens < 1:
+        raise ValueError("need at least one prompt and one new token")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = run_served_fidelity(args.model, _csv(args.served), prompts=args.prompts, n_new=args.tokens,
+                              budget_mb=args.budget_mb, log=log)
+    _write_reports(args, "fidelity", [], res, render_fidelity(res, _rerun_command("fidelity")))
     return 0
 
 

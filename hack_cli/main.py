@@ -10,6 +10,7 @@ import sys
 COMMAND_MODULES = [
     "hack_cli.cmd_model",
     "hack_cli.cmd_eval",
+    "hack_cli.cmd_calibrate",
     "hack_cli.cmd_bench",
     "hack_cli.cmd_dashboard",
     "hack_cli.cmd_cluster",

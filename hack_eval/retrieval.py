@@ -104,7 +104,7 @@ def needle_attention(model: Any, items: list[Item], log: Callable[[str], None] =
     current: dict[str, Any] = {}
 
     def probe(layer: int, q: torch.Tensor, k: torch.Tensor, scale: float | None, window: int | None,
-              cap: float) -> None:
+              cap: float, v: torch.Tensor | None = None) -> None:
         item: Item = current["item"]
         rows = torch.arange(item.answer_start - 1, len(item.ids) - 1)
         qr = q[0, :, rows].float()  # [Hq, rows, D]

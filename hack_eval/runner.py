@@ -53,7 +53,7 @@ class Variant:
 
 EXACT = Variant("exact", AttentionMode.EXACT, None)
 _current: list[tuple[Variant, AttentionPath]] = [(EXACT, AttentionPath.FAST)]
-# Callbacks that see every layer's attention inputs (layer, q, k, scale, window, logit_cap),
+# Callbacks that see every layer's attention inputs (layer, q, k, scale, window, logit_cap, v),
 # post-RoPE, before the variant's attention runs: how a study reads where the model looks.
 _probes: list[Callable[..., None]] = []
 
@@ -67,7 +67,7 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     # HF's sliding_window counts the query itself (kv > q - w); hack_ops takes SGLang's w - 1.
     window = None if not sliding_window else int(sliding_window) - 1
     for probe in _probes:
-        probe(int(module.layer_idx), query, key, scaling, window, softcap or 0.0)
+        probe(int(module.layer_idx), query, key, scaling, window, softcap or 0.0, value)
     cfg, mode, tensors = var.config, var.mode, var.tensors
     if var.layers is not None and int(module.layer_idx) not in var.layers:  # this layer stays exact
         cfg, mode, tensors = None, AttentionMode.EXACT, QuantizedTensors.KV
@@ -91,7 +91,7 @@ def row_path(v: Variant, path: AttentionPath) -> AttentionPath:
     reaches the attention resolved into one uniform config per layer, which is what is asked)."""
     cfg = v.config
     if cfg is not None and cfg.per_layer:
-        cfg = cfg.replace(edge_layer_bits=0, four_bit_layers=())
+        cfg = cfg.replace(edge_layer_bits=0, four_bit_layers=(), four_bit_k_layers=(), four_bit_v_layers=())
     if v.sparse is not None and v.sparse.enabled and v.mode == AttentionMode.HACK:
         return AttentionPath.REFERENCE  # the serving extend kernel has no per-query selection
     return AttentionPath.REFERENCE if fast_refusal(cfg, v.mode) is not None else path
@@ -114,8 +114,8 @@ class use_variant:
 
 
 class probe_attention:
-    """Context manager: `callback(layer, q, k, scale, window, logit_cap)` is called by every
-    attention layer with its inputs (q [1, Hq, m, D], k [1, H, n, D]) while it is active."""
+    """Context manager: `callback(layer, q, k, scale, window, logit_cap, v)` is called by every
+    attention layer with its inputs (q [1, Hq, m, D], k and v [1, H, n, D]) while it is active."""
 
     def __init__(self, callback: Callable[..., None]):
         self.callback = callback

@@ -105,6 +105,9 @@ class HackConfig:
     raised_tensors: which tensors a raised layer (four_bit_layers, edge_layer_bits) gives the
         raised bits: 'kv' (K and V), 'k' (K only, V keeps kv_bits: fewer bytes where K carries
         the error) or 'v' (V only, K keeps its bits).
+    four_bit_k_layers, four_bit_v_layers: layers whose K codes (resp. V codes) use 4 bits,
+        whatever raised_tensors says: a calibrated bit plan (hack_ops.bit_plan, `hack calibrate`)
+        raises K and V of each layer apart, where they matter. Per layer like four_bit_layers.
     """
 
     partition_size: int = 64
@@ -124,6 +127,8 @@ class HackConfig:
     four_bit_layers: tuple[int, ...] = ()
     k_bits: int = 0
     raised_tensors: RaisedTensors = RaisedTensors.KV
+    four_bit_k_layers: tuple[int, ...] = ()
+    four_bit_v_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         p = self.partition_size
@@ -157,11 +162,12 @@ class HackConfig:
             object.__setattr__(self, "k_bits", 0)
         if self.edge_layer_bits not in (0, 2, 4) or isinstance(self.edge_layer_bits, bool):
             raise ValueError(f"edge_layer_bits must be 0 (off), 2 or 4, got {self.edge_layer_bits!r}")
-        layers = self.four_bit_layers
-        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
-            raise ValueError(f"four_bit_layers must be a list of layer indices (integers >= 0), got {layers!r}")
-        object.__setattr__(self, "four_bit_layers", tuple(sorted(set(layers))))  # frozen: coerced once, here
+        for name in ("four_bit_layers", "four_bit_k_layers", "four_bit_v_layers"):
+            layers = getattr(self, name)
+            if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list)) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ValueError(f"{name} must be a list of layer indices (integers >= 0), got {layers!r}")
+            object.__setattr__(self, name, tuple(sorted(set(layers))))  # frozen: coerced once, here
         object.__setattr__(self, "rotation", _rotation(self.rotation))
         for name in ("summation_elimination", "requant_elimination", "range_search"):
             if not isinstance(getattr(self, name), bool):
@@ -176,10 +182,11 @@ class HackConfig:
         theirs (ValueError when one is beyond the model's layers)."""
         if not isinstance(num_layers, int) or num_layers < 1 or not 0 <= layer < num_layers:
             raise ValueError(f"layer must be in 0..{num_layers - 1} (num_layers {num_layers!r}), got {layer!r}")
-        beyond = [i for i in self.four_bit_layers if i >= num_layers]
-        if beyond:
-            raise ValueError(f"four_bit_layers {list(beyond)} are beyond the model's {num_layers} layers (0-based)")
-        if not self.edge_layer_bits and not self.four_bit_layers:
+        for name in ("four_bit_layers", "four_bit_k_layers", "four_bit_v_layers"):
+            beyond = [i for i in getattr(self, name) if i >= num_layers]
+            if beyond:
+                raise ValueError(f"{name} {list(beyond)} are beyond the model's {num_layers} layers (0-based)")
+        if not (self.edge_layer_bits or self.four_bit_layers or self.four_bit_k_layers or self.four_bit_v_layers):
             return self
         raised = self.edge_layer_bits if self.edge_layer_bits and layer in (0, num_layers - 1) else 0
         if layer in self.four_bit_layers:
@@ -188,8 +195,10 @@ class HackConfig:
         if raised:
             k = raised if self.raised_tensors.raises_k else k
             v = raised if self.raised_tensors.raises_v else v
+        k = 4 if layer in self.four_bit_k_layers else k
+        v = 4 if layer in self.four_bit_v_layers else v
         return replace(self, kv_bits=v, k_bits=0 if k == v else k, edge_layer_bits=0, four_bit_layers=(),
-                       raised_tensors=RaisedTensors.KV)
+                       raised_tensors=RaisedTensors.KV, four_bit_k_layers=(), four_bit_v_layers=())
 
     def bits(self, name: str) -> int:
         """Bits per code of tensor `name` ('k' or 'v') in a uniform config."""
@@ -206,7 +215,9 @@ class HackConfig:
             return (t.raises_k and raised != self.bits("k")) or (t.raises_v and raised != self.bits("v"))
 
         return tuple(name for name, on in (("edge_layer_bits", self.edge_layer_bits != 0 and differs(self.edge_layer_bits)),
-                                           ("four_bit_layers", bool(self.four_bit_layers) and differs(4)))
+                                           ("four_bit_layers", bool(self.four_bit_layers) and differs(4)),
+                                           ("four_bit_k_layers", bool(self.four_bit_k_layers) and self.bits("k") != 4),
+                                           ("four_bit_v_layers", bool(self.four_bit_v_layers) and self.bits("v") != 4))
                      if on)
 
     @property
@@ -223,8 +234,10 @@ class HackConfig:
 
     @property
     def split_bits(self) -> bool:
-        """Some layer's K codes have other bits than its V codes (k_bits, or raised_tensors 'k' or 'v')."""
-        return bool(self.k_bits) or (self.raised_tensors != RaisedTensors.KV and self.per_layer)
+        """Some layer's K codes have other bits than its V codes (k_bits, raised_tensors 'k' or 'v', or
+        K and V raised in different layers)."""
+        return (bool(self.k_bits) or (self.raised_tensors != RaisedTensors.KV and self.per_layer)
+                or (self.four_bit_k_layers != self.four_bit_v_layers and self.per_layer))
 
     def head_group(self, head_dim: int) -> int:
         """Group size along head_dim (Q's INT8 groups, per-token K or V groups)."""
@@ -290,4 +303,7 @@ class HackConfig:
             parts.append("L" + ",".join(map(str, self.four_bit_layers)) + "-4bit")
         if per_layer and self.raised_tensors != RaisedTensors.KV:
             parts.append("raised-" + self.raised_tensors.value)
+        for name, tensor in (("four_bit_k_layers", "K"), ("four_bit_v_layers", "V")):
+            if name in per_layer:
+                parts.append(f"{tensor}4L" + ",".join(map(str, getattr(self, name))))
         return "-".join(parts)
