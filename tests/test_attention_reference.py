@@ -95,10 +95,21 @@ def _quantize_block(x: torch.Tensor, idx: list[int], page: int, per_channel: boo
     return Block(page, idx, qt.codes.double(), s, m, qt.scale.double(), qt.minimum.double())
 
 
-def cache_after(x: torch.Tensor, t: int, cfg: HackConfig, per_channel: bool, has_tail: bool):
+def cache_after(x: torch.Tensor, t: int, cfg: HackConfig, per_channel: bool, has_tail: bool,
+                memo: dict | None = None):
     """What the server holds for one tensor (K or V, [H, S, D]) after token t: the FP16 token
-    positions (sinks and tail) and the quantized blocks."""
+    positions (sinks and tail) and the quantized blocks. `memo` (one per tensor and sequence)
+    keeps the blocks already quantized at an earlier t: the same tokens quantize to the same
+    block (nearest rounding), so a closed page is quantized once, not once per query."""
     p, sinks = cfg.partition_size, cfg.sink_tokens
+    memo = {} if memo is None else memo
+
+    def block(idx: list[int], page: int, per_ch: bool) -> Block:
+        key = (tuple(idx), page, per_ch)
+        if key not in memo:
+            memo[key] = _quantize_block(x, idx, page, per_ch, cfg)
+        return memo[key]
+
     n = t + 1
     closed = n // p
     fp16 = list(range(min(sinks, n)))
@@ -107,19 +118,19 @@ def cache_after(x: torch.Tensor, t: int, cfg: HackConfig, per_channel: bool, has
         for page in range(closed):
             idx = [j for j in range(page * p, page * p + p) if j >= sinks]
             if idx:
-                blocks.append(_quantize_block(x, idx, page, True, cfg))
+                blocks.append(block(idx, page, True))
         open_idx = [j for j in range(closed * p, n) if j >= sinks]
         if cfg.requant_elimination:
             fp16 += open_idx
         elif open_idx:  # RQE off: the open partition re-quantized over what it holds now
-            blocks.append(_quantize_block(x, open_idx, closed, True, cfg))
+            blocks.append(block(open_idx, closed, True))
     else:
         tail = has_tail and cfg.requant_elimination
         last_quantized = closed * p if tail else n
         for page in range(-(-last_quantized // p)):
             idx = [j for j in range(page * p, min(page * p + p, last_quantized)) if j >= sinks]
             if idx:  # each token quantized on its own (groups along head_dim)
-                blocks.append(_quantize_block(x, idx, page, False, cfg))
+                blocks.append(block(idx, page, False))
         if tail:
             fp16 += [j for j in range(closed * p, n) if j >= sinks]
     return sorted(fp16), blocks
@@ -148,15 +159,18 @@ def int8_zero_min(x: torch.Tensor, dim: int):
     return c * s, s, tie
 
 
-def reference_step(qt32: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, cfg: HackConfig, mode: str):
+def reference_step(qt32: torch.Tensor, k: torch.Tensor, v: torch.Tensor, t: int, cfg: HackConfig, mode: str,
+                   memo: tuple[dict, dict] | None = None):
     """One decode step for queries qt32 [Hq, D] (float32, already multiplied by the softmax
     scale) at position t over k, v [Hkv, S, D] (float32). Returns (out, bound) [Hq, D] float64:
-    `bound` is the largest change that P' rounding ties could cause (0 for 'dequant')."""
+    `bound` is the largest change that P' rounding ties could cause (0 for 'dequant').
+    `memo`: K's and V's quantized blocks of earlier steps over the same k, v (cache_after)."""
     hq, d = qt32.shape
     rep = hq // k.shape[0]
     gd = min(cfg.partition_size, d)
-    k_fp16, k_blocks = cache_after(k, t, cfg, per_channel=not cfg.k_per_token, has_tail=cfg.k_tail)
-    v_fp16, v_blocks = cache_after(v, t, cfg, per_channel=not cfg.v_per_token, has_tail=cfg.v_tail)
+    k_memo, v_memo = memo if memo is not None else ({}, {})
+    k_fp16, k_blocks = cache_after(k, t, cfg, per_channel=not cfg.k_per_token, has_tail=cfg.k_tail, memo=k_memo)
+    v_fp16, v_blocks = cache_after(v, t, cfg, per_channel=not cfg.v_per_token, has_tail=cfg.v_tail, memo=v_memo)
 
     def heads(x):  # kv heads -> query heads (query head h reads kv head h // rep)
         return x.repeat_interleave(rep, dim=0)
@@ -213,9 +227,10 @@ def reference_attention(q, k, v, cfg: HackConfig, mode: str, causal: bool = True
     out = torch.zeros(b, hq, sq, d, dtype=torch.float64)
     bound = torch.zeros_like(out)
     for bi in range(b):
+        kb, vb, memo = k[bi].float(), v[bi].float(), ({}, {})
         for i in range(sq):
             t = sk - sq + i if causal else sk - 1
-            o, e = reference_step(qs32[bi, :, i], k[bi].float(), v[bi].float(), t, cfg, mode)
+            o, e = reference_step(qs32[bi, :, i], kb, vb, t, cfg, mode, memo)
             out[bi, :, i], bound[bi, :, i] = o, e
     return out, bound
 
@@ -355,10 +370,10 @@ def test_comparison_detects_an_off_by_one_page_closure(monkeypatch):
     got = attention(q, k, v, BASE, mode="hack")
     original = cache_after
 
-    def early(x, t, cfg, per_channel, has_tail):
+    def early(x, t, cfg, per_channel, has_tail, memo=None):
         if per_channel and (t + 2) % cfg.partition_size == 0:  # one token short of closing
-            return original(x, t, cfg.replace(requant_elimination=False), per_channel, has_tail)
-        return original(x, t, cfg, per_channel, has_tail)
+            return original(x, t, cfg.replace(requant_elimination=False), per_channel, has_tail, memo)
+        return original(x, t, cfg, per_channel, has_tail, memo)
 
     monkeypatch.setattr(sys.modules[__name__], "cache_after", early)
     ref, bound = reference_attention(q, k, v, BASE, "hack")
