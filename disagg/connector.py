@@ -280,7 +280,8 @@ def incompatible_reason(message: str, addr: str) -> str:
                 "Start both with the same --hack-kv-codec and the same model folder (kv_codebook.json)")
     return (f"incompatible prefill/decode pairing with {addr}: prefill has "
             f"{pd_state.describe_fingerprint(pre)}; decode has {pd_state.describe_fingerprint(dec)}. "
-            "Start both with the same model and the same --kv-cache-dtype/--hack-* options")
+            "Start both with the same model and the same --kv-cache-dtype/--hack-* options (and the same bit plan: "
+            "--hack-bits, which each server's log names)")
 
 
 CONNECTOR = PdConnector()

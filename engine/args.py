@@ -15,6 +15,7 @@ from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode
 from hack_ops.rotation import Rotation
 from hack_ops.sparse import PageScore, SparseConfig
 
+from .bit_plans import bits_spec
 from .layer_sets import LayerSet, LayerSpec, parse_layer_set
 from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
 
@@ -124,12 +125,20 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "2-bit error sits or its retrieval heads read: `hack eval layers`, `hack eval retrieval "
              "--needle-attention`), or 'full': the layers without a sliding window, read from the "
              "model's config (Gemma-3-270M: 5,11,17); each such layer's pages are laid out with 4 bits, "
-             "the others keep --hack-kv-bits. Default 'auto' (with 2-bit codes): 'full' where a model "
-             "mixes window and full-attention layers and the full ones are at most a quarter of its "
-             "layers (Gemma-3: they alone read past the window, and at 2 bits lose what they read), "
-             "else none; 'none': no layer raised. The server log says what it resolved to. Indices "
+             "the others keep --hack-kv-bits. Given, it overrides --hack-bits (the calibrated plan). "
+             "'auto': 'full' where a model mixes window and full-attention layers and the full ones are at "
+             "most a quarter of its layers (Gemma-3: they alone read past the window), else none; 'none': "
+             "no layer raised. The server log says what it resolved to. Indices "
              "beyond the model's layers, and 'full' on a model without both kinds of layer, are "
              "refused at startup.")),
+    "hack_bits": ("--hack-bits", dict(
+        type=bits_spec, metavar="auto|plain|PLAN.json",
+        help="Where the per-layer K and V bits come from: auto (default): the bit plan `hack calibrate MODEL` "
+             "measured for the served model's weights (beside the model folder, else shipped with the project "
+             "for SmolLM2-135M and Gemma-3-270M; found by the model's hash), and the plain format (every code at "
+             "--hack-kv-bits) for a model without one, which the startup log says; plain: no plan; a path: that "
+             "plan file, refused when it was measured on other weights. --hack-4bit-layers and "
+             "--hack-edge-layer-bits are the manual override: given, no plan is read.")),
     "hack_four_bit_tensors": ("--hack-4bit-tensors", dict(
         choices=[t.value for t in RaisedTensors],
         help="Which tensors of the --hack-4bit-layers (and --hack-edge-layer-bits) layers take their "

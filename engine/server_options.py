@@ -8,12 +8,14 @@ SGLang resolves the record; HackConfig defaults are published when nothing was.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from hack_ops.config import HackConfig
 
 from . import settings as settings_mod
 from .args import HackArgumentError, check_combination, settings_from_options
+from .bit_plans import PlanRefusal, resolve_for_namespace, resolve_plan
 from .layer_sets import LayerSet, auto_reason, resolve_for_model_path
 from .settings import KV_CACHE_DTYPE
 
@@ -23,10 +25,18 @@ logger = logging.getLogger(__name__)
 def apply_cli_namespace(ns: Any) -> None:
     """Validate and complete a parsed SGLang namespace in place; publish the settings."""
     enabled = getattr(ns, "kv_cache_dtype", None) == KV_CACHE_DTYPE
+    plan = None
+    if enabled:
+        try:
+            plan = resolve_for_namespace(ns)  # before the layer set: --hack-4bit-layers given is the override
+        except PlanRefusal as exc:
+            raise HackArgumentError(str(exc)) from None
     _resolve_layer_set(ns)
     settings = None
     if enabled or getattr(ns, "hack_kv_budget_mb", None) is not None:
         settings = settings_from_options(ns, enabled=enabled)
+    if plan is not None:
+        settings = replace(settings, config=plan.apply(settings.config))
     for key, value in check_combination(ns, settings).items():
         setattr(ns, key, value)
     if enabled:
@@ -39,23 +49,11 @@ def apply_cli_namespace(ns: Any) -> None:
                         settings.page_size)
 
 
-def default_layer_set(ns: Any) -> LayerSet | None:
-    """The --hack-4bit-layers a HACK server takes when none is given: `auto` where every other
-    layer is at 2 bits (no --hack-kv-bits 4 or --hack-k-bits given), else None (nothing raised)."""
-    if getattr(ns, "kv_cache_dtype", None) != KV_CACHE_DTYPE:
-        return None
-    if getattr(ns, "hack_kv_bits", None) not in (None, 2) or getattr(ns, "hack_k_bits", None) is not None:
-        return None
-    return LayerSet.AUTO
-
-
 def _resolve_layer_set(ns: Any) -> None:
     """`--hack-4bit-layers full|auto|none` becomes plain indices here, in the launching process,
-    so that the published settings (and every child) hold them; a HACK server given none takes
-    `auto` (engine.layer_sets)."""
+    so that the published settings (and every child) hold them. Given none, the raised layers
+    come from --hack-bits (engine.bit_plans), not from a rule about the model's layer kinds."""
     spec = getattr(ns, "hack_four_bit_layers", None)
-    if spec is None:
-        spec = default_layer_set(ns)
     if not isinstance(spec, LayerSet):
         return
     try:
@@ -84,14 +82,14 @@ def apply_server_args(server_args: Any) -> None:
         check_combination(server_args, published)
         return
     settings = settings_mod.active()
-    if settings is None:  # the defaults, `--hack-4bit-layers auto` included
+    if settings is None:  # the defaults, `--hack-bits auto` included
         try:
-            layers = resolve_for_model_path(LayerSet.AUTO, getattr(server_args, "model_path", None),
-                                            bool(getattr(server_args, "trust_remote_code", False)))
-        except ValueError as exc:
+            plan = resolve_plan(None, getattr(server_args, "model_path", None), manual=False, uniform_bits=None,
+                                trust_remote_code=bool(getattr(server_args, "trust_remote_code", False)))
+        except PlanRefusal as exc:
             raise HackArgumentError(str(exc)) from None
-        settings = settings_mod.EngineSettings(config=HackConfig(four_bit_layers=layers))
-        _log_layer_set(LayerSet.AUTO, layers)
+        config = plan.apply(HackConfig()) if plan is not None else HackConfig()
+        settings = settings_mod.EngineSettings(config=config)
         settings_mod.publish(settings)
     for key, value in check_combination(server_args, settings).items():
         setattr(server_args, key, value)

@@ -11,8 +11,8 @@ if TYPE_CHECKING:
 
 METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
-    "hack": ["--kv-cache-dtype", "hack"],  # the server's defaults, --hack-4bit-layers auto included
-    "hack-2bit": ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "none"],  # every layer at 2 bits
+    "hack": ["--kv-cache-dtype", "hack"],  # the server's defaults, --hack-bits auto (the calibrated plan) included
+    "hack-2bit": ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "none"],  # every layer at 2 bits (no plan)
     "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
     "hack-homomorphic-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic"],
     "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],

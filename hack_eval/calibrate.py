@@ -7,7 +7,9 @@ error without the INT8 noise):
   * per (layer, tensor), that tensor alone at 2 bits, every other read exact (`hack eval
     layers`' sweep, K and V apart): the mean KL from the exact model's next-token distribution
     (perplexity's share) and the rise in the answer's negative log-likelihood (retrieval's
-    share: the access code is one fact far back, as a pass key is);
+    share: the access code is one fact far back, as a pass key is). The layer's 2-bit output is
+    computed once, by the probe below, and fed back in (runner.override_attention); the layers
+    below it are the exact pass's, reused: one pass costs the layers above it only;
   * per (layer, KV head, tensor), from one exact pass: the relative error that tensor's 2-bit
     codes put on that head's attention output, and the attention mass the head's queries put on
     the needle (`hack eval retrieval --needle-attention`, per head).
@@ -34,9 +36,9 @@ from hack_ops import HackConfig
 from hack_ops.bit_plan import BitPlan, model_hash
 from hack_ops.layout import model_bytes_per_token
 
-from .attention_paths import QuantizedTensors, study_attention
+from .attention_paths import study_attention
 from .calibration_text import CalibrationItem, build_items, text_path
-from .runner import EXACT, Variant, hidden_for, load_model, logits_from_hidden, probe_attention
+from .runner import EXACT, Variant, hidden_for, load_model, logits_from_hidden, override_attention, probe_attention
 
 TENSORS = ("k", "v")
 KL_STRIDE = 4  # KL is scored at every 4th position (and every answer position): the ranking, not the value
@@ -133,9 +135,14 @@ class _ItemScorer:
         return bool(torch.equal(logp[self.answer_rows].argmax(-1), self.targets[self.answer_rows]))
 
     @torch.inference_mode()
-    def score(self, variant: Variant) -> dict:
-        first = min(variant.layers) if variant.layers else 0
-        logp = self._logp(variant, first)
+    def score(self, variant: Variant, override: tuple[int, torch.Tensor] | None = None) -> dict:
+        """KL and answer NLL of `variant`, or of the exact model with layer override[0]'s attention
+        output replaced by override[1] (the layers below it reused from the exact pass)."""
+        if override is not None:
+            with override_attention(*override):
+                logp = self._logp(EXACT, override[0])
+        else:
+            logp = self._logp(variant, min(variant.layers) if variant.layers else 0)
         kl = float((self.ref.exp() * (self.ref - logp)).sum(-1).mean())
         return {"kl": kl, "answer_nll": self.answer_nll(logp), "answered": self.answered(logp)}
 
@@ -143,12 +150,17 @@ class _ItemScorer:
 @torch.inference_mode()
 def _head_probe(model: Any, item: CalibrationItem, geo: tuple[int, int, int], cfg: HackConfig) -> dict:
     """Per layer and KV head, from one exact pass: the relative error of the head's attention
-    output with K alone (V alone) at 2 bits, and the attention mass of the answer positions on the
-    needle (the most of the head's query heads)."""
+    output with K alone (V alone) at 2 bits (dequantized, the other read in FP16, as
+    study_attention's 'dequant' path computes it), and the attention mass of the answer positions
+    on the needle (the most of the head's query heads). Also each layer's two 2-bit outputs, which
+    the per-layer sweep feeds back in (runner.override_attention) instead of quantizing again."""
     from hack_ops.attention import soft_cap, visible
+
+    from .attention_paths import _blocked, dequant_views
 
     n_layers, h_kv, _ = geo
     err = {t: torch.zeros(n_layers, h_kv) for t in TENSORS}
+    outs: dict[tuple[int, str], torch.Tensor] = {}
     needle = torch.zeros(n_layers, h_kv)
     rows = torch.arange(item.answer_start - 1, len(item.ids) - 1)
 
@@ -156,13 +168,15 @@ def _head_probe(model: Any, item: CalibrationItem, geo: tuple[int, int, int], cf
               cap: float, v: torch.Tensor | None = None) -> None:
         q, k, v = q.float(), k.float(), v.float()
         rep = q.shape[1] // k.shape[1]
+        sc = q.shape[-1] ** -0.5 if scale is None else float(scale)
         exact = study_attention(q, k, v, None, "exact", scale=scale, window=window, logit_cap=cap)
         denom = exact.pow(2).sum((-1, -2)).clamp_min(1e-12)  # [1, Hq]
-        for t, which in (("k", QuantizedTensors.K), ("v", QuantizedTensors.V)):
-            out = study_attention(q, k, v, cfg, "dequant", scale=scale, window=window, logit_cap=cap, tensors=which)
-            rel = ((out - exact).pow(2).sum((-1, -2)) / denom)[0]  # [Hq]
-            err[t][layer] = rel.view(h_kv, rep).mean(-1)
-        sc = q.shape[-1] ** -0.5 if scale is None else scale
+        kc, ko, vc, vo = dequant_views(k, v, cfg)
+        k16, v16 = k.half().float(), v.half().float()
+        for t, views in (("k", (kc, ko, v16, v16)), ("v", (k16, k16, vc, vo))):
+            out = _blocked(q * sc, *views, cfg.partition_size, window, cap)
+            outs[(layer, t)] = out
+            err[t][layer] = (((out - exact).pow(2).sum((-1, -2)) / denom)[0]).view(h_kv, rep).mean(-1)
         kf = k[0].repeat_interleave(rep, 0)
         s = soft_cap(q[0, :, rows] @ kf.transpose(-1, -2) * sc, cap)
         s = s.masked_fill(~visible(torch.arange(kf.shape[1])[None, :], rows[:, None], window), float("-inf"))
@@ -171,7 +185,7 @@ def _head_probe(model: Any, item: CalibrationItem, geo: tuple[int, int, int], cf
 
     with probe_attention(probe):
         hidden_for(model, list(item.ids), EXACT)
-    return {"err": err, "needle": needle}
+    return {"err": err, "needle": needle, "outs": outs}
 
 
 def _shares(values: dict[tuple[int, str], float]) -> dict[tuple[int, str], float]:
@@ -249,9 +263,8 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
             err[t] += probe["err"][t] / len(items)
         needle += probe["needle"] / len(items)
         plain.append(scorer.score(Variant("plain", "dequant", cfg)))
-        for layer, t in keys:
-            which = QuantizedTensors.K if t == "k" else QuantizedTensors.V
-            r = scorer.score(Variant(f"layer {layer} {t}", "dequant", cfg, layers=(layer,), tensors=which))
+        for layer, t in keys:  # that tensor alone at 2 bits: its output, measured by the probe, fed back in
+            r = scorer.score(EXACT, override=(layer, probe["outs"].pop((layer, t))))
             kl[(layer, t)] += r["kl"] / len(items)
             rise[(layer, t)] += (r["answer_nll"] - base_nll) / len(items)
             if t == "v" and layer % 5 == 4:

@@ -61,8 +61,8 @@ class CalibrationItem:
 
 def build_items(tok: Any, context: int, count: int, seed: int = 0) -> list[CalibrationItem]:
     """`count` items of `context` tokens: a haystack of problems with a seeded 5-digit access code
-    at depths spread over 0.1..0.5 (far back: past a 512-token window at 1K tokens), then the
-    question."""
+    at depths spread over 0.1..0.5 (one item: 0.1), far back (past a 512-token window at 768
+    tokens and more), then the question."""
     if count < 1:
         raise ValueError("calibration needs at least one item")
     rng = random.Random(seed)
@@ -82,7 +82,7 @@ def build_items(tok: Any, context: int, count: int, seed: int = 0) -> list[Calib
         fill = stream[i * context:i * context + n_fill]
         if n_fill < 64 or len(fill) < n_fill:
             raise ValueError(f"calibration context {context} is too short, or the text too small, for {count} items")
-        depth = 0.1 + 0.4 * (i / (count - 1)) if count > 1 else 0.3
+        depth = 0.1 + 0.4 * (i / (count - 1)) if count > 1 else 0.1
         cut = int(round(depth * n_fill))
         prompt = intro + fill[:cut] + needle + fill[cut:] + question
         items.append(CalibrationItem(tuple(prompt + answer), len(prompt), len(intro) + cut, len(needle)))

@@ -53,6 +53,9 @@ class Variant:
 
 EXACT = Variant("exact", AttentionMode.EXACT, None)
 _current: list[tuple[Variant, AttentionPath]] = [(EXACT, AttentionPath.FAST)]
+# Attention outputs a study already computed, by layer: that layer returns it instead of
+# attending (hack_eval.calibrate measures each tensor's 2-bit output once, then its effect).
+_overrides: dict[int, torch.Tensor] = {}
 # Callbacks that see every layer's attention inputs (layer, q, k, scale, window, logit_cap, v),
 # post-RoPE, before the variant's attention runs: how a study reads where the model looks.
 _probes: list[Callable[..., None]] = []
@@ -68,6 +71,8 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
     window = None if not sliding_window else int(sliding_window) - 1
     for probe in _probes:
         probe(int(module.layer_idx), query, key, scaling, window, softcap or 0.0, value)
+    if int(module.layer_idx) in _overrides:
+        return _overrides[int(module.layer_idx)].transpose(1, 2).contiguous().to(query.dtype), None
     cfg, mode, tensors = var.config, var.mode, var.tensors
     if var.layers is not None and int(module.layer_idx) not in var.layers:  # this layer stays exact
         cfg, mode, tensors = None, AttentionMode.EXACT, QuantizedTensors.KV
@@ -111,6 +116,20 @@ class use_variant:
 
     def __exit__(self, *exc) -> None:
         _current.pop()
+
+
+class override_attention:
+    """Context manager: layer `layer` returns `out` ([1, Hq, m, D] float32, what study_attention
+    returns) as its attention output while it is active, whatever the variant."""
+
+    def __init__(self, layer: int, out: torch.Tensor):
+        self.layer, self.out = layer, out
+
+    def __enter__(self) -> None:
+        _overrides[self.layer] = self.out
+
+    def __exit__(self, *exc) -> None:
+        _overrides.pop(self.layer, None)
 
 
 class probe_attention:

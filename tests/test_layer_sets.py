@@ -95,10 +95,11 @@ def test_the_server_resolves_full_before_publishing(sglang_parser, tmp_path):
     assert published.config.for_layer(5, 12).kv_bits == 4 and published.config.for_layer(4, 12).kv_bits == 2
 
 
-def test_a_hack_server_defaults_to_auto(sglang_parser, tmp_path, caplog):
-    """No --hack-4bit-layers: a 2-bit HACK server of a Gemma-3 config raises its full layers (and
-    logs why); 'none' keeps every layer at 2 bits; --hack-kv-bits 4 or --hack-k-bits raise
-    nothing more; a BF16 server is untouched; a Llama config raises nothing."""
+def test_a_hack_server_raises_layers_by_its_plan_not_by_a_rule(sglang_parser, tmp_path, caplog):
+    """No --hack-4bit-layers: the layers come from --hack-bits auto (the model's calibrated plan,
+    tests/test_bit_plan.py), so a Gemma-3 config without a plan keeps every layer at 2 bits and the
+    log says there is no plan; `--hack-4bit-layers auto` asked for by name still raises its full
+    layers (and logs why); 'none' keeps every layer at 2 bits; a Llama config raises nothing."""
     parser = sglang_parser
     gemma = _model(tmp_path / "gemma3-config", Gemma3TextConfig(num_hidden_layers=12, head_dim=64, hidden_size=128,
                                                                 num_attention_heads=2, num_key_value_heads=1))
@@ -109,13 +110,15 @@ def test_a_hack_server_defaults_to_auto(sglang_parser, tmp_path, caplog):
         apply_cli_namespace(parser.parse_args(list(argv)))
         return settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]).config.four_bit_layers
 
+    with caplog.at_level("INFO"):
+        assert published("--model-path", gemma, "--kv-cache-dtype", "hack") == ()
+    assert "--hack-bits auto: no bit plan for model" in caplog.text
     with caplog.at_level("INFO", logger="engine.server_options"):
-        assert published("--model-path", gemma, "--kv-cache-dtype", "hack") == (5, 11)
+        assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "auto") == (5, 11)
     assert "--hack-4bit-layers auto = layers 5,11 (the full-attention layers" in caplog.text
     assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "none") == ()
-    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-kv-bits", "4") == ()
-    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-k-bits", "4") == ()
-    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-4bit-tensors", "k") == (5, 11)
+    assert published("--model-path", gemma, "--kv-cache-dtype", "hack", "--hack-4bit-layers", "auto",
+                     "--hack-4bit-tensors", "k") == (5, 11)
     assert published("--model-path", llama, "--kv-cache-dtype", "hack") == ()
     with pytest.raises(HackArgumentError, match="--hack-4bit-tensors"):  # nothing raised: refused as before
         published("--model-path", llama, "--kv-cache-dtype", "hack", "--hack-4bit-tensors", "k")
