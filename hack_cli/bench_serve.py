@@ -6,9 +6,9 @@ and the measurements alternate between them, so load drifts hit every method ali
   bf16     SGLang's own CPU path: torch_native attention over a BF16 cache (the baseline)
   hack     --kv-cache-dtype hack (homomorphic attention on 2-bit pages; the default prefill,
            --hack-prefill auto: dense on a CPU with AMX-BF16, homomorphic elsewhere; the default
-           --hack-4bit-layers auto: a window model's few full-attention layers at 4 bits)
-  hack-2bit  hack with --hack-4bit-layers none (every layer at 2 bits; = hack on a model
-           without sliding windows)
+           --hack-bits auto: the model's calibrated bit plan, `hack calibrate`)
+  hack-2bit  hack with --hack-4bit-layers none (every layer at 2 bits, no plan; = hack on a
+           model without a plan)
   hack-homomorphic-prefill  hack with --hack-prefill homomorphic on every host
   dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
   hack-exact-prefill  hack with --hack-prefill exact (a chunk's own tokens in FP16; the name
