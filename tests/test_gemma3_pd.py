@@ -99,17 +99,18 @@ def _predicted_wire_bytes(model_path: str, n: int, full_pages: bool = False) -> 
     """Every layer's full pages as `hack` sends them (--hack-kv-codec hack-pages: without K's
     code sums, no open page), its FP16 open partition and its FP16 sinks (disagg.pd_state);
     full_pages: every page as stored (hack-full-pages). Each layer in its own layout: the
-    servers' default `--hack-4bit-layers auto` holds Gemma-3's full-attention layers at 4 bits."""
+    servers' default `--hack-bits auto` loads Gemma-3's shipped bit plan (hack_ops/plans/), whose
+    layers hold K and V at their own bits, so the bytes on the wire are the plan's."""
     import json
 
-    from engine.layer_sets import LayerSet, resolve_for_model_path
     from hack_ops import HackConfig
+    from hack_ops.bit_plan import SHIPPED_DIR, find_plan
     from hack_ops.page_wire import model_request_bytes
 
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    layers = resolve_for_model_path(LayerSet.AUTO, model_path)
-    assert layers == (5, 11, 17)
-    return model_request_bytes(HackConfig(four_bit_layers=layers), cfg["num_hidden_layers"],
+    found = find_plan(model_path)
+    assert found is not None and found[1].parent == SHIPPED_DIR, found
+    return model_request_bytes(found[0].apply(HackConfig()), cfg["num_hidden_layers"],
                                cfg["num_key_value_heads"], cfg["head_dim"], n, hack_pages=not full_pages)
 
 
