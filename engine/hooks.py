@@ -102,6 +102,10 @@ USES: tuple[Use, ...] = (
     Use("sglang.srt.mem_cache.radix_cache.RadixCache.evict", "engine.sink_reclaim: least recently used first"),
     Use("sglang.srt.mem_cache.radix_cache.RadixCache.evictable_size", "engine.sink_reclaim: what can go"),
     Use("sglang.srt.entrypoints.http_server.app", "SGLang's FastAPI app: the /hack/* routes go there"),
+    Use("sglang.srt.managers.io_struct.GenerateReqInput",
+        "its field names: what /vertex_generate's parameters may hold (engine.request_checks)"),
+    Use("sglang.srt.managers.schedule_batch.get_return_hidden_states_mode",
+        "SGLang's own parser of return_hidden_states, run per prompt before the scheduler does"),
 )
 
 # Attributes of every RadixAttention that the backend reads (window, scaling, soft-cap, kind).
@@ -112,6 +116,8 @@ LAYER_ATTRS = ("layer_id", "scaling", "logit_cap", "logit_capping_method", "slid
 DIRECT_FIELDS = (
     ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases -> requests
     ("sglang.srt.managers.io_struct.GenerateReqInput", "top_logprobs_num"),  # request checks
+    ("sglang.srt.managers.io_struct.GenerateReqInput", "lora_id"),
+    ("sglang.srt.managers.io_struct.GenerateReqInput", "return_hidden_states"),
 )
 
 
@@ -210,10 +216,12 @@ def _after_allocator_clear(result: Any, self: Any, *args: Any, **kwargs: Any) ->
 # ---------------------------------------------------------------- request validation
 
 def _before_validate_one_request(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
-    from .request_checks import check_input_ids, check_top_logprobs_num
+    from .request_checks import check_input_ids, check_lora_id, check_return_hidden_states, check_top_logprobs_num
 
     check_input_ids(self.model_config.vocab_size, input_ids)
     check_top_logprobs_num(self.model_config.vocab_size, getattr(obj, "top_logprobs_num", None))
+    check_lora_id(getattr(obj, "lora_id", None))
+    check_return_hidden_states(getattr(obj, "return_hidden_states", False))
 
 
 # ---------------------------------------------------------------- observability
@@ -253,6 +261,18 @@ def _after_process_batch_result_prebuilt(result: Any, self: Any, batch: Any, *ar
     from .timeline import on_prebuilt
 
     _metrics_call(on_prebuilt, batch)
+
+
+def _around_create_abort_task(original: Callable, self: Any, obj: Any) -> Any:
+    from .stream_abort import skip_unread
+
+    return skip_unread(original, self, obj)
+
+
+async def _around_ollama_handler(original: Callable, self: Any, request: Any, raw_request: Any) -> Any:
+    from .ollama_errors import answer_errors
+
+    return await answer_errors(original, self, request, raw_request)
 
 
 def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
@@ -301,8 +321,17 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
          "AFTER", _after_allocator_clear, "a cleared allocator frees every sink slot"),
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
          _before_validate_one_request,
-         "refuse out-of-vocabulary input_ids and top_logprobs_num above the vocabulary with a 400 "
-         "(upstream crashes the scheduler on both)"),
+         "refuse out-of-vocabulary input_ids, top_logprobs_num above the vocabulary, a lora_id "
+         "that is not a string and a return_hidden_states that is neither a boolean nor 'last' "
+         "with a 400 (upstream crashes the scheduler on each)"),
+    Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.create_abort_task", "AROUND",
+         _around_create_abort_task, "a streamed request refused before it was read has nothing to "
+         "abort (upstream's task raised and the connection was closed; engine.stream_abort)"),
+    Hook("sglang.srt.entrypoints.ollama.serving.OllamaServing.handle_chat", "AROUND",
+         _around_ollama_handler, "SGLang's own ValueErrors on /api/chat answered 400, also when "
+         "streamed (upstream: a 500, or a broken stream; engine.ollama_errors)"),
+    Hook("sglang.srt.entrypoints.ollama.serving.OllamaServing.handle_generate", "AROUND",
+         _around_ollama_handler, "the same for /api/generate"),
     Hook("sglang.srt.managers.scheduler_components.internal_state."
          "SchedulerInternalStateController._add_memory_usage", "AFTER", _after_add_memory_usage,
          "report pool pages, tails and sinks in use in /server_info (internal_states[].hack_kv)"),
@@ -317,7 +346,8 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
     Hook("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "BEFORE",
          _before_setup_and_run_http_server,
          "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app; "
-         "the JSON-object guard on the generation endpoints (engine.http_guard)"),
+         "the request guard on the generation endpoints (engine.http_guard: a body that is not a "
+         "JSON object, and fields SGLang answers with a 500, get a 400 naming the field)"),
 )
 
 

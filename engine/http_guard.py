@@ -1,5 +1,6 @@
-"""An ASGI middleware on SGLang's HTTP app: generation requests whose body is not a JSON object
-get a 400 before FastAPI parses them (engine.request_checks.body_shape_error says why).
+"""An ASGI middleware on SGLang's HTTP app: a generation request whose body is not a JSON object,
+or whose fields SGLang would answer with a 500, gets a 400 naming the field before FastAPI parses
+it (engine.request_checks: body_shape_error, body_field_error).
 
 Pure ASGI rather than Starlette's BaseHTTPMiddleware so that streamed responses and client
 disconnects pass through untouched: the body is read once, checked, and replayed to the app.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from .request_checks import GENERATION_PATHS, body_shape_error
+from .request_checks import GENERATION_PATHS, body_field_error, body_shape_error
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -35,7 +36,7 @@ class JsonObjectGuard:
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
-        error = body_shape_error(body)
+        error = body_shape_error(body) or body_field_error(scope["path"], body)
         if error is not None:
             await _send_400(send, error)
             return

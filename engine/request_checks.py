@@ -1,15 +1,32 @@
-"""Request checks SGLang 0.5.23 lacks: bad input must get a 4xx, never reach the scheduler.
+"""Request checks SGLang 0.5.23 lacks: bad input must get a 4xx, never a 5xx or a dropped
+connection, and never reach the scheduler.
 
-Each check here guards a value that passes SGLang's own validation and then crashes the
-scheduler, which takes the whole server down:
+In the tokenizer manager (engine.hooks' validation hook, where SGLang's own ValueErrors become
+HTTP 400), values that pass SGLang's validation and then crash the scheduler, which takes the
+whole server down:
   - out-of-vocabulary `input_ids` (negative or >= vocab size): the embedding lookup;
   - `top_logprobs_num` (OpenAI: `logprobs` / `top_logprobs`) above the vocabulary: the top-k
-    over the logits (found by the fuzz tests, tests/test_fuzz_api.py).
-They run in the tokenizer manager, where SGLang's own ValueErrors become HTTP 400 responses.
+    over the logits (found by the fuzz tests, tests/test_fuzz_api.py);
+  - `lora_id` that is not a string: appended to the cache key, and `return_hidden_states` that
+    is neither a boolean nor 'last' (found by schema fuzzing).
+On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`,
+`body_field_error`), what SGLang's request handling reads without checking and answers with a
+500 (found by schema fuzzing of the server's OpenAPI document; each answer names the field):
+  - a body that is JSON but not an object (every generation endpoint);
+  - `input_embeds` empty, ragged or nested wrongly (/generate, /vertex_generate: IndexError in
+    GenerateReqInput._determine_batch_size, or a dropped connection when streamed);
+  - in a batch, a per-prompt list with fewer entries than prompts (IndexError in
+    GenerateReqInput.__getitem__; /generate, /v1/completions);
+  - /vertex_generate `parameters` that are not /generate fields, or that repeat the instances'
+    inputs (TypeError building the request), and instances that are not objects;
+  - /api/chat without messages and Ollama `options` of the wrong type (a 500, or a dropped
+    connection when streamed; Ollama's other value errors: engine.ollama_errors).
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+import json
+from typing import Any, Callable
 
 
 def check_input_ids(vocab_size: int, input_ids: Any) -> None:
@@ -34,8 +51,27 @@ def check_top_logprobs_num(vocab_size: int, top_logprobs_num: Any) -> None:
                              f"at most the vocabulary size {vocab_size} can be returned")
 
 
-# The generation endpoints whose body must be one JSON object (engine.http_guard checks it).
-GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+def check_lora_id(lora_id: Any) -> None:
+    """`lora_id` (the server sets it from lora_path when LoRA is on; a client's reaches the
+    scheduler untouched when it is off) must be a string: the scheduler appends it to the cache
+    key, and a list there killed the server (found by schema fuzzing)."""
+    if lora_id is not None and not isinstance(lora_id, str):
+        raise ValueError(f"lora_id is {lora_id!r}; it must be a string (one per prompt in a batch)")
+
+def check_return_hidden_states(value: Any) -> None:
+    """`return_hidden_states` of one prompt, as SGLang's own parser reads it (a boolean or
+    'last'): SGLang checks it for a batch, not for one prompt, and the scheduler's check then
+    raised and killed the server (found by schema fuzzing)."""
+    from sglang.srt.managers.schedule_batch import get_return_hidden_states_mode
+
+    get_return_hidden_states_mode(value)  # raises SGLang's own ValueError
+
+# The generation endpoints a client reaches (HTTP guard: the body must be one JSON object, and
+# the field checks below where a path has them): every generation endpoint of SGLang 0.5.23's
+# OpenAPI document.
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/invocations",
+                              "/v1/messages", "/v1/responses", "/api/chat", "/api/generate",
+                              "/vertex_generate"})
 _JSON_WHITESPACE = b" \t\r\n"
 
 
@@ -49,3 +85,215 @@ def body_shape_error(body: bytes) -> str | None:
     if not head or head == b"{":
         return None
     return "the request body must be a JSON object ({...})"
+
+
+def body_field_error(path: str, body: bytes) -> str | None:
+    """Why the fields of a generation request's JSON object cannot be served, or None (also
+    when the body is not valid JSON: SGLang answers that with its own 400)."""
+    check = _FIELD_CHECKS.get(path)
+    if check is None:
+        return None
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return check(obj) if isinstance(obj, dict) else None
+
+
+# ---------------------------------------------------------------- /generate
+
+def input_embeds_error(value: Any) -> str | None:
+    """`input_embeds` must be one prompt's embeddings (a non-empty list of equally long,
+    non-empty lists of numbers, the first value a float: SGLang tells one prompt from a batch by
+    the type of input_embeds[0][0]) or a non-empty list of those (a batch)."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value:
+        return ("input_embeds must be a non-empty list: one list of floats per token, or a list "
+                "of those per prompt")
+    first = value[0]
+    if isinstance(first, list) and first and isinstance(first[0], list):  # a batch
+        for i, item in enumerate(value):
+            error = _embeddings_error(item, f"input_embeds[{i}]")
+            if error:
+                return error
+        return None
+    error = _embeddings_error(value, "input_embeds")
+    if error is None and not isinstance(value[0][0], float):
+        return (f"input_embeds[0][0] is {value[0][0]!r}, not a float: SGLang reads a single "
+                "prompt's embeddings only when their first value is a float (write it as 1.0)")
+    return error
+
+
+def _embeddings_error(rows: Any, name: str) -> str | None:
+    if not isinstance(rows, list) or not rows:
+        return f"{name} must be a non-empty list of token embeddings (lists of floats)"
+    width = None
+    for j, row in enumerate(rows):
+        if not isinstance(row, list) or not row:
+            return f"{name}[{j}] must be a non-empty list of floats (one token's embedding)"
+        for x in row:
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                return f"{name}[{j}] holds {x!r}; an embedding holds numbers"
+        if width is None:
+            width = len(row)
+        elif len(row) != width:
+            return (f"{name}[{j}] has {len(row)} values and {name}[0] has {width}: every token's "
+                    "embedding must have the same length")
+    return None
+
+
+# Fields SGLang reads per prompt of a batch (GenerateReqInput.__getitem__: field[i]) when they
+# are lists, without checking that a list has one entry per prompt: a shorter one is an
+# IndexError, a 500. (Fields SGLang does check, rid or image_data among them, are left to it.)
+PER_PROMPT_LISTS = ("sampling_params", "video_data", "audio_data", "return_logprob",
+                    "logprob_start_len", "top_logprobs_num", "return_sampling_mask",
+                    "sampling_logprobs_mode", "lora_path", "lora_id", "custom_logit_processor",
+                    "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                    "decode_tp_size", "multi_item_delimiter_indices", "token_indices_to_pool")
+
+
+def generate_batch_size(body: dict) -> int | None:
+    """The number of prompts of a /generate body as SGLang counts them, None for one prompt
+    (GenerateReqInput._determine_batch_size: text, else input_ids, else input_embeds)."""
+    text, ids, embeds = body.get("text"), body.get("input_ids"), body.get("input_embeds")
+    if text is not None:
+        return len(text) if isinstance(text, list) else None
+    if ids is not None:
+        return len(ids) if isinstance(ids, list) and ids and not isinstance(ids[0], int) else None
+    if isinstance(embeds, list) and embeds and isinstance(embeds[0], list) and embeds[0] \
+            and isinstance(embeds[0][0], list):
+        return len(embeds)
+    return None
+
+
+def per_prompt_lists_error(body: dict, prompts: int | None, fields: tuple[str, ...]) -> str | None:
+    """In a batch of `prompts`, each of `fields` given as a list must have one entry per prompt."""
+    if prompts is None:
+        return None
+    for name in fields:
+        value = body.get(name)
+        if name == "token_ids_logprob" and not (isinstance(value, list) and value
+                                                and isinstance(value[0], list)):
+            continue  # one list of ids for every prompt
+        if isinstance(value, list) and len(value) < prompts:
+            return (f"{name} has {len(value)} entries for a batch of {prompts} prompts: a list "
+                    "there needs one entry per prompt")
+    return None
+
+
+def generate_error(body: dict) -> str | None:
+    if body.get("text") is None and body.get("input_ids") is None:
+        error = input_embeds_error(body.get("input_embeds"))  # SGLang ignores it otherwise
+        if error:
+            return error
+    return per_prompt_lists_error(body, generate_batch_size(body),
+                                  PER_PROMPT_LISTS + ("token_ids_logprob",))
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+# Fields of a completion request handed to the generate request as they are.
+COMPLETION_PER_PROMPT = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "lora_path",
+                         "custom_logit_processor")
+
+
+def completion_error(body: dict) -> str | None:
+    prompt = body.get("prompt")
+    batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else None
+    return per_prompt_lists_error(body, batch, COMPLETION_PER_PROMPT)
+
+
+# ---------------------------------------------------------------- /vertex_generate
+
+_INPUT_KEYS = ("text", "input_ids", "input_embeds")
+
+
+@functools.lru_cache(maxsize=1)
+def _generate_fields() -> frozenset[str]:
+    import dataclasses
+
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    return frozenset(f.name for f in dataclasses.fields(GenerateReqInput))
+
+
+def vertex_error(body: dict, fields: Callable[[], frozenset[str]] = _generate_fields) -> str | None:
+    """Vertex's instances each give a prompt (text, input_ids or input_embeds: the first kind
+    instances[0] gives, SGLang reads that kind from every instance), and `parameters` are more
+    /generate fields, handed to the request as keywords beside the inputs and image_data."""
+    instances, params = body.get("instances"), body.get("parameters")
+    if not isinstance(instances, list) or not instances:
+        return None  # SGLang refuses a missing or non-list instances itself, answers [] to []
+    for i, inst in enumerate(instances):
+        if not isinstance(inst, dict):
+            return f"instances[{i}] is {type(inst).__name__}; each instance is an object"
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        return None  # SGLang refuses it itself
+    kind = next((k for k in _INPUT_KEYS if instances[0].get(k)), None)
+    known = fields()
+    for key in params:
+        if key not in known:
+            return f"parameters.{key} is not a field of a /generate request"
+        if key == "image_data":
+            return "parameters.image_data: images belong in the instances"
+        if key == kind:
+            return f"parameters.{key}: the instances already give {kind}"
+    if kind is None:
+        return generate_error(params)  # the request is the parameters alone
+    for i, inst in enumerate(instances):
+        if inst.get(kind) is None:
+            return f"instances[{i}] has no {kind} (instances[0] gives {kind}; every instance must)"
+        if kind == "input_embeds":
+            error = _embeddings_error(inst[kind], f"instances[{i}].input_embeds")
+            if error:
+                return error
+    return generate_error({**params, kind: [inst[kind] for inst in instances]})
+
+
+# ---------------------------------------------------------------- Ollama: /api/chat, /api/generate
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# Ollama options SGLang maps onto sampling parameters, with the JSON type each must have.
+OLLAMA_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (_number, "a number"), "top_p": (_number, "a number"),
+    "top_k": (_integer, "an integer"), "num_predict": (_integer, "an integer"),
+    "presence_penalty": (_number, "a number"), "frequency_penalty": (_number, "a number"),
+    "seed": (_integer, "an integer"),
+    "stop": (lambda x: isinstance(x, str) or (isinstance(x, list) and all(isinstance(s, str) for s in x)),
+             "a string or a list of strings"),
+}
+
+
+def ollama_options_error(body: dict) -> str | None:
+    options = body.get("options")
+    if not isinstance(options, dict):
+        return None  # absent, or refused by SGLang's request model
+    for key, (ok, kind) in OLLAMA_OPTIONS.items():
+        if key in options and options[key] is not None and not ok(options[key]):
+            return f"options.{key} is {options[key]!r}; it must be {kind}"
+    return None
+
+
+def ollama_chat_error(body: dict) -> str | None:
+    if isinstance(body.get("messages"), list) and not body["messages"]:
+        return "messages is empty: a chat needs at least one message"
+    return ollama_options_error(body)
+
+
+_FIELD_CHECKS: dict[str, Callable[[dict], str | None]] = {
+    "/generate": generate_error,
+    "/v1/completions": completion_error,
+    "/vertex_generate": vertex_error,
+    "/api/chat": ollama_chat_error,
+    "/api/generate": ollama_options_error,
+}

@@ -52,6 +52,25 @@ def test_the_hook_applies_both_checks():
         _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=10**6), [1])
 
 
+@pytest.mark.parametrize("fields, words", [
+    ({"lora_id": [None, "a"]}, "lora_id is \\[None, 'a'\\]; it must be a string"),
+    ({"lora_id": 3}, "lora_id is 3"),
+    ({"return_hidden_states": "x"}, "return_hidden_states must be a boolean or the string literal 'last'"),
+    ({"return_hidden_states": [True]}, "return_hidden_states must be"),
+])
+def test_the_hook_refuses_fields_that_killed_the_scheduler(fields, words):
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB))
+    with pytest.raises(ValueError, match=words):
+        _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0, **fields), [1])
+
+
+@pytest.mark.parametrize("fields", [{"lora_id": "adapter-1"}, {"lora_id": None}, {"return_hidden_states": "last"},
+                                    {"return_hidden_states": True}, {}])
+def test_the_hook_passes_what_the_scheduler_reads(fields):
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB))
+    _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0, **fields), [1])
+
+
 # ---------------------------------------------------------------- the JSON-object guard (HTTP)
 
 @pytest.mark.parametrize("body, refused", [
@@ -135,3 +154,230 @@ def test_guard_installs_once():
     app = FastAPI()
     assert install(app) is True
     assert install(app) is False
+
+
+# ---------------------------------------------------------------- field checks (HTTP, found by schema fuzzing)
+
+def _field_error(path: str, body: dict | bytes) -> str | None:
+    import json
+
+    from engine.request_checks import body_field_error
+
+    return body_field_error(path, body if isinstance(body, bytes) else json.dumps(body).encode())
+
+
+@pytest.mark.parametrize("embeds, words", [
+    ([], "input_embeds must be a non-empty list"),
+    ([[]], r"input_embeds\[0\] must be a non-empty list of floats"),
+    ([[1.0], [1.0, 2.0]], r"input_embeds\[1\] has 2 values and input_embeds\[0\] has 1"),
+    ([[1.0, "a"]], r"input_embeds\[0\] holds 'a'"),
+    ([[1.0, True]], r"input_embeds\[0\] holds True"),
+    ([[1, 2.0]], r"input_embeds\[0\]\[0\] is 1, not a float"),
+    ([1.0], r"input_embeds\[0\] must be a non-empty list"),
+    ([[[1.0]], [[1.0], [2.0, 3.0]]], r"input_embeds\[1\]\[1\] has 2 values"),
+    ([[[1.0]], []], r"input_embeds\[1\] must be a non-empty list of token embeddings"),
+    ("x", "input_embeds must be a non-empty list"),
+])
+def test_input_embeds_that_sglang_cannot_read_are_refused_naming_the_field(embeds, words):
+    import re
+
+    error = _field_error("/generate", {"input_embeds": embeds})
+    assert error is not None and re.search(words, error), error
+
+
+@pytest.mark.parametrize("body", [
+    {"input_embeds": [[0.5, 1.0], [0.25, -1.0]]},  # one prompt, two tokens
+    {"input_embeds": [[[0.5]], [[1.5], [2.5]]]},  # a batch of two prompts
+    {"text": "hi", "input_embeds": []},  # SGLang ignores input_embeds beside text
+    {"input_ids": [1, 2], "input_embeds": [[]]},  # and beside input_ids
+    {"text": ["a", "b"], "bootstrap_port": [1, 2]},
+    {"text": ["a"], "sampling_params": [{}, {}]},  # longer than the batch: SGLang reads the first ones
+    {"text": "a", "bootstrap_port": []},  # one prompt: no per-prompt lists
+    {"text": ["a", "b"], "token_ids_logprob": [1, 2]},  # one list of ids for every prompt
+])
+def test_generate_bodies_sglang_serves_pass(body):
+    assert _field_error("/generate", body) is None
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"text": ["a", "b"], "bootstrap_port": []}, "bootstrap_port"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ({"input_ids": [[1], [2], [3]], "lora_path": ["x"]}, "lora_path"),
+    ({"text": ["a", "b"], "return_logprob": [True]}, "return_logprob"),
+    ({"text": ["a", "b"], "token_ids_logprob": [[1]]}, "token_ids_logprob"),
+    ({"input_embeds": [[[1.0]], [[2.0]]], "bootstrap_room": [1]}, "bootstrap_room"),
+])
+def test_a_per_prompt_list_shorter_than_the_batch_is_refused(body, field):
+    error = _field_error("/generate", body)
+    assert error is not None and error.startswith(f"{field} has ") and "for a batch of" in error
+
+
+def test_completion_batches_need_a_bootstrap_entry_per_prompt():
+    assert "bootstrap_port has 0 entries for a batch of 2" in _field_error(
+        "/v1/completions", {"prompt": [[1, 2], [3]], "bootstrap_port": []})
+    assert _field_error("/v1/completions", {"prompt": [1, 2], "bootstrap_port": []}) is None  # one prompt
+    assert _field_error("/v1/completions", {"prompt": ["a", "b"], "bootstrap_port": [1, 2]}) is None
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"instances": [{"text": "a"}], "parameters": {"unknown_field": 1}}, "parameters.unknown_field is not a field"),
+    ({"instances": [{"text": "a"}], "parameters": {"text": "b"}}, "the instances already give text"),
+    ({"instances": [{"text": "a"}], "parameters": {"image_data": "x"}}, "images belong in the instances"),
+    ({"instances": [1]}, r"instances\[0\] is int"),
+    ({"instances": [{"text": "a"}, {}]}, r"instances\[1\] has no text"),
+    ({"instances": [{"input_embeds": [[1.0]]}, {"input_embeds": [[]]}]}, r"instances\[1\].input_embeds\[0\]"),
+    ({"instances": [{}], "parameters": {"input_embeds": [[], []]}}, r"input_embeds\[0\] must be"),
+    ({"instances": [{"text": "a"}, {"text": "b"}], "parameters": {"bootstrap_host": ["h"]}}, "bootstrap_host has 1"),
+])
+def test_vertex_requests_sglang_cannot_build_are_refused(body, words):
+    import re
+
+    error = _field_error("/vertex_generate", body)
+    assert error is not None and re.search(words, error), error
+
+
+@pytest.mark.parametrize("body", [
+    {"instances": [{"text": "a"}, {"text": "b"}], "parameters": {"sampling_params": {"max_new_tokens": 2}}},
+    {"instances": []},  # SGLang answers []
+    {"instances": [{}], "parameters": {"text": "a"}},  # the parameters alone are the request
+])
+def test_vertex_requests_sglang_serves_pass(body):
+    assert _field_error("/vertex_generate", body) is None
+
+
+@pytest.mark.parametrize("path, body, words", [
+    ("/api/chat", {"model": "m", "messages": []}, "messages is empty"),
+    ("/api/chat", {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                   "options": {"num_predict": "1"}}, "options.num_predict is '1'; it must be an integer"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"num_predict": [-1]}}, "options.num_predict"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"temperature": "hot"}}, "options.temperature"),
+    ("/api/generate", {"model": "m", "prompt": "x", "options": {"stop": [1]}}, "options.stop"),
+])
+def test_ollama_fields_of_the_wrong_kind_are_refused(path, body, words):
+    error = _field_error(path, body)
+    assert error is not None and words in error, error
+
+
+def test_ollama_values_sglang_checks_itself_pass_here():
+    # A negative num_predict is SGLang's own ValueError (engine.ollama_errors answers it).
+    assert _field_error("/api/generate", {"model": "m", "prompt": "x",
+                                          "options": {"num_predict": -1, "temperature": 0.5, "stop": "a"}}) is None
+
+
+@pytest.mark.parametrize("body", [b"{not json", b"[1]", b"", b'{"input_embeds": [[NaN]]}'])
+def test_field_checks_leave_what_is_not_an_object_to_sglang(body):
+    assert _field_error("/generate", body) is None
+    assert _field_error("/health", b'{"input_embeds": []}') is None  # not a generation path
+
+
+def test_guard_refuses_a_bad_field_naming_it():
+    import json
+
+    sent, body = _drive("/generate", [b'{"input_embeds": []}'])
+    assert body is None and sent[0]["status"] == 400
+    assert "input_embeds" in json.loads(sent[1]["body"])["message"]
+
+
+# ---------------------------------------------------------------- Ollama's errors and the abort task
+
+def _run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+async def _read(response) -> bytes:
+    out = b""
+    async for chunk in response.body_iterator:
+        out += chunk
+    return out
+
+
+def test_ollama_value_errors_are_400_with_ollamas_error_body():
+    import json
+
+    from engine.ollama_errors import answer_errors
+
+    async def refuses(self, request, raw):
+        raise ValueError("max_new_tokens must be at least 0, got -1.")
+
+    r = _run(answer_errors(refuses, None, None, None))
+    assert r.status_code == 400 and json.loads(r.body) == {"error": "max_new_tokens must be at least 0, got -1."}
+
+
+def test_an_ollama_stream_refused_at_its_first_chunk_is_a_400():
+    from fastapi.responses import StreamingResponse
+
+    from engine.ollama_errors import answer_errors
+
+    async def chunks():
+        raise ValueError("Cannot apply chat template to an empty conversation.")
+        yield b""  # noqa: unreachable - makes this an async generator
+
+    async def streams(self, request, raw):
+        return StreamingResponse(chunks(), media_type="application/x-ndjson")
+
+    r = _run(answer_errors(streams, None, None, None))
+    assert r.status_code == 400 and b"empty conversation" in r.body
+
+
+def test_an_ollama_stream_that_fails_later_ends_with_an_error_line():
+    import json
+
+    from fastapi.responses import StreamingResponse
+
+    from engine.ollama_errors import answer_errors
+
+    async def chunks():
+        yield b'{"done": false}\n'
+        raise RuntimeError("scheduler went away")
+
+    async def streams(self, request, raw):
+        return StreamingResponse(chunks(), media_type="application/x-ndjson")
+
+    async def go():
+        r = await answer_errors(streams, None, None, None)
+        return r, await _read(r)
+
+    r, body = _run(go())
+    lines = body.splitlines()
+    assert r.status_code == 200 and lines[0] == b'{"done": false}'
+    assert json.loads(lines[1]) == {"error": "scheduler went away"}
+
+
+def test_an_ollama_stream_that_works_is_passed_through_whole():
+    from fastapi.responses import StreamingResponse
+
+    from engine.ollama_errors import answer_errors
+
+    async def chunks():
+        for i in range(3):
+            yield f"{i}\n".encode()
+
+    async def streams(self, request, raw):
+        return StreamingResponse(chunks(), media_type="application/x-ndjson")
+
+    async def go():
+        r = await answer_errors(streams, None, None, None)
+        return await _read(r)
+
+    assert _run(go()) == b"0\n1\n2\n"
+
+
+def test_the_abort_task_skips_a_request_that_was_never_read():
+    from types import SimpleNamespace
+
+    from engine.stream_abort import skip_unread
+
+    aborted = []
+
+    def upstream_task(manager, obj):
+        async def task():
+            aborted.append(obj.is_single)  # upstream reads it: AttributeError when unread
+        return task
+
+    unread, read = SimpleNamespace(), SimpleNamespace(is_single=True)
+    _run(skip_unread(upstream_task, None, unread)())
+    assert aborted == []
+    _run(skip_unread(upstream_task, None, read)())
+    assert aborted == [True]
