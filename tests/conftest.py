@@ -4,7 +4,19 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
+# Before torch is imported: libgomp's default spin-waiting makes every multi-threaded torch op of
+# this process wait for a scheduler slice at its barriers whenever the cores are busy (the servers
+# these tests start, or other work on a shared host): a 2-thread page quantization took 1.65 s
+# instead of 45 ms under load. Servers started by the tests inherit it, as `hack up`'s servers do
+# (engine.cpu_runtime.shared_host_env).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from typing import TYPE_CHECKING  # noqa: E402
+
+import pytest  # noqa: E402
+
+if TYPE_CHECKING:  # imported by the fixture: engine.launcher needs `requests`, which a kernel-only
+    from shared_servers import SharedServers  # run (scripts/gpu_check.sh on a bare GPU box) may lack
 
 # Where the Triton kernels (hack_ops.triton) run in this test process: a CUDA GPU when torch
 # sees one, else Triton's CPU interpreter on CPU tensors (HACK_KERNEL_DEVICE overrides, see
@@ -14,6 +26,8 @@ KERNEL_DEVICE = None
 
 def pytest_configure(config) -> None:
     global KERNEL_DEVICE
+    config.addinivalue_line("markers", "shared_servers(*names): the module's tests use these servers of "
+                                       "tests/shared_servers.py (stopped after the last test that names them)")
     config.addinivalue_line("markers", "cuda: kernel cases (real shapes, driver checks) that run only when the Triton kernels "
                                        "run on a CUDA GPU (skipped under the interpreter)")
     import torch
@@ -51,6 +65,42 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+# The shared servers (tests/shared_servers.py): who uses each last, so that it stops right after.
+_SHARED: "SharedServers | None" = None
+_LAST_USER: dict[str, str] = {}
+
+
+def pytest_collection_finish(session) -> None:
+    _LAST_USER.clear()
+    for item in session.items:
+        for mark in item.iter_markers("shared_servers"):
+            for name in mark.args:
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem) -> None:
+    if _SHARED is not None:
+        for name in list(_SHARED.running):
+            if _LAST_USER.get(name) == item.nodeid:
+                _SHARED.stop(name)
+
+
+@pytest.fixture(scope="session")
+def shared_servers(tmp_path_factory):
+    """The servers of tests/shared_servers.py: `shared_servers.get(name)` in a module marked
+    `pytest.mark.shared_servers(name, ...)`."""
+    from shared_servers import SharedServers
+
+    global _SHARED
+    _SHARED = SharedServers(tmp_path_factory.mktemp("shared-servers"), last_user=_LAST_USER)
+    try:
+        yield _SHARED
+    finally:
+        _SHARED.stop_all()
+        _SHARED = None
 
 
 def pytest_runtest_logreport(report) -> None:

@@ -1,8 +1,10 @@
 """Real SGLang servers on the CPU with the plugin: `--kv-cache-dtype hack` next to a BF16 server
 on the same model (SmolLM2-135M from `hack model prepare smollm2`), same fixed KV budget.
 
-Both servers are started once for the module (`--sleep-on-idle` so the idle one does not take a
-core from the busy one), stopped by pid in the finalizer, with bounded waits everywhere.
+The HACK and BF16 servers are the shared ones of tests/shared_servers.py (tests/test_engine_speed.py
+measures the same two): started once, with `--sleep-on-idle` so the idle one does not take a core
+from the busy one, stopped after the last test that uses them; bounded waits everywhere. The dense
+prefill server has flags of its own and is this module's.
 
 Accuracy threshold. The project's accuracy study (docs/accuracy.md, hack eval accuracy) measures
 how often the 2-bit cache's next-token argmax equals the exact model's, teacher-forced over
@@ -24,9 +26,11 @@ import requests
 from engine.launcher import SGLangServer
 from hack_eval.workloads import SHORT_PROMPTS, common_prefix, essay_ids
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+from shared_servers import COMMON, SMOLLM2_BUDGET_MB
 
-BUDGET_MB = "256"
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.shared_servers("smollm2_hack", "smollm2_bf16")]
+
+BUDGET_MB = SMOLLM2_BUDGET_MB
 TEACHER_FORCED_MIN = 0.60
 # The default server holds the shipped bit plan (hack_ops/plans/: 14 of 60 K and V tensors at 4 bits,
 # 20.0% of BF16's bytes at 4K): x4.56 by the pool's own arithmetic at 256 MB, the >= 4.5x target.
@@ -46,30 +50,21 @@ def model_path() -> str:
 
 
 @pytest.fixture(scope="module")
-def servers(model_path, tmp_path_factory):
+def servers(model_path, tmp_path_factory, shared_servers):
     logs = tmp_path_factory.mktemp("servers")
-    common = ["--hack-kv-budget-mb", BUDGET_MB, "--sleep-on-idle", "--random-seed", "0"]
-    # The homomorphic prefill named, not left to --hack-prefill auto (dense on a CPU with
-    # AMX-BF16): the bars below and the dense comparison mean the same on every host.
-    hack = SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic", *common],
-                        log_path=logs / "hack.log", env={"HACK_METRICS_RUN_DIR": str(logs / "metrics")})
-    bf16 = SGLangServer(model_path, ["--attention-backend", "torch_native", *common],
-                        log_path=logs / "bf16.log")
-    # small chunks, so that most of a prompt is prefilled over a cached prefix (the dense path)
+    # The shared HACK server names the homomorphic prefill, not --hack-prefill auto (dense on a
+    # CPU with AMX-BF16): the bars below and the dense comparison mean the same on every host.
+    # Small chunks here, so that most of a prompt is prefilled over a cached prefix (the dense path).
     dense = SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-prefill", "dense",
-                                      "--chunked-prefill-size", str(DENSE_CHUNK), *common],
+                                      "--chunked-prefill-size", str(DENSE_CHUNK), *COMMON],
                          log_path=logs / "dense.log")
     try:
-        hack.start()
-        bf16.start()
-        dense.start()
-        hack.wait_ready()
-        bf16.wait_ready()
+        dense.start()  # starts while the shared servers do
+        hack = shared_servers.get("smollm2_hack", starting_with=("smollm2_bf16",))
+        bf16 = shared_servers.get("smollm2_bf16")
         dense.wait_ready()
-        yield {"hack": hack, "bf16": bf16, "dense": dense, "metrics_dir": logs / "metrics"}
+        yield {"hack": hack, "bf16": bf16, "dense": dense, "metrics_dir": shared_servers.metrics_dir("smollm2_hack")}
     finally:
-        hack.stop()
-        bf16.stop()
         dense.stop()
 
 
