@@ -96,6 +96,7 @@ def _generate_items() -> list[BadRequest]:
         "input-ids-negative": {**_gen(text=None), "input_ids": [1, -1, 2]},
         "input-ids-out-of-vocab": {**_gen(text=None), "input_ids": [1, FAR_OUT_OF_VOCAB]},
         "input-ids-empty": {**_gen(text=None), "input_ids": []},
+        "text-empty": _gen(text=""),  # no token after tokenization (SmolLM2 adds no BOS)
         "input-ids-too-long": {**_gen(text=None), "input_ids": [1] * TOO_LONG_TOKENS},
         "text-too-long": _gen(text="hello " * TOO_LONG_TOKENS),
         "sampling-params-not-object": _gen(sampling_params="greedy"),

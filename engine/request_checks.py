@@ -5,6 +5,8 @@ In the tokenizer manager (engine.hooks' validation hook, where SGLang's own Valu
 HTTP 400), values that pass SGLang's validation and then crash the scheduler, which takes the
 whole server down:
   - out-of-vocabulary `input_ids` (negative or >= vocab size): the embedding lookup;
+  - an empty prompt (`"text": ""` with a tokenizer that adds no BOS, or `"input_ids": []`): a
+    forward that adds no token (found by schema fuzzing);
   - `top_logprobs_num` (OpenAI: `logprobs` / `top_logprobs`) above the vocabulary: the top-k
     over the logits (found by the fuzz tests, tests/test_fuzz_api.py);
   - `lora_id` that is not a string: appended to the cache key, and `return_hidden_states` that
@@ -34,6 +36,8 @@ def check_input_ids(vocab_size: int, input_ids: Any) -> None:
         return
     if not isinstance(input_ids, (list, tuple)):
         raise ValueError("input_ids must be a list of integers")
+    if not input_ids:  # the scheduler cannot run a forward that adds no token: the server died
+        raise ValueError("the prompt is empty (no token after tokenization); at least one token is needed")
     for i, tok in enumerate(input_ids):
         if isinstance(tok, bool) or not isinstance(tok, int):
             raise ValueError(f"input_ids[{i}] is {tok!r}; token ids must be integers")

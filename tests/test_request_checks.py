@@ -26,6 +26,7 @@ def test_input_ids_inside_the_vocabulary_pass():
     ([1.5], "must be integers"),
     ([True], "must be integers"),
     ("1 2", "list of integers"),
+    ([], "the prompt is empty"),
 ])
 def test_input_ids_refused(ids, words):
     with pytest.raises(ValueError, match=words):
