@@ -17,6 +17,7 @@ BENCH_MODULES: list[str] = [
     "hack_cli.bench_hack_wire",
     "hack_cli.bench_plot",
     "hack_cli.bench_soak",
+    "hack_cli.bench_fuzz",
 ]
 
 
