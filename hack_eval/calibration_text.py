@@ -1,5 +1,5 @@
 """The text `hack calibrate` measures on, and its needle items: GSM8K's training problems (MIT,
-/work/shared/data/gsm8k/train.jsonl, i.e. `../shared` beside the repository), less the 300 that
+data/gsm8k/train.jsonl in the shared data folder beside the repository, DEFAULT_PATH), less the 300 that
 datasets/gsm8k_sample.jsonl holds for the disaggregation workloads. No evaluation reads them:
 the accuracy study reads essays and plays, the pass-key items hide their key in essays, the
 recall and fidelity prompts are essays and ShareGPT turns. The needle is worded unlike the
