@@ -104,7 +104,8 @@ def run_cli(args: argparse.Namespace) -> int:
                     run.endpoints.update(fuzz_target(target, pd["router_url"], {path: items}, alive, log).endpoints)
                     run.problems += [f"after {path}: {p}" for p in router_problems(pd["router_url"], len(servers))]
                 for s in servers:
-                    run.problems += server_problems(s["role"], s["url"], lambda pid=int(s["pid"]): procs.alive(pid))
+                    run.problems += server_problems(s["role"], s["url"], lambda pid=int(s["pid"]): procs.alive(pid),
+                                                    generate_url=pd["router_url"])  # PD: through the router
             finally:
                 cluster.down(pd)
         else:

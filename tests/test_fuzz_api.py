@@ -244,11 +244,6 @@ class TestBf16:
 
 # What each router answers itself for some catalogue items: disagg.malformed.ROUTER_ANSWERS.
 
-def _embeds_batch(value) -> bool:
-    return (isinstance(value, list) and bool(value) and isinstance(value[0], list) and bool(value[0])
-            and isinstance(value[0][0], list))
-
-
 def _mini_lb_answers_itself(path: str, raw: bytes) -> bool:
     """Fuzz bodies the mini-lb fails on before a server sees them (same causes as above): a
     truthy non-boolean `stream` (its streaming path; a dict there dropped the connection), and
@@ -265,11 +260,6 @@ def _mini_lb_answers_itself(path: str, raw: bytes) -> bool:
     if path != Endpoint.GENERATE.value:
         return False
     text, ids = body.get("text"), body.get("input_ids")
-    if text is None and ids is None and _embeds_batch(body.get("input_embeds")):
-        # its batch size reads text and input_ids only: a batch of input_embeds gets one scalar
-        # bootstrap room, and the pair waits for a handshake that never comes until the
-        # disaggregation timeout (60 s here), past the request's own timeout
-        return True
     if text is not None:
         return not isinstance(text, (str, list, dict))
     if ids is not None:
