@@ -3,7 +3,7 @@ VENV := .venv
 HACK := $(VENV)/bin/hack
 PYTEST := $(VENV)/bin/python -m pytest
 
-.PHONY: install test test-fast demo bench clean
+.PHONY: install test test-fast demo bench images images-check clean
 
 install:
 	@bash scripts/install.sh
@@ -21,6 +21,22 @@ demo: install
 
 bench: install
 	$(HACK) bench all
+
+# Container images (docs/docker.md): the CPU image, built with docker where its engine runs,
+# else with podman (installed here); IMAGE_ARGS= to build on python:3.11-slim-bookworm from a
+# registry instead of the Debian base made here from Debian's archive.
+IMAGE_ARGS ?= --local-base
+images: install
+	@bash scripts/install_containers.sh
+	$(VENV)/bin/python docker/build_images.py cpu $(IMAGE_ARGS) --record artifacts/images/build.json
+
+# As far as a machine without a GPU proves the images: the CPU image, its compose stack up and
+# serving through the router with the requests on the dashboard, then down with nothing left;
+# every supported GPU family built on the Debian stand-in base. Results: docs/bench/images-*.json.
+images-check: images
+	$(VENV)/bin/python docker/stack_check.py --record docs/bench/images-stack.json
+	$(VENV)/bin/python docker/build_images.py --stand-in-base h100 a100 l4 a10g \
+		--record docs/bench/images-gpu-standin.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -38,12 +38,37 @@ def set_rate(link: dict, mbps: float) -> None:
                     f"{netns.VETH_PREFIX}{link['tag']}b", "root", *args], check=True)
 
 
-def flush_caches(state: dict) -> None:
-    """Empty the radix cache of every server of the cluster (SGLang's /flush_cache)."""
+# How long a server may stay busy after a point's last request before flushing is an error.
+FLUSH_DEADLINE_S = 180.0
+
+
+def flush_caches(state: dict, deadline_s: float = FLUSH_DEADLINE_S,
+                 sleep: Callable[[float], None] = time.sleep) -> int:
+    """Empty the radix cache of every prefill and decode server (SGLang's /flush_cache); returns
+    how many refusals were waited out. A server refuses while anything is still pending (a PD
+    transfer or bootstrap settling after the last request: "Cache not flushed because there are
+    pending requests", even with empty queues), so a refusal is retried with backoff until the
+    server is idle; only a refusal past `deadline_s`, or another failure, is an error. The router
+    is not asked: its /flush_cache fans out to the same servers again, untimed, and answers 206
+    when one of them refuses."""
+    refusals = 0
     for srv in state["servers"]:
-        r = requests.post(f"{srv['url']}/flush_cache?timeout=60", timeout=90)
-        if r.status_code != 200:
-            raise RuntimeError(f"{srv['url']}/flush_cache answered {r.status_code}: {r.text[:200]}")
+        if srv.get("role") == "router":
+            continue
+        t0, wait = time.monotonic(), 0.5
+        while True:
+            r = requests.post(f"{srv['url']}/flush_cache?timeout=60", timeout=90)
+            if r.status_code == 200:
+                break
+            busy = "pending" in r.text or "not flushed" in r.text
+            if not busy or time.monotonic() - t0 + wait > deadline_s:
+                why = "still busy" if busy else "refused"
+                raise RuntimeError(f"{srv['url']}/flush_cache {why} after {time.monotonic() - t0:.0f} s: "
+                                   f"{r.status_code} {r.text[:200]}")
+            refusals += 1
+            sleep(wait)
+            wait = min(wait * 2, 8.0)
+    return refusals
 
 
 def _wire_records(run_dir: Path, since: float) -> list[dict]:

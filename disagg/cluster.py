@@ -122,23 +122,26 @@ def wait_healthy(urls: list[str], pids: list[int], timeout_s: float, logs: list[
         time.sleep(2.0)
 
 
-def _server_env(host_ip: str, run_dir: Path, role: str, index: int, spec: ClusterSpec) -> dict:
-    env = dict(os.environ)
+def server_env(host_ip: str, run_dir: Path, role: str, index: int, *, waiting_timeout_s: int = 300,
+               enable_metrics: bool = False, base: dict | None = None) -> dict:
+    """The environment of one prefill or decode server (`base`: this process's by default);
+    also what `hack serve --role` gives the server of a container."""
+    env = dict(os.environ if base is None else base)
     env.update({
         "SGLANG_HOST_IP": host_ip,  # the address advertised to mooncake and the bootstrap server
         "SGLANG_USE_CPU_ENGINE": env.get("SGLANG_USE_CPU_ENGINE", "1"),
-        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(spec.waiting_timeout_s),
-        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(spec.waiting_timeout_s),
+        "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": str(waiting_timeout_s),
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": str(waiting_timeout_s),
         "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL": "2",
         "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE": "3",
-        "HACK_DISAGG_WIRE_LOG": str(run_dir / f"wire-{role}-{index}.jsonl"),
+        "HACK_DISAGG_WIRE_LOG": str(Path(run_dir) / f"wire-{role}-{index}.jsonl"),
         "HACK_METRICS_RUN_DIR": str(run_dir),
         "HACK_METRICS_ROLE": role,
         "HACK_METRICS_INSTANCE": str(index),
-        "HACK_METRICS_PROMETHEUS": "1" if spec.enable_metrics else "0",
+        "HACK_METRICS_PROMETHEUS": "1" if enable_metrics else "0",
     })
     if role == "decode":
-        env["HACK_DISAGG_FAULT_FILE"] = str(run_dir / f"fault-trigger-decode-{index}")
+        env["HACK_DISAGG_FAULT_FILE"] = str(Path(run_dir) / f"fault-trigger-decode-{index}")
     env.pop("SGLANG_IS_IN_CI", None)  # in CI mode SGLang raises on a checksum mismatch
     return shared_host_env(env)
 
@@ -198,7 +201,9 @@ def up(spec: ClusterSpec, log=print) -> dict:
                                      spec.max_total_tokens, extra_args)
                 log_path = run_dir / f"{role}-{i}.log"
                 ns = links[i].namespace if (links and role == "prefill") else None
-                pid = procs.spawn(cmd, _server_env(ip, run_dir, role, i, spec), log_path, netns=ns)
+                env = server_env(ip, run_dir, role, i, waiting_timeout_s=spec.waiting_timeout_s,
+                                 enable_metrics=spec.enable_metrics)
+                pid = procs.spawn(cmd, env, log_path, netns=ns)
                 url = f"http://{ip}:{port}"
                 state["pids"].append(pid)
                 state["servers"].append({"role": role, "index": i, "pid": pid, "url": url,

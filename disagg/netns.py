@@ -192,3 +192,51 @@ def veth_bytes(link: ShapedLink) -> dict:
     with open(f"{base}/tx_bytes") as f:
         tx = int(f.read())
     return {"rx": rx, "tx": tx}
+
+
+def default_route_device() -> str:
+    """The interface of this network namespace's default route (a container's eth0)."""
+    out = _run("ip", "-o", "route", "show", "default", check=False).stdout
+    m = re.search(r"\bdev\s+(\S+)", out)
+    if not m:
+        raise LinkError("no default route here: name the interface to shape")
+    return m.group(1)
+
+
+def shape_egress(mbps: float, dev: str | None = None) -> str:
+    """Limit what leaves this namespace through `dev` (default: the default route's) to `mbps`,
+    with the same tbf as a `hack up` link: in a compose stack the prefill container shapes its
+    own interface, so the KV it sends crosses a link of that rate. Needs CAP_NET_ADMIN.
+    Returns the interface shaped."""
+    if not mbps > 0:
+        raise LinkError(f"link rate must be positive, got {mbps}")
+    dev = dev or default_route_device()
+    proc = _run("tc", "qdisc", "replace", "dev", dev, "root", *tbf_args(mbps), check=False)
+    if proc.returncode != 0:
+        raise LinkError(f"could not shape {dev} to {mbps:g} Mbit/s (needs CAP_NET_ADMIN): "
+                        f"{(proc.stderr or proc.stdout).strip()}")
+    return dev
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m disagg.netns shape-egress MBPS [--dev IF]` (the CPU image's entry point)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m disagg.netns")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("shape-egress", help="limit this namespace's outgoing traffic to MBPS")
+    s.add_argument("mbps", type=float)
+    s.add_argument("--dev", default=None, help="interface (default: the default route's)")
+    args = p.parse_args(argv)
+    try:
+        dev = shape_egress(args.mbps, args.dev)
+    except LinkError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"{dev}: egress limited to {args.mbps:g} Mbit/s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

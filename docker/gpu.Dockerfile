@@ -9,36 +9,43 @@
 # CUDA 13.0 because SGLang 0.5.23 pins torch 2.14.1 and a cu13 stack; devel because
 # flashinfer, Triton and the HACK kernels compile for the device at first use.
 ARG CUDA_IMAGE=nvidia/cuda:13.0.2-devel-ubuntu24.04
-FROM ${CUDA_IMAGE}
 
+# Stage 1, the architecture guard: refuse, at the first step, architectures the pinned wheels
+# cannot run on, instead of producing an image that fails at the first forward pass ("no
+# kernel image is available"). Its own stage so the family's build arguments reach only the
+# last steps of the image: every family shares the heavy layers below.
+FROM ${CUDA_IMAGE} AS arch-guard
 ARG SM=90
-ARG TORCH_CUDA_ARCH_LIST=9.0a
 ARG GPU_FAMILY=h100
-ARG PYTHON_VERSION=3.11
-
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-
-# Refuse, at the first step, architectures the pinned wheels cannot run on, instead of
-# producing an image that fails at the first forward pass ("no kernel image is available").
 RUN case "${SM}" in \
       80|86|89|90) echo "building for sm${SM} (${GPU_FAMILY})" ;; \
       70|75) echo "error: sm${SM} is not supported by SGLang 0.5.23's CUDA wheels (sglang-kernel 0.4.10 starts at sm_80; CUDA 13 has no sm_70). See docs/docker.md, 'Unsupported GPUs'." >&2; exit 1 ;; \
       *) echo "error: unknown SM '${SM}'; supported: 80 86 89 90" >&2; exit 1 ;; \
     esac
+RUN echo "sm${SM} ${GPU_FAMILY}" > /sglang-hack-arch
+
+# Stage 2, the image.
+FROM ${CUDA_IMAGE}
+ARG PYTHON_VERSION=3.11
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# Python 3.11 (the project's interpreter) is not in Ubuntu 24.04's archive: deadsnakes has it.
+# Python 3.11 (the project's interpreter) is not in Ubuntu 24.04's archive: deadsnakes has it
+# (a base whose archive has it, such as the Debian 12 stand-in of docs/docker.md, skips the PPA).
 # libibverbs1/librdmacm1/ibverbs-providers: mooncake's transfer engine links them even over TCP.
 # libtcmalloc-minimal4: the servers' allocator (engine/allocator.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends software-properties-common gnupg \
- && add-apt-repository -y ppa:deadsnakes/ppa \
- && apt-get update \
+ && if ! apt-cache show "python${PYTHON_VERSION}-venv" >/dev/null 2>&1; then \
+      add-apt-repository -y ppa:deadsnakes/ppa && apt-get update; \
+    fi \
  && apt-get install -y --no-install-recommends \
       "python${PYTHON_VERSION}" "python${PYTHON_VERSION}-venv" "python${PYTHON_VERSION}-dev" \
       ca-certificates curl libibverbs1 librdmacm1 ibverbs-providers libnuma1 libtcmalloc-minimal4 \
@@ -54,16 +61,28 @@ WORKDIR /opt/sglang-hack
 # Same pins as `make install` (requirements/). The registry's torch 2.14.1 wheel is the CUDA 13.0
 # build (it requires cuda-toolkit 13.0.x); check_stack.py below verifies that.
 COPY requirements/torch.txt requirements/base.txt requirements/
-RUN pip install -r requirements/torch.txt \
+# The secret pip_ca (optional): a CA bundle for a registry reached through a TLS-inspecting
+# proxy (docker/build_images.py passes the host pip's); never stored in a layer.
+RUN --mount=type=secret,id=pip_ca \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && pip install -r requirements/torch.txt \
  && pip install -r requirements/base.txt -c requirements/torch.txt
 
 # The project itself with the `gpu` extra: sglang with all of its CUDA dependencies,
 # the CUDA mooncake transfer engine and the router. The context is filtered by
 # gpu.Dockerfile.dockerignore (an allow-list of the packages, README and pyproject).
 COPY . .
+RUN --mount=type=secret,id=pip_ca \
+    if [ -s /run/secrets/pip_ca ]; then export PIP_CERT=/run/secrets/pip_ca; fi \
+ && pip install ".[gpu]" -c requirements/torch.txt
+
+# From here on, per family: the guard's verdict, then the stack check for this family.
+ARG SM=90
+ARG TORCH_CUDA_ARCH_LIST=9.0a
+ARG GPU_FAMILY=h100
+COPY --from=arch-guard /sglang-hack-arch /etc/sglang-hack-arch
 # Fail the build if pip resolved anything but the stack docker/matrix.yaml pins.
-RUN pip install ".[gpu]" -c requirements/torch.txt \
- && python docker/check_stack.py --gpu --sm "${SM}"
+RUN python docker/check_stack.py --gpu --sm "${SM}"
 
 # JIT builds (flashinfer, torch extensions, Triton) target this family only.
 ENV TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST} \

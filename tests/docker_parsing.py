@@ -20,7 +20,7 @@ import build_images as build_mod  # noqa: E402,F401  (re-exported for the tests)
 import check_stack  # noqa: E402
 
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
-COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.rdma.yaml"]
+COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.rdma.yaml", DOCKER / "compose.cpu.yaml"]
 MATRIX = check_stack.load_matrix()
 STACK = MATRIX["stack"]
 
@@ -74,6 +74,11 @@ def compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     """compose.yaml after interpolation with `env` (the required variables get values)."""
     base = {"HACK_MODELS_DIR": "/srv/models", "HACK_MODEL": "m"}
     return yaml.safe_load(interpolate((DOCKER / "compose.yaml").read_text(), base | (env or {})))
+
+
+def compose_cpu(env: dict[str, str] | None = None) -> dict[str, Any]:
+    """compose.cpu.yaml after interpolation with `env` (nothing is required)."""
+    return yaml.safe_load(interpolate((DOCKER / "compose.cpu.yaml").read_text(), env or {}))
 
 
 def argv(service: dict[str, Any]) -> list[str]:

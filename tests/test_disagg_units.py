@@ -16,6 +16,8 @@ import torch
 from disagg import checksum, cluster, netns, pd_state, procs
 from disagg.replay import Result, summarize
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def _computer(tensors, state=()):
     return SimpleNamespace(_kv_data_ptrs=[t.data_ptr() for t in tensors],
@@ -226,6 +228,34 @@ def test_wire_meter_attributes_bytes_and_time_to_the_room(tmp_path, monkeypatch)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_container_shapes_its_own_egress_through_its_default_route():
+    # What the CPU image's entry point runs in the compose stack's prefill container: the same
+    # tbf as a `hack up` link, on the interface of the namespace's default route.
+    link = netns.create("ut" + os.urandom(2).hex(), 50)
+    nsx = ["ip", "netns", "exec", link.namespace]
+    try:
+        out = subprocess.run([*nsx, sys.executable, "-m", "disagg.netns", "shape-egress", "20"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 0 and out.stdout.strip() == f"{link.veth_ns}: egress limited to 20 Mbit/s", out
+        qdisc = subprocess.run([*nsx, "tc", "qdisc", "show", "dev", link.veth_ns],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "20Mbit" in qdisc, qdisc
+        bad = subprocess.run([*nsx, sys.executable, "-m", "disagg.netns", "shape-egress", "0"],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert bad.returncode == 1 and "link rate must be positive" in bad.stderr
+    finally:
+        netns.remove(link.namespace, link.veth_root)
+    bare = "hkvut" + os.urandom(2).hex()  # no default route: the interface must be named
+    subprocess.run(["ip", "netns", "add", bare], check=True)
+    try:
+        out = subprocess.run(["ip", "netns", "exec", bare, sys.executable, "-m", "disagg.netns",
+                              "shape-egress", "20"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert out.returncode == 1 and "no default route" in out.stderr, out
+    finally:
+        subprocess.run(["ip", "netns", "del", bare], check=False)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_clean_stale_keeps_the_link_of_a_cluster_still_starting(tmp_path, monkeypatch):
     monkeypatch.setenv("HACK_CLUSTER_STATE_DIR", str(tmp_path))
     name = "ut" + os.urandom(2).hex()
@@ -243,12 +273,11 @@ def test_clean_stale_keeps_the_link_of_a_cluster_still_starting(tmp_path, monkey
 
 def test_servers_sharing_the_host_wait_passively_unless_told_otherwise(tmp_path, monkeypatch):
     # Spinning OpenMP workers of co-located servers slowed decode ~20x on 2 cores.
-    spec = cluster.ClusterSpec(model_path=str(tmp_path))
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    env = cluster._server_env("127.0.0.1", tmp_path, "decode", 0, spec)
+    env = cluster.server_env("127.0.0.1", tmp_path, "decode", 0)
     assert env["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
-    assert cluster._server_env("127.0.0.1", tmp_path, "prefill", 0, spec)["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert cluster.server_env("127.0.0.1", tmp_path, "prefill", 0)["OMP_WAIT_POLICY"] == "ACTIVE"
 
 
 def test_bench_breakdown_is_the_exclusive_breakdown_of_the_run(tmp_path):

@@ -92,9 +92,15 @@ def test_base_images_and_build_args_agree_with_the_matrix() -> None:
     fam = fams[defaults["GPU_FAMILY"]]
     assert fam["status"] == "supported"
     assert (defaults["SM"], defaults["TORCH_CUDA_ARCH_LIST"]) == (fam["sm"], fam["torch_cuda_arch_list"])
-    cpu_from = args_of(DOCKER / "cpu.Dockerfile", "FROM")
-    assert cpu_from == [MATRIX["cpu"]["base_image"]]
-    assert f"python:{STACK['python']}-" in cpu_from[0]
+    # The CPU image's base is a build argument (the Debian base made here without a registry,
+    # docker/base/debian_base.sh), by default the matrix's official Python image.
+    cpu = DOCKER / "cpu.Dockerfile"
+    assert args_of(cpu, "FROM") == ["${BASE_IMAGE}"]
+    assert arg_defaults(cpu)["BASE_IMAGE"] == MATRIX["cpu"]["base_image"]
+    assert f"python:{STACK['python']}-" in MATRIX["cpu"]["base_image"]
+    base_script = (DOCKER / "base" / "debian_base.sh").read_text()
+    assert "bookworm" in MATRIX["cpu"]["base_image"] and " bookworm " in base_script
+    assert f"python{STACK['python']}," in base_script and f"python{STACK['python']}-venv" in base_script
 
 
 def test_check_stack_accepts_this_install_and_names_every_mismatch(tmp_path: Path) -> None:
@@ -190,10 +196,41 @@ def test_cpu_image_runs_what_make_demo_runs() -> None:
     cpu = DOCKER / "cpu.Dockerfile"
     cmd = json.loads(args_of(cpu, "CMD")[-1])
     assert cmd == shlex.split(command)
-    # ... from the repository copy, after the same install recipe.
+    # ... from the repository copy, after the same install recipe: its pinned dependencies in a
+    # layer of their own (the recipe's files only), then the whole copy and `make install`.
     assert args_of(cpu, "WORKDIR")[-1] == "/opt/sglang-hack"
-    assert args_of(cpu, "COPY") == [". ."]
-    assert any(r.startswith("make install") for r in args_of(cpu, "RUN"))
+    copies = args_of(cpu, "COPY")
+    assert copies[-1] == ". ." and all(c.split()[0] in ("pyproject.toml", "requirements/", "scripts/install.sh")
+                                       for c in copies[:-1]), copies
+    runs = args_of(cpu, "RUN")
+    assert any("HACK_INSTALL_DEPS_ONLY=1 bash scripts/install.sh" in r for r in runs)
+    assert any("&& make install" in r for r in runs)
+    # The entry point runs the command as given (after an optional link shaping as root).
+    assert json.loads(args_of(cpu, "ENTRYPOINT")[-1]) == ["/opt/sglang-hack/docker/entrypoint.sh"]
+    entry = (DOCKER / "entrypoint.sh").read_text()
+    assert entry.rstrip().endswith('exec "$@"') and "setpriv --reuid=1000" in entry
+
+
+def test_install_recipe_stops_before_the_project_when_asked_for_dependencies_only() -> None:
+    script = (ROOT / "scripts" / "install.sh").read_text()
+    deps_only = script.index('HACK_INSTALL_DEPS_ONLY:-0}" = 1')
+    assert script.index("requirements/data.txt") < deps_only < script.index('"$PIP" install -q --no-deps -e .')
+    assert deps_only < script.index('echo "$want" > "$STAMP"')   # no stamp: `make install` still runs
+
+
+def test_gpu_families_share_every_layer_before_their_own_arguments() -> None:
+    # One heavy install for all families: the family's build arguments are declared in the
+    # image stage only after the last pip install; the guard runs in a stage of its own.
+    steps = instructions(DOCKER / "gpu.Dockerfile")
+    froms = [i for i, (w, _) in enumerate(steps) if w == "FROM"]
+    assert len(froms) == 2 and steps[froms[0]][1].endswith("AS arch-guard")
+    image = steps[froms[1]:]
+    first_family_arg = next(i for i, (w, a) in enumerate(image) if w == "ARG" and a.startswith("SM="))
+    last_pip = max(i for i, (w, a) in enumerate(image) if w == "RUN" and "pip install" in a)
+    assert last_pip < first_family_arg
+    for word, arg in image[:first_family_arg]:
+        assert not re.search(r"\$\{?(SM|GPU_FAMILY|TORCH_CUDA_ARCH_LIST)\b", arg), (word, arg)
+    assert ("COPY", "--from=arch-guard /sglang-hack-arch /etc/sglang-hack-arch") in image
 
 
 def test_gpu_image_serves_through_sglang_with_the_plugin() -> None:
@@ -251,6 +288,8 @@ def test_build_context_is_an_allow_list_that_holds_every_copied_file(dockerfile:
     for junk in (".venv", "runs", "artifacts", ".git", "tests", ".env", "models"):
         assert not ignore_allows(ignore, junk), junk
     for copy in args_of(dockerfile, "COPY"):
+        if copy.startswith("--from="):  # from another build stage, not from the context
+            continue
         *sources, _dest = copy.split()
         for src in sources:
             if src == ".":

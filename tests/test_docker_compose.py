@@ -1,5 +1,7 @@
-"""docker/compose.yaml and compose.rdma.yaml: the Compose Specification schema, the services,
-their GPUs, volumes, health checks and commands (the router's parsed by sglang-router itself).
+"""docker/compose.yaml, compose.rdma.yaml and compose.cpu.yaml: the Compose Specification
+schema, the services, their GPUs, volumes, health checks and commands (the router's parsed by
+sglang-router itself, the CPU stack's servers by `hack`'s own parser). The CPU stack is also
+brought up for real: tests/test_images_e2e.py.
 """
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from docker_parsing import (COMPOSE_FILES, DOCKER, MATRIX, argv, build_mod, compose,
+from docker_parsing import (COMPOSE_FILES, DOCKER, MATRIX, argv, build_mod, compose, compose_cpu,
                             compose_schema_validator, flag, interpolate)
 
 
@@ -67,7 +69,16 @@ def test_compose_runs_prefill_decode_router_dashboard_on_two_gpus() -> None:
         assert services[role]["image"] == build_mod.image_tag(MATRIX, "cpu")
     dash = argv(services["dashboard"])
     assert dash[:2] == ["hack", "dashboard"] and flag(dash, "--port") == "8501"
-    assert flag(dash, "--run-dir") == services["prefill"]["environment"]["HACK_RUN_DIR"]
+    # The servers' metrics sinks write where the dashboard reads (the variables engine/metrics
+    # reads: a misnamed one leaves the dashboard empty without an error).
+    from engine.metrics import http_api
+
+    for role in ("prefill", "decode"):
+        env = services[role]["environment"]
+        assert flag(dash, "--run-dir") == env["HACK_METRICS_RUN_DIR"]
+        assert (env["HACK_METRICS_ROLE"], env["HACK_METRICS_INSTANCE"]) == (role, "0")
+    sink_vars = set(re.findall(r"HACK_METRICS_[A-Z_]+", Path(http_api.__file__).read_text()))
+    assert {"HACK_METRICS_RUN_DIR", "HACK_METRICS_ROLE", "HACK_METRICS_INSTANCE"} <= sink_vars
     assert services["router"]["depends_on"] == {
         "prefill": {"condition": "service_healthy"}, "decode": {"condition": "service_healthy"}}
 
@@ -106,3 +117,67 @@ def test_transfer_backend_and_extra_args_come_from_the_environment() -> None:
     for role in ("prefill", "decode"):
         assert "/dev/infiniband:/dev/infiniband" in rdma[role]["devices"]
         assert rdma[role]["ulimits"]["memlock"] == {"soft": -1, "hard": -1}
+
+
+# ---------------------------------------------------------------- the CPU stack
+def _router_args(service: dict):
+    import argparse
+
+    from sglang_router.router_args import RouterArgs
+
+    args = argv(service)
+    assert args[:3] == ["python", "-m", "sglang_router.launch_router"]
+    parser = argparse.ArgumentParser()
+    RouterArgs.add_cli_args(parser, use_router_prefix=False)
+    return RouterArgs.from_cli_args(parser.parse_args(args[3:]), use_router_prefix=False)
+
+
+def test_cpu_stack_runs_hack_serve_roles_behind_the_router_on_a_private_network() -> None:
+    from hack_cli.main import build_parser
+
+    doc = compose_cpu()
+    services = doc["services"]
+    assert set(services) == {"prefill", "decode", "router", "dashboard"}
+    image = build_mod.image_tag(MATRIX, "cpu")
+    parsed = {}
+    for role in ("prefill", "decode"):
+        svc = services[role]
+        assert svc["image"] == image and svc["networks"] == ["hack"] and svc["hostname"] == role
+        args = argv(svc)
+        assert args[:2] == ["hack", "serve"]
+        ns = build_parser().parse_args(args[1:])   # `hack serve` parses it as a user's command line
+        assert ns.role.value == role and ns.kv == "hack" and ns.join
+        assert ns.advertise_host == "auto" and ns.host == "0.0.0.0"
+        assert ns.run_dir == "/data/runs/compose"
+        assert "hack-runs:/data/runs" in svc["volumes"]
+        assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{ns.port}/health"
+        parsed[role] = ns
+    router = _router_args(services["router"])
+    assert router.pd_disaggregation
+    assert router.prefill_urls == [(f"http://prefill:{parsed['prefill'].port}", parsed["prefill"].bootstrap_port)]
+    assert router.decode_urls == [f"http://decode:{parsed['decode'].port}"]
+    assert services["router"]["ports"] == [f"8000:{router.port}"]
+    dash = build_parser().parse_args(argv(services["dashboard"])[1:])
+    assert dash.runs_root == "/data/runs" and dash.host == "0.0.0.0"
+    assert services["dashboard"]["ports"] == [f"8501:{dash.port}"]
+    assert "hack-runs:/data/runs:ro" in services["dashboard"]["volumes"]
+    assert set(doc["networks"]) == {"hack"} and set(doc["volumes"]) == {"hack-runs"}
+    # Only the prefill starts as root, with NET_ADMIN, to shape its link (then drops to hack).
+    assert services["prefill"]["user"] == "0:0" and services["prefill"]["cap_add"] == ["NET_ADMIN"]
+    for role in ("decode", "router", "dashboard"):
+        assert "user" not in services[role] and "cap_add" not in services[role]
+
+
+def test_cpu_stack_link_kv_and_ports_come_from_the_environment() -> None:
+    from hack_cli.main import build_parser
+
+    assert compose_cpu()["services"]["prefill"]["environment"]["HACK_LINK_MBPS"] == "100"
+    env = {"HACK_LINK_MBPS": "", "HACK_KV": "bf16", "HACK_ROUTER_PORT": "18000", "HACK_DASHBOARD_PORT": "18501",
+           "HACK_PREFILL_ARGS": "--hack-partition-size 32", "HACK_BASE_IMAGE": "localhost/base:1"}
+    services = compose_cpu(env)["services"]
+    assert services["prefill"]["environment"]["HACK_LINK_MBPS"] == ""   # empty: unshaped
+    for role in ("prefill", "decode"):
+        assert build_parser().parse_args(argv(services[role])[1:]).kv == "bf16"
+    assert argv(services["prefill"])[-2:] == ["--hack-partition-size", "32"]
+    assert services["router"]["ports"] == ["18000:8000"] and services["dashboard"]["ports"] == ["18501:8501"]
+    assert services["decode"]["build"]["args"]["BASE_IMAGE"] == "localhost/base:1"

@@ -87,3 +87,64 @@ def test_hack_bench_serve_records_one_run_per_method(tmp_path, monkeypatch):
         assert meta["servers"] == [{"id": "colocated-0", "role": "colocated", "url": server.url,
                                     "pid": server.proc.pid}]
         assert server.env["HACK_METRICS_RUN_DIR"] == str(run_dir) and server.stopped
+
+
+def test_hack_serve_roles_start_what_hack_up_starts_and_share_one_run(tmp_path, monkeypatch):
+    # The compose stack's containers each run one `hack serve --role ...`: the same command line
+    # and environment as `hack up` gives that server, recorded into one run directory.
+    from disagg import cluster
+    from disagg.server_cmd import server_command
+
+    monkeypatch.setenv(rundir.RUNS_ROOT_VAR, str(tmp_path))
+    run = tmp_path / "compose"
+    pre = build_parser().parse_args(["serve", "--role", "prefill", "--host", "0.0.0.0", "--port", "30000",
+                                     "--advertise-host", "10.89.0.5", "--run-dir", str(run), "--join",
+                                     "--", "--enable-metrics"])
+    dec = build_parser().parse_args(["serve", "--role", "decode", "--kv", "hack", "--host", "0.0.0.0",
+                                     "--port", "30001", "--advertise-host", "10.89.0.6", "--run-dir", str(run),
+                                     "--join"])
+    cmd = cmd_serve.command(pre, "/m")
+    assert cmd == server_command("prefill", "hack", "/m", "0.0.0.0", 30000, 8998,
+                                 cluster.ClusterSpec.max_total_tokens, ["--enable-metrics"])
+    assert cmd_serve.command(dec, "/m") == server_command("decode", "hack", "/m", "0.0.0.0", 30001, None,
+                                                          cluster.ClusterSpec.max_total_tokens)
+    monkeypatch.setenv("HACK_LINK_MBPS", "100")   # set where the image's entry point shaped the link
+    _, env = cmd_serve.record_run(pre, "/m", cmd, pid=11)
+    assert rundir.read_run(run)["link_rate"] == "100mbit"
+    assert env["SGLANG_HOST_IP"] == "10.89.0.5"   # what mooncake and the bootstrap server advertise
+    assert env["HACK_METRICS_ROLE"] == "prefill" and env["HACK_METRICS_PROMETHEUS"] == "1"
+    assert env["HACK_DISAGG_WIRE_LOG"] == str(run / "wire-prefill-0.jsonl")
+    _, env = cmd_serve.record_run(dec, "/m", cmd_serve.command(dec, "/m"), pid=12)
+    assert env["HACK_DISAGG_FAULT_FILE"] == str(run / "fault-trigger-decode-0")
+    meta = rundir.read_run(run)
+    assert meta["kv_mode"] == "hack" and meta["label"] == "pd-hack"
+    assert sorted(meta["servers"], key=lambda s: s["id"]) == [
+        {"id": "decode-0", "role": "decode", "url": "http://10.89.0.6:30001", "pid": 12},
+        {"id": "prefill-0", "role": "prefill", "url": "http://10.89.0.5:30000", "pid": 11, "bootstrap_port": 8998}]
+
+    # podman-compose turns an empty `${HACK_DECODE_ARGS:-}` into an empty word: not an argument.
+    dec.sglang_args = ["--", ""]
+    assert "" not in cmd_serve.command(dec, "/m")
+    bf16 = build_parser().parse_args(["serve", "--role", "decode", "--kv", "bf16", "--port", "30001"])
+    assert "torch_native" in cmd_serve.command(bf16, "/m")
+    # --advertise-host auto (or a wildcard --host): the address this host's name resolves to.
+    auto = build_parser().parse_args(["serve", "--role", "prefill", "--host", "0.0.0.0"])
+    import socket
+    assert cmd_serve.advertised_host(auto) == socket.gethostbyname(socket.gethostname())
+
+
+def test_hack_serve_join_needs_a_run_dir(capsys, monkeypatch):
+    args = build_parser().parse_args(["serve", "--role", "prefill", "--join", "--model-path", "/m"])
+    monkeypatch.setattr(os, "execve", lambda *a: (_ for _ in ()).throw(AssertionError("started")))
+    assert args.func(args) == 2
+    assert "--join needs --run-dir" in capsys.readouterr().err
+
+
+def test_join_run_keeps_the_first_servers_run(tmp_path):
+    first = rundir.join_run(tmp_path / "r", "pd-hack", "hack")
+    rundir.register_server(first, "prefill-0", "prefill", "http://a:1")
+    again = rundir.join_run(tmp_path / "r", "pd-hack", "hack")
+    assert again == first and [s["id"] for s in rundir.read_run(again)["servers"]] == ["prefill-0"]
+    # init_run, by contrast, starts the directory over (a new cluster in an old directory).
+    rundir.init_run(tmp_path / "r", "pd-hack", "hack")
+    assert rundir.read_run(first)["servers"] == []
