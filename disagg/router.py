@@ -64,6 +64,11 @@ class RouterOptions:
     retry_backoff_ms: int = 1000  # the first wait; doubles up to retry_max_backoff_ms
     retry_max_backoff_ms: int = 8000
     request_timeout_s: int = 1800
+    # How long an open circuit breaker keeps a worker out before trying it again. Upstream's 60 s
+    # kept a prefill out for 64 s after a 60 s partition of its link had healed (every request
+    # meanwhile: 503 "all circuits open or unhealthy"); the health checks already keep a dead
+    # server out, so the breaker's cooldown need only be a few health rounds.
+    breaker_cooldown_s: int = 5
     extra: tuple[str, ...] = field(default_factory=tuple)  # more launch_router flags, verbatim
 
     def validate(self) -> None:
@@ -81,6 +86,8 @@ class RouterOptions:
                                  "the Rust router (--router rust, the default)")
         if min(self.health_check_interval_s, self.health_failure_threshold, self.health_check_timeout_s) < 1:
             raise ValueError("router health checks need an interval, a timeout and a failure threshold >= 1")
+        if self.breaker_cooldown_s < 1:
+            raise ValueError(f"the router's circuit-breaker cooldown must be >= 1 s, got {self.breaker_cooldown_s}")
         if self.retries < 0:
             raise ValueError(f"router retries must be >= 0, got {self.retries}")
         if not 0 < self.retry_backoff_ms <= self.retry_max_backoff_ms:
@@ -136,7 +143,8 @@ def router_command(port: int, prefill: list[tuple[str, int | None]], decode: lis
             "--health-check-interval-secs", str(opts.health_check_interval_s),
             "--health-failure-threshold", str(opts.health_failure_threshold),
             "--health-check-timeout-secs", str(opts.health_check_timeout_s),
-            "--request-timeout-secs", str(opts.request_timeout_s)]
+            "--request-timeout-secs", str(opts.request_timeout_s),
+            "--cb-timeout-duration-secs", str(opts.breaker_cooldown_s)]
     if opts.retries:  # upstream counts the first attempt among its "max retries"
         cmd += ["--retry-max-retries", str(opts.retries + 1),
                 "--retry-initial-backoff-ms", str(opts.retry_backoff_ms),

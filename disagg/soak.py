@@ -9,11 +9,18 @@ schedule when the request at its position is dispatched:
   corrupt-transfer  damage the next KV transfer that lands on the first live decode server
                     (disagg.faults: the digest check must fail that request, nothing else)
   kill-decode       SIGKILL the last decode server (needs >= 2 decodes)
+  partition:SECONDS every prefill's shaped link drops every packet, both ways, for SECONDS
+                    (disagg.link_faults; needs --link-mbps)
+  loss:PERCENT      every prefill's shaped link drops PERCENT of its packets at random, from
+                    there to the end of the load (needs --link-mbps)
 
 Every failure is classified: `in-flight-at-kill` (sent before a kill and still running at
 it: the request may have been on the killed server; expected), `corrupted-transfer` (the one
-request whose KV was damaged; expected), or `defect` (anything else, including every failure
-of a request sent after a server died: the router must route around the dead). A malformed
+request whose KV was damaged; expected), `during-partition` (in flight at some moment of a
+partition and failed with an error within PARTITION_DEADLINE_S of the link's return; expected),
+or `defect` (anything else, including every failure of a request sent after a server died: the
+router must route around the dead; every failure under packet loss alone, which TCP absorbs;
+and every request that hung until the client's timeout). A malformed
 request must be answered 4xx (or what the router documentedly answers itself:
 disagg.malformed.ROUTER_ANSWERS); a 5xx or a dropped connection is a defect too.
 
@@ -43,6 +50,7 @@ from engine import allocator
 from engine.usage import is_idle
 
 from . import procs
+from . import link_faults
 from .malformed import bad_requests, router_answer, send
 from .replay import Result, generate
 
@@ -51,11 +59,21 @@ class FaultKind(str, Enum):
     KILL_PREFILL = "kill-prefill"
     CORRUPT_TRANSFER = "corrupt-transfer"
     KILL_DECODE = "kill-decode"
+    PARTITION = "partition"
+    LOSS = "loss"
+
+
+LINK_FAULTS = (FaultKind.PARTITION, FaultKind.LOSS)
+# A request in flight during a partition must end (served, or failed with an error) within this
+# many seconds after the link is back: the decode's heartbeat declares a silent prefill dead in
+# interval x failures (2 s x 3 in `hack up`), and the router's retries span ~23 s.
+PARTITION_DEADLINE_S = 60.0
 
 
 class FailureClass(str, Enum):
     IN_FLIGHT_AT_KILL = "in-flight-at-kill"
     CORRUPTED_TRANSFER = "corrupted-transfer"
+    DURING_PARTITION = "during-partition"
     DEFECT = "defect"
 
 
@@ -63,25 +81,47 @@ class FailureClass(str, Enum):
 class FaultEvent:
     kind: FaultKind
     at: float  # a fraction of the requests (0 < at < 1): fired when that request is dispatched
+    arg: float | None = None  # partition: seconds; loss: percent of packets
 
     @staticmethod
     def parse(text: str) -> "FaultEvent":
-        """'kill-prefill@0.3' -> FaultEvent(KILL_PREFILL, 0.3)."""
-        kind, sep, at = text.strip().partition("@")
+        """'kill-prefill@0.3' -> FaultEvent(KILL_PREFILL, 0.3); 'partition:5@0.3' -> a 5 s
+        partition at 30% of the requests; 'loss:5@0.2' -> 5% packet loss from 20% on."""
+        head, sep, at = text.strip().partition("@")
         if not sep:
-            raise ValueError(f"fault {text!r}: expected KIND@FRACTION, e.g. kill-prefill@0.3")
+            raise ValueError(f"fault {text!r}: expected KIND@FRACTION, e.g. kill-prefill@0.3 or partition:5@0.3")
+        kind, colon, arg_text = head.partition(":")
+        if kind in link_faults.NETEM_ONLY:
+            raise ValueError(f"fault {text!r}: {link_faults.unsupported(kind)}")
         try:
             k = FaultKind(kind)
         except ValueError:
             raise ValueError(f"fault {text!r}: kind must be one of "
                              f"{', '.join(f.value for f in FaultKind)}") from None
+        arg = None
+        if k in LINK_FAULTS:
+            what = "seconds" if k is FaultKind.PARTITION else "a percentage of packets"
+            try:
+                arg = float(arg_text) if colon else None
+            except ValueError:
+                arg = None
+            ok = arg is not None and (arg > 0 if k is FaultKind.PARTITION else 0 < arg < 100)
+            if not ok:
+                raise ValueError(f"fault {text!r}: {k.value} takes {what} after a colon, e.g. "
+                                 f"{k.value}:{5}@0.3")
+        elif colon:
+            raise ValueError(f"fault {text!r}: {k.value} takes no argument")
         try:
             frac = float(at)
         except ValueError:
             raise ValueError(f"fault {text!r}: {at!r} is not a number") from None
         if not 0.0 < frac < 1.0:
             raise ValueError(f"fault {text!r}: the position must be a fraction in (0, 1)")
-        return FaultEvent(k, frac)
+        return FaultEvent(k, frac, arg)
+
+    def label(self) -> str:
+        arg = f":{self.arg:g}" if self.arg is not None else ""
+        return f"{self.kind.value}{arg}@{self.at:g}"
 
 
 DEFAULT_FAULTS = "kill-prefill@0.3,corrupt-transfer@0.5,kill-decode@0.7"
@@ -100,7 +140,7 @@ class SoakSpec:
     timeout_s: float = 600.0
     idle_timeout_s: float = 90.0
 
-    def validate(self, prefills: int, decodes: int) -> None:
+    def validate(self, prefills: int, decodes: int, shaped_link: bool = True) -> None:
         if self.requests < 1 or self.concurrency < 1:
             raise ValueError("--requests and --concurrency must be >= 1")
         if not 0.0 <= self.long_fraction <= 1.0:
@@ -112,6 +152,11 @@ class SoakSpec:
         if kinds.count(FaultKind.KILL_DECODE) > decodes - 1:
             raise ValueError(f"{kinds.count(FaultKind.KILL_DECODE)} decode kill(s) with {decodes} "
                              "decode server(s): at least one must survive (start more with --decode)")
+        if any(k in LINK_FAULTS for k in kinds) and not shaped_link:
+            raise ValueError("link faults (partition, loss) act on each prefill's shaped link: start the "
+                             "cluster with --link-mbps (as root)")
+        if kinds.count(FaultKind.LOSS) > 1:
+            raise ValueError("one loss fault per soak: it lasts from its position to the end of the load")
 
 
 @dataclass
@@ -254,7 +299,10 @@ class Soak:
     def __init__(self, state: dict, spec: SoakSpec, model_path: str, log: Callable[[str], None] = print):
         prefills = [s for s in state["servers"] if s["role"] == "prefill"]
         decodes = [s for s in state["servers"] if s["role"] == "decode"]
-        spec.validate(len(prefills), len(decodes))
+        from .cluster import state_links
+
+        self.links = state_links(state)
+        spec.validate(len(prefills), len(decodes), shaped_link=bool(self.links))
         self.state, self.spec, self.log = state, spec, log
         self.router = state["router_url"]
         self.servers = prefills + decodes
@@ -284,6 +332,9 @@ class Soak:
     # -- faults ---------------------------------------------------------------------------
     def _fire(self, fault: FaultEvent, index: int) -> None:
         t = time.time()
+        if fault.kind in LINK_FAULTS:
+            self._link_fault(fault, index, t)
+            return
         if fault.kind is FaultKind.CORRUPT_TRANSFER:
             target = self._live("decode")[0]
             trigger = Path(self.state["run_dir"]) / f"fault-trigger-decode-{target['index']}"
@@ -300,6 +351,36 @@ class Soak:
             threading.Thread(target=self._watch_router, args=(ev,), daemon=True).start()
         self.log(f"fault at job {index}: {ev['fault']} {ev['server']}")
         self.events.append(ev)
+
+    def _link_fault(self, fault: FaultEvent, index: int, t: float) -> None:
+        kind = link_faults.LinkFault(fault.kind.value)
+        for link in self.links:
+            link_faults.apply(link, kind, fault.arg if kind is link_faults.LinkFault.LOSS else None)
+        ev = {"fault": fault.kind.value, "server": "prefill links", "arg": fault.arg, "t": t, "at_job": index,
+              "t_end": None}
+        self.events.append(ev)
+        self.log(f"fault at job {index}: {fault.label()} on {len(self.links)} prefill link(s)")
+        if kind is link_faults.LinkFault.PARTITION:
+            timer = threading.Timer(fault.arg, self._end_link_fault, args=(ev,))
+            timer.daemon = True
+            timer.start()
+
+    def _end_link_fault(self, ev: dict) -> None:
+        with self._lock:
+            if ev["t_end"] is not None:
+                return
+            ev["dropped_packets"] = sum(link_faults.dropped_packets(link) for link in self.links)
+            for link in self.links:
+                link_faults.clear(link)
+            ev["t_end"] = time.time()
+        self.log(f"fault {ev['fault']} over after {ev['t_end'] - ev['t']:.1f} s "
+                 f"({ev['dropped_packets']} packets dropped)")
+
+    def _end_link_faults(self) -> None:
+        """A loss lasts to the end of the load; anything still active ends here (also on error)."""
+        for ev in self.events:
+            if ev["fault"] in (FaultKind.PARTITION.value, FaultKind.LOSS.value) and ev["t_end"] is None:
+                self._end_link_fault(ev)
 
     def _watch_router(self, ev: dict) -> None:
         """When the router's worker list stops showing the dead server healthy."""
@@ -357,13 +438,16 @@ class Soak:
         sampler.start()
         t0 = time.time()
         sem = threading.Semaphore(self.spec.concurrency)
-        with ThreadPoolExecutor(self.spec.concurrency + 4) as pool:
-            for job in self.jobs:
-                sem.acquire()
-                if job.index in self.fault_at:
-                    self._fire(self.fault_at[job.index], job.index)
-                fut = pool.submit(self._run_job, job)
-                fut.add_done_callback(lambda _f: sem.release())
+        try:
+            with ThreadPoolExecutor(self.spec.concurrency + 4) as pool:
+                for job in self.jobs:
+                    sem.acquire()
+                    if job.index in self.fault_at:
+                        self._fire(self.fault_at[job.index], job.index)
+                    fut = pool.submit(self._run_job, job)
+                    fut.add_done_callback(lambda _f: sem.release())
+        finally:
+            self._end_link_faults()
         wall = time.time() - t0
         after, deadline = self._usage_all(), time.time() + self.spec.idle_timeout_s
         while not all(is_idle(u) for u in after.values()) and time.time() < deadline:
@@ -374,14 +458,39 @@ class Soak:
         return self.report(before, after, wall)
 
     # -- report ---------------------------------------------------------------------------
+    @staticmethod
+    def _link_report(ev: dict, gen: list[dict]) -> None:
+        """What a link fault did to the requests in flight during it and to those after it."""
+        lo, hi = ev["t"], ev["t_end"] if ev["t_end"] is not None else float("inf")
+        during = [r for r in gen if r["t_send"] <= hi and r["t_end"] >= lo]
+        ev["in_flight"] = len(during)
+        ev["in_flight_served"] = sum(r["ok"] for r in during)
+        ev["in_flight_failed"] = sum(not r["ok"] for r in during)
+        ev["in_flight_errors"] = sorted({(r.get("error") or str(r.get("status")))[:120] for r in during if not r["ok"]})
+        if ev["t_end"] is not None and during:
+            ev["last_in_flight_ended_after_s"] = round(max(r["t_end"] for r in during) - ev["t_end"], 2)
+        if ev["fault"] == FaultKind.PARTITION.value and ev["t_end"] is not None:
+            later = sorted((r for r in gen if r["t_send"] > hi), key=lambda r: r["t_send"])
+            ev["sent_after"] = len(later)
+            ev["failed_after"] = sum(r.get("failure") == FailureClass.DEFECT.value for r in later)
+            first_ok = next((r for r in later if r["ok"]), None)
+            ev["first_served_after_s"] = round(first_ok["t_end"] - hi, 2) if first_ok else None
+
     def classify(self, rec: dict) -> FailureClass | None:
         if rec["ok"]:
             return None
         if rec["kind"] == "bad":
             return FailureClass.DEFECT
+        if rec["t_end"] - rec["t_send"] >= 0.99 * self.spec.timeout_s:
+            return FailureClass.DEFECT  # hung until the client gave up: no fault excuses that
         for ev in self.events:
-            if ev["fault"] != FaultKind.CORRUPT_TRANSFER.value and rec["t_send"] <= ev["t"] <= rec["t_end"]:
+            if ev["fault"] in (FaultKind.KILL_PREFILL.value, FaultKind.KILL_DECODE.value) \
+                    and rec["t_send"] <= ev["t"] <= rec["t_end"]:
                 return FailureClass.IN_FLIGHT_AT_KILL
+            if ev["fault"] == FaultKind.PARTITION.value and ev["t_end"] is not None \
+                    and rec["t_send"] <= ev["t_end"] and rec["t_end"] >= ev["t"] \
+                    and rec["t_end"] <= ev["t_end"] + PARTITION_DEADLINE_S and (rec.get("error") or rec.get("status")):
+                return FailureClass.DURING_PARTITION
         err = (rec.get("error") or "").lower()
         corrupt = [ev for ev in self.events if ev["fault"] == FaultKind.CORRUPT_TRANSFER.value]
         if corrupt and rec["t_end"] >= corrupt[0]["t"] and any(w in err for w in ("checksum", "digest", "corrupt")):
@@ -417,6 +526,9 @@ class Soak:
             if ev["fault"] == FaultKind.CORRUPT_TRANSFER.value:
                 ev["consumed"] = not Path(ev["trigger"]).exists()
                 continue
+            if ev["fault"] in (FaultKind.PARTITION.value, FaultKind.LOSS.value):
+                self._link_report(ev, gen)
+                continue
             later = sorted((r for r in gen if r["t_send"] > ev["t"]), key=lambda r: r["t_send"])
             ev["sent_after"] = len(later)
             # Failures a later fault explains (in flight at a later kill, the damaged transfer)
@@ -439,9 +551,10 @@ class Soak:
                          "peak_mb": round(max(v for _, v in samples) / 2**20, 1),
                          "by_tenth_mb": [round(v / 2**20, 1) for v in self.rss_tenths[name]]}
         logs = {self._name(s): Path(s["log"]) for s in self.servers}
-        expected_fail = classes[FailureClass.IN_FLIGHT_AT_KILL.value] + classes[FailureClass.CORRUPTED_TRANSFER.value]
+        expected_fail = (classes[FailureClass.IN_FLIGHT_AT_KILL.value] + classes[FailureClass.CORRUPTED_TRANSFER.value]
+                         + classes[FailureClass.DURING_PARTITION.value])
         return {
-            "spec": {**asdict(self.spec), "faults": [f"{f.kind.value}@{f.at:g}" for f in self.spec.faults]},
+            "spec": {**asdict(self.spec), "faults": [f.label() for f in self.spec.faults]},
             "cluster": {"kv": self.state.get("kv"), "router": self.state.get("router"),
                         "prefill": sum(s["role"] == "prefill" for s in self.servers),
                         "decode": sum(s["role"] == "decode" for s in self.servers)},
@@ -472,6 +585,9 @@ def passed(report: dict, rss_growth_max: float = 0.05) -> list[str]:
     for ev in report["faults"]:
         if ev.get("failed_after"):
             bad.append(f"{ev['failed_after']} request(s) sent after {ev['fault']} of {ev['server']} failed")
+        if ev["fault"] == FaultKind.PARTITION.value and (ev.get("last_in_flight_ended_after_s") or 0) > PARTITION_DEADLINE_S:
+            bad.append(f"a request in flight during the {ev['arg']:g} s partition ended "
+                       f"{ev['last_in_flight_ended_after_s']} s after the link came back (deadline {PARTITION_DEADLINE_S:g} s)")
     idle = report["pools"]["idle_after"]
     if not all(idle.values()):
         bad.append("pools not idle after the load: " + ", ".join(k for k, v in idle.items() if not v))

@@ -5,8 +5,8 @@ find them on its dashboard's page, take it down, and check that nothing is left 
                                  [--record artifacts/images/stack.json]
 
 The image must exist (`make images`). Each run uses its own compose project name and free host
-ports, so it never touches a stack a user started. On a failure the containers' logs are
-written next to the record and the stack is still taken down. Exit status 0 only when every
+ports, so it never touches a stack a user started. The page's screenshot and, on a failure,
+the containers' logs go to artifacts/images/; the stack is taken down either way. Exit status 0 only when every
 request was served, the page counted them, the link was shaped as asked and `down` left no
 container, network or volume.
 """
@@ -20,7 +20,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,10 +34,6 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker" / "compose.cpu.yaml"
 RUN_NAME = "compose"  # the run directory the stack's servers share (compose.cpu.yaml)
 PROMPTS = ["The capital of France is", "The ocean is", "List three prime numbers:", "def fibonacci(n):"]
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--window-size=1400,1800"]
 
 
 def free_port() -> int:
@@ -117,18 +112,11 @@ def recorded_finished(engine: Engine, container: str, env: dict[str, str]) -> in
 
 def page_counts(dashboard_url: str, run: str, expect: int, timeout_s: float, shot: Path) -> dict[str, Any]:
     """Open the dashboard's page of the run in a headless browser and read its 'finished' count."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
 
-    profile = tempfile.mkdtemp(prefix="stack-check-chromium-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in CHROME_FLAGS + [f"--user-data-dir={profile}"]:
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    try:
-        driver.set_page_load_timeout(60)
+    from dashboard import headless
+
+    with headless.browser() as driver:
         driver.get(f"{dashboard_url}/?run={run}")
         t0, finished = time.monotonic(), None
         while time.monotonic() - t0 < timeout_s:
@@ -144,9 +132,6 @@ def page_counts(dashboard_url: str, run: str, expect: int, timeout_s: float, sho
         body = driver.find_element(By.TAG_NAME, "body").text
         return {"finished": int(finished) if finished and finished.isdigit() else None,
                 "run_named": run in body, "screenshot": str(shot)}
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def check(engine: Engine, requests: int, link_mbps: float | None, out_dir: Path, log=print) -> dict[str, Any]:
@@ -227,7 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         engine = Engine(args.engine) if args.engine else detect_engine()
-        result = check(engine, args.requests, args.link_mbps or None, args.record.parent,
+        # Screenshot and, on a failure, the containers' logs: artifacts/images/ (not beside a
+        # record kept in docs/).
+        result = check(engine, args.requests, args.link_mbps or None, ROOT / "artifacts" / "images",
                        log=lambda m: print(m, flush=True))
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)

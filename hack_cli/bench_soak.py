@@ -38,7 +38,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--faults", default="none",
                    help="'none', 'default' (kill-prefill@0.3,corrupt-transfer@0.5,kill-decode@0.7) or "
                         "a comma-separated list of KIND@FRACTION (kinds: kill-prefill, corrupt-transfer, "
-                        "kill-decode; the fraction of the requests at which it fires)")
+                        "kill-decode; the fraction of the requests at which it fires), and the link faults "
+                        "partition:SECONDS@FRACTION and loss:PERCENT@FRACTION on each prefill's link "
+                        "(need --link-mbps; a loss lasts to the end of the load)")
     p.add_argument("--link-mbps", type=float, default=None, help="shape each prefill's link (root)")
     p.add_argument("--kv-budget-mb", type=float, default=None,
                    help="KV pool budget per server, any method (default: the cluster's, 768 MB); "
@@ -70,7 +72,9 @@ def _print(report: dict) -> None:
               f"TTFT p50/p99 {fmt(t)} s")
     for ev in report["faults"]:
         print(f"  fault {ev['fault']} {ev['server']}: " + ", ".join(
-            f"{k}={ev[k]}" for k in ("sent_after", "failed_after", "failed_after_within_s", "first_served_after_s",
+            f"{k}={ev[k]}" for k in ("arg", "in_flight", "in_flight_served", "in_flight_failed",
+                                     "last_in_flight_ended_after_s", "dropped_packets", "in_flight_errors",
+                                     "sent_after", "failed_after", "failed_after_within_s", "first_served_after_s",
                                      "router_dropped_after_s", "router_view", "consumed") if k in ev))
     if report.get("server_allocator"):
         print(f"  servers' allocator: {report['server_allocator']}")
@@ -101,7 +105,7 @@ def run_cli(args: argparse.Namespace) -> int:
     spec = SoakSpec(requests=args.requests, concurrency=args.concurrency, seed=args.seed,
                     long_fraction=args.long_fraction, long_tokens=args.long_tokens,
                     chat_max_tokens=args.max_tokens, bad_every=args.bad_every, faults=faults)
-    spec.validate(args.prefill, args.decode)  # before any server starts
+    spec.validate(args.prefill, args.decode, shaped_link=args.link_mbps is not None)  # before any server starts
     router = router_options_from_args(args)
     model_path = _model_path(args.model)
     extra = ["--hack-kv-budget-mb", f"{args.kv_budget_mb:g}"] if args.kv_budget_mb else []

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -23,10 +22,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--window-size=1400,1800"]
 
 
 def _free_port() -> int:
@@ -93,23 +88,13 @@ def dashboard(runs):
 
 @pytest.fixture(scope="module")
 def browser():
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"{path} is missing: `make install` installs Debian's chromium and "
-                        "chromium-driver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
+    from dashboard import headless
 
-    profile = tempfile.mkdtemp(prefix="chromium-profile-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = CHROMIUM
-    for flag in FLAGS + [f"--user-data-dir={profile}"]:
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    if headless.missing():
+        pytest.fail(f"{', '.join(headless.missing())} missing: `make install` installs Debian's chromium and "
+                    "chromium-driver")
+    with headless.browser() as driver:
+        yield driver
 
 
 def _wait(driver, what, cond, timeout=90.0):

@@ -228,6 +228,58 @@ def test_wire_meter_attributes_bytes_and_time_to_the_room(tmp_path, monkeypatch)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_link_faults_drop_what_crosses_the_prefill_link_and_nothing_once_cleared():
+    # The soak's partition and loss (disagg.link_faults): nft rules in the prefill's namespace on
+    # its end of the veth. Datagrams from the namespace to the root end show what gets through.
+    import socket
+
+    from disagg import link_faults
+
+    link = netns.create("ut" + os.urandom(2).hex(), 1000)
+    state_link = {**link.to_dict(), "namespace": link.namespace, "veth_root": link.veth_root}
+
+    def through(n: int) -> int:
+        import threading
+
+        got = [0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as rx:
+            rx.bind((link.root_ip, 0))
+            rx.settimeout(3.0)  # the sender's interpreter starts within that, even on a busy host
+
+            def drain() -> None:  # read while they arrive: a full receive buffer would drop too
+                try:
+                    while True:
+                        rx.recv(16)
+                        got[0] += 1
+                except socket.timeout:
+                    pass
+
+            reader = threading.Thread(target=drain)
+            reader.start()
+            code = (f"import socket,time; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                    f"for i in range({n}): s.sendto(b'x', ('{link.root_ip}', {rx.getsockname()[1]})); time.sleep(0.0005)")
+            subprocess.run(["ip", "netns", "exec", link.namespace, sys.executable, "-c", code], check=True, timeout=60)
+            reader.join(30)
+        return got[0]
+
+    try:
+        assert through(200) == 200
+        link_faults.apply(state_link, link_faults.LinkFault.PARTITION)
+        assert through(50) == 0
+        assert link_faults.dropped_packets(state_link) >= 50
+        link_faults.apply(state_link, link_faults.LinkFault.LOSS, 30.0)   # replaces the partition
+        got = through(1000)
+        assert 550 <= got <= 850, got                                     # ~70% through
+        link_faults.clear(state_link)
+        assert through(200) == 200 and link_faults.dropped_packets(state_link) == 0
+        link_faults.clear(state_link)                                     # idempotent
+        with pytest.raises(netns.LinkError, match="percentage"):
+            link_faults.apply(state_link, link_faults.LinkFault.LOSS, 0.0)
+    finally:
+        netns.remove(link.namespace, link.veth_root)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 def test_a_container_shapes_its_own_egress_through_its_default_route():
     # What the CPU image's entry point runs in the compose stack's prefill container: the same
     # tbf as a `hack up` link, on the interface of the namespace's default route.

@@ -153,6 +153,15 @@ def test_cpu_stack_runs_hack_serve_roles_behind_the_router_on_a_private_network(
         assert svc["healthcheck"]["test"][-1] == f"http://127.0.0.1:{ns.port}/health"
         parsed[role] = ns
     router = _router_args(services["router"])
+    # The same health checks, retries and breaker cooldown as the router `hack up` starts.
+    from disagg.router import router_command
+
+    cmd = router_command(8000, [("http://p:1", 2)], ["http://d:3"])
+    ours = _router_args({"command": ["python", *cmd[1:]]})   # argv[0] is this interpreter's path
+    for name in ("health_check_interval_secs", "health_failure_threshold", "health_check_timeout_secs",
+                 "retry_max_retries", "retry_initial_backoff_ms", "retry_max_backoff_ms",
+                 "retry_backoff_multiplier", "cb_timeout_duration_secs", "disable_retries"):
+        assert getattr(router, name) == getattr(ours, name), name
     assert router.pd_disaggregation
     assert router.prefill_urls == [(f"http://prefill:{parsed['prefill'].port}", parsed["prefill"].bootstrap_port)]
     assert router.decode_urls == [f"http://decode:{parsed['decode'].port}"]

@@ -33,6 +33,7 @@ def test_rust_router_is_the_default_with_health_checks_retries_and_breaker() -> 
     assert parsed.retry_initial_backoff_ms == 1000 and parsed.retry_max_backoff_ms == 8000
     assert parsed.retry_backoff_multiplier == 2
     assert not parsed.disable_circuit_breaker and not parsed.disable_health_check
+    assert parsed.cb_timeout_duration_secs == 5   # a healed worker back within seconds, not upstream's 60
     assert parsed.prometheus_port == 29123 and parsed.host == "127.0.0.1" and parsed.port == 8000
     assert parsed.policy == "cache_aware"  # upstream's default when none is asked for
 

@@ -2,7 +2,6 @@
 so that `hack dashboard` with no arguments shows them."""
 from __future__ import annotations
 
-import argparse
 import os
 from types import SimpleNamespace
 

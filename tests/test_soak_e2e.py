@@ -1,6 +1,7 @@
 """A small soak of real HACK clusters behind SGLang's Rust PD router (disagg/soak.py): mixed
-chat and long-document load, malformed requests interleaved, a corrupted transfer on 1P1D and
-a prefill killed with SIGKILL mid-run on 2P1D (each prefill behind its own shaped link).
+chat and long-document load, malformed requests interleaved, a corrupted transfer on 1P1D,
+a prefill killed with SIGKILL mid-run on 2P1D (each prefill behind its own shaped link), and a
+partition then packet loss on a 1P1D's prefill link (disagg/link_faults.py).
 
 Asserted (the issue's properties, at a size CI affords): no failure other than the corrupted
 request and requests in flight at the kill; every request sent after the kill served by the
@@ -77,4 +78,26 @@ def test_2p1d_prefill_killed_mid_run() -> None:
     assert kill["server"] == "prefill-1" and kill["sent_after"] > 0 and kill["failed_after"] == 0
     assert report["rss"]["prefill-1"]["dead"]
     assert set(report["pools"]["idle_after"]) == {"prefill-0", "decode-0"}
+    _assert_gone(state)
+
+
+def test_1p1d_link_partition_then_packet_loss() -> None:
+    # Needs the shaped link (network namespaces: root, as CI runs). A 5 s partition at 30% of the
+    # requests, then 5% of the link's packets lost from 60% to the end.
+    assert os.geteuid() == 0, "link faults act on the shaped link, which needs root"
+    spec = SoakSpec(requests=30, concurrency=4, seed=3, long_fraction=0.1, bad_every=0,
+                    faults=fault_schedule("partition:5@0.3,loss:5@0.6"))
+    state, report = _soak(1, spec, 1000.0)
+    print(report["failures"], report["requests"], report["faults"])
+    assert passed(report) == [], report["defects"]
+    part, loss = report["faults"]
+    assert part["fault"] == "partition" and loss["fault"] == "loss"
+    assert part["dropped_packets"] > 0 and loss["dropped_packets"] > 0
+    assert 4.5 <= part["t_end"] - part["t"] <= 10.0
+    # Nothing hung: whatever was in flight ended (served or with an error) soon after the link
+    # came back, and every request sent after it was served.
+    assert (part.get("last_in_flight_ended_after_s") or 0) < 60
+    assert part["sent_after"] > 0 and part["failed_after"] == 0
+    assert report["failures"]["defect"] == 0       # TCP absorbs the 5% loss: no request lost to it
+    assert set(report["pools"]["idle_after"].values()) == {True}
     _assert_gone(state)

@@ -33,8 +33,9 @@ def test_a_kill_needs_a_survivor() -> None:
 
 
 def _soak(events: list[dict]) -> Soak:
-    s = Soak.__new__(Soak)  # the classification needs only the fault log
+    s = Soak.__new__(Soak)  # the classification needs only the fault log (and the client's timeout)
     s.events = events
+    s.spec = SoakSpec()
     return s
 
 
@@ -50,6 +51,51 @@ def test_failures_are_classified_by_the_fault_log() -> None:
     assert s.classify(digest) is FailureClass.CORRUPTED_TRANSFER
     assert s.classify({**digest, "t_end": 150.0}) is FailureClass.DEFECT  # ended before the trigger
     assert s.classify({"kind": "bad", "ok": False, "status": 500, "t_send": 1, "t_end": 2}) is FailureClass.DEFECT
+
+
+def test_link_faults_parse_with_their_argument_and_refuse_what_is_not_built() -> None:
+    assert fault_schedule("partition:5@0.3,loss:1.5@0.2") == [
+        FaultEvent(FaultKind.PARTITION, 0.3, 5.0), FaultEvent(FaultKind.LOSS, 0.2, 1.5)]
+    assert FaultEvent.parse("partition:60@0.4").label() == "partition:60@0.4"
+    for text, match in (("partition@0.3", "partition takes seconds"), ("loss:0@0.3", "loss takes a percentage"),
+                        ("loss:100@0.3", "percentage"), ("partition:x@0.3", "takes seconds"),
+                        ("kill-prefill:3@0.3", "takes no argument"),
+                        ("delay:50@0.3", "needs tc netem"), ("reorder:25@0.3", "not built")):
+        with pytest.raises(ValueError, match=match):
+            FaultEvent.parse(text)
+    spec = SoakSpec(faults=fault_schedule("partition:5@0.3"))
+    spec.validate(1, 1, shaped_link=True)
+    with pytest.raises(ValueError, match="--link-mbps"):
+        spec.validate(1, 1, shaped_link=False)
+    with pytest.raises(ValueError, match="one loss fault"):
+        SoakSpec(faults=fault_schedule("loss:1@0.2,loss:5@0.5")).validate(1, 1)
+
+
+def test_failures_around_a_partition_are_classified_by_when_they_ended() -> None:
+    from disagg.soak import PARTITION_DEADLINE_S
+
+    part = {"fault": "partition", "arg": 5.0, "t": 100.0, "t_end": 105.0}
+    s = _soak([part, {"fault": "loss", "arg": 5.0, "t": 300.0, "t_end": 400.0}])
+    gen = {"kind": "chat", "ok": False, "error": "Prefill server error: connection refused"}
+    assert s.classify({**gen, "t_send": 99.0, "t_end": 112.0}) is FailureClass.DURING_PARTITION
+    assert s.classify({**gen, "t_send": 102.0, "t_end": 103.0}) is FailureClass.DURING_PARTITION
+    late = 105.0 + PARTITION_DEADLINE_S + 1
+    assert s.classify({**gen, "t_send": 99.0, "t_end": late}) is FailureClass.DEFECT      # past the deadline
+    assert s.classify({**gen, "t_send": 106.0, "t_end": 107.0}) is FailureClass.DEFECT    # sent after it
+    assert s.classify({**gen, "t_send": 310.0, "t_end": 320.0}) is FailureClass.DEFECT    # TCP absorbs loss
+    hung = {**gen, "t_send": 99.0, "t_end": 99.0 + SoakSpec().timeout_s}
+    assert s.classify(hung) is FailureClass.DEFECT                                          # hung, whatever the fault
+    recs = [{"kind": "chat", "ok": True, "t_send": 98.0, "t_end": 110.0, "failure": None},
+            {**gen, "t_send": 101.0, "t_end": 111.0, "failure": "during-partition"},
+            {"kind": "chat", "ok": True, "t_send": 106.0, "t_end": 108.5, "failure": None}]
+    Soak._link_report(part, recs)
+    assert (part["in_flight"], part["in_flight_served"], part["in_flight_failed"]) == (2, 1, 1)
+    assert part["last_in_flight_ended_after_s"] == 6.0 and part["first_served_after_s"] == 3.5
+    assert part["sent_after"] == 1 and part["failed_after"] == 0
+    assert part["in_flight_errors"] == ["Prefill server error: connection refused"]
+    broken = passed(_report(faults=[{**part, "server": "prefill links", "last_in_flight_ended_after_s": 61.0}]))
+    assert broken == ["a request in flight during the 5 s partition ended 61.0 s after the link came back "
+                      "(deadline 60 s)"]
 
 
 def _report(**over) -> dict:
