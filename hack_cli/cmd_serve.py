@@ -19,11 +19,10 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import sys
-from pathlib import Path
-
 import socket
+import sys
 from enum import Enum
+from pathlib import Path
 
 from hack_metrics import rundir
 
@@ -122,6 +121,14 @@ def record_run(args: argparse.Namespace, model_path: str, cmd: list[str], pid: i
     """Create (or reuse, with --run-dir) the run directory and its run.json; returns it and the
     environment that makes the server write its metrics streams there."""
     role = _role(args)
+    if role is ServeRole.COLOCATED:
+        pd_only = [flag for flag, given in (("--advertise-host", getattr(args, "advertise_host", None)),
+                                            ("--max-total-tokens", getattr(args, "max_total_tokens", None)),
+                                            ("--bootstrap-port", getattr(args, "bootstrap_port", DEFAULT_BOOTSTRAP_PORT)
+                                             != DEFAULT_BOOTSTRAP_PORT)) if given]
+        if pd_only:
+            raise ValueError(f"{', '.join(pd_only)}: only for --role prefill or decode (a colocated server takes "
+                             "SGLang's own options after --)")
     extra = _sglang_args(args)
     kv = _kv(args)
     meta = {"model": Path(model_path).name if args.model_path else args.model, "model_path": model_path,

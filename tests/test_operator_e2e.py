@@ -24,7 +24,6 @@ from disagg.replay import generate
 from hack_metrics import rundir
 from hack_metrics.http_client import HttpRunLoader
 from hack_metrics.run_view import build_view
-import test_dashboard_browser as B
 from test_dashboard_browser import (ARTIFACTS, _chart, _free_port, _metric, _no_crash, _text,
                                     _titles, _wait)
 from test_metrics_grafana import exposition_names, grafana_queries, metric_names
@@ -72,26 +71,13 @@ def live(tmp_path_factory):
 def browser():
     """A fresh chromium per page: one crashed tab (seen on a loaded machine) does not take
     the next page's checks with it."""
-    import shutil
-    import tempfile
+    from dashboard import headless
 
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    for path in (B.CHROMIUM, B.CHROMEDRIVER):
-        if not os.access(path, os.X_OK):
-            pytest.fail(f"{path} is missing: `make install` installs Debian's chromium and "
-                        "chromium-driver")
-    profile = tempfile.mkdtemp(prefix="chromium-profile-")
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = B.CHROMIUM
-    for flag in B.FLAGS + [f"--user-data-dir={profile}"]:
-        opts.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(B.CHROMEDRIVER), options=opts)
-    driver.set_page_load_timeout(60)
-    yield driver
-    driver.quit()
-    shutil.rmtree(profile, ignore_errors=True)
+    if headless.missing():
+        pytest.fail(f"{', '.join(headless.missing())} missing: `make install` installs Debian's chromium and "
+                    "chromium-driver")
+    with headless.browser() as driver:
+        yield driver
 
 
 def _server(state: dict, role: str) -> dict:

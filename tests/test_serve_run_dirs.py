@@ -132,11 +132,15 @@ def test_hack_serve_roles_start_what_hack_up_starts_and_share_one_run(tmp_path, 
     assert cmd_serve.advertised_host(auto) == socket.gethostbyname(socket.gethostname())
 
 
-def test_hack_serve_join_needs_a_run_dir(capsys, monkeypatch):
-    args = build_parser().parse_args(["serve", "--role", "prefill", "--join", "--model-path", "/m"])
+def test_hack_serve_refuses_flags_that_do_not_fit_with_a_sentence(capsys, monkeypatch):
     monkeypatch.setattr(os, "execve", lambda *a: (_ for _ in ()).throw(AssertionError("started")))
-    assert args.func(args) == 2
-    assert "--join needs --run-dir" in capsys.readouterr().err
+    for argv, sentence in ((["--role", "prefill", "--join"], "--join needs --run-dir"),
+                           (["--advertise-host", "auto"], "--advertise-host: only for --role prefill or decode"),
+                           (["--bootstrap-port", "9000", "--max-total-tokens", "64"],
+                            "--max-total-tokens, --bootstrap-port: only for --role")):
+        args = build_parser().parse_args(["serve", "--model-path", "/m", *argv])
+        assert args.func(args) == 2
+        assert sentence in capsys.readouterr().err
 
 
 def test_join_run_keeps_the_first_servers_run(tmp_path):
