@@ -352,13 +352,20 @@ class Soak:
         self.log(f"fault at job {index}: {ev['fault']} {ev['server']}")
         self.events.append(ev)
 
+    def _active_link_faults(self, kind: FaultKind) -> list[dict]:
+        return [e for e in self.events if e["fault"] == kind.value and e.get("t_end", 0) is None]
+
     def _link_fault(self, fault: FaultEvent, index: int, t: float) -> None:
         kind = link_faults.LinkFault(fault.kind.value)
-        for link in self.links:
-            link_faults.apply(link, kind, fault.arg if kind is link_faults.LinkFault.LOSS else None)
         ev = {"fault": fault.kind.value, "server": "prefill links", "arg": fault.arg, "t": t, "at_job": index,
               "t_end": None}
-        self.events.append(ev)
+        with self._lock:
+            # A link holds one fault at a time: a loss that starts during a partition takes effect
+            # when the partition ends (_end_link_fault puts it in place), not by cutting it short.
+            if not (kind is link_faults.LinkFault.LOSS and self._active_link_faults(FaultKind.PARTITION)):
+                for link in self.links:
+                    link_faults.apply(link, kind, fault.arg if kind is link_faults.LinkFault.LOSS else None)
+            self.events.append(ev)
         self.log(f"fault at job {index}: {fault.label()} on {len(self.links)} prefill link(s)")
         if kind is link_faults.LinkFault.PARTITION:
             timer = threading.Timer(fault.arg, self._end_link_fault, args=(ev,))
@@ -373,6 +380,10 @@ class Soak:
             for link in self.links:
                 link_faults.clear(link)
             ev["t_end"] = time.time()
+            # A loss still running (begun before or during this partition) goes on after it.
+            for loss in self._active_link_faults(FaultKind.LOSS):
+                for link in self.links:
+                    link_faults.apply(link, link_faults.LinkFault.LOSS, loss["arg"])
         self.log(f"fault {ev['fault']} over after {ev['t_end'] - ev['t']:.1f} s "
                  f"({ev['dropped_packets']} packets dropped)")
 

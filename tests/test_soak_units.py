@@ -160,3 +160,27 @@ def test_idle_means_no_row_and_nothing_beyond_the_radix_cache() -> None:
     assert not is_idle(None)
     assert is_idle({"request_rows_in_use": 0, "used_tokens": 0, "radix_cached_tokens": None})
     assert not is_idle({"request_rows_in_use": 0, "used_tokens": 64, "radix_cached_tokens": None})
+
+
+def test_a_loss_begun_during_a_partition_takes_over_when_the_partition_ends(monkeypatch) -> None:
+    import threading
+
+    from disagg import link_faults
+
+    calls = []
+    monkeypatch.setattr(link_faults, "apply", lambda link, kind, pct=None: calls.append(("apply", kind.value, pct)))
+    monkeypatch.setattr(link_faults, "clear", lambda link: calls.append(("clear",)))
+    monkeypatch.setattr(link_faults, "dropped_packets", lambda link: 7)
+    monkeypatch.setattr(threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None,
+                                                                          "daemon": True})())
+    s = _soak([])
+    s.links, s._lock, s.log = [{"tag": "x"}], threading.Lock(), lambda m: None
+    part, loss = FaultEvent.parse("partition:5@0.3"), FaultEvent.parse("loss:5@0.4")
+    s._link_fault(part, 3, 100.0)
+    s._link_fault(loss, 4, 101.0)            # during the partition: not cutting it short
+    assert calls == [("apply", "partition", None)]
+    s._end_link_fault(s.events[0])           # the partition ends: the loss takes over
+    assert calls[1:] == [("clear",), ("apply", "loss", 5.0)]
+    assert s.events[0]["dropped_packets"] == 7 and s.events[1]["t_end"] is None
+    s._end_link_faults()                     # the end of the load ends the loss
+    assert calls[-1] == ("clear",) and s.events[1]["t_end"] is not None
