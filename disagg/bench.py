@@ -33,9 +33,10 @@ from .wire_meter import read_log
 
 def set_rate(link: dict, mbps: float) -> None:
     args = netns.tbf_args(mbps)
-    subprocess.run(["tc", "qdisc", "change", "dev", link["veth_root"], "root", *args], check=True)
-    subprocess.run(["ip", "netns", "exec", link["namespace"], "tc", "qdisc", "change", "dev",
-                    f"{netns.VETH_PREFIX}{link['tag']}b", "root", *args], check=True)
+    shaped = netns.ShapedLink.from_state(link)
+    subprocess.run(["tc", "qdisc", "change", "dev", shaped.veth_root, "root", *args], check=True)
+    subprocess.run(["ip", "netns", "exec", shaped.namespace, "tc", "qdisc", "change", "dev",
+                    shaped.veth_ns, "root", *args], check=True)
 
 
 # How long a server may stay busy after a point's last request before flushing is an error.

@@ -17,17 +17,12 @@ import re
 import subprocess
 from enum import Enum
 
-from .netns import VETH_PREFIX, LinkError
+from .netns import LinkError, ShapedLink
 
 
 class LinkFault(str, Enum):
     LOSS = "loss"            # drop a share of packets at random, both directions
     PARTITION = "partition"  # drop every packet, both directions
-
-
-def veth_in_namespace(link: dict) -> str:
-    """The prefill's end of a link recorded in a cluster state (disagg.cluster.state_links)."""
-    return f"{VETH_PREFIX}{link['tag']}b"
 
 
 def _table(link: dict) -> str:
@@ -37,7 +32,8 @@ def _table(link: dict) -> str:
 def _ends(link: dict) -> list[tuple[str | None, str]]:
     """(namespace or None for the root one, interface): each end drops what arrives on it, so a
     sender sees its packets leave (as on a real lossy or cut link), not a local EPERM."""
-    return [(link["namespace"], veth_in_namespace(link)), (None, link["veth_root"])]
+    shaped = ShapedLink.from_state(link)
+    return [(shaped.namespace, shaped.veth_ns), (None, shaped.veth_root)]
 
 
 def _nft(namespace: str | None, script: str) -> subprocess.CompletedProcess:

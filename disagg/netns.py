@@ -68,6 +68,11 @@ class ShapedLink:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def from_state(record: dict) -> "ShapedLink":
+        """The link a cluster state records (to_dict's fields, plus derived names it ignores)."""
+        return ShapedLink(tag=record["tag"], subnet_index=int(record["subnet_index"]), mbps=float(record["mbps"]))
+
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
     try:

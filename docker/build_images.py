@@ -210,10 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         engine = Engine(args.engine) if args.engine else (Engine.DOCKER if args.dry else detect_engine())
-        names = args.names or default_names(load_matrix())
-        for n in names:  # refuse an unsupported family before anything is built
-            build_command(load_matrix(), n, engine, stand_in=args.stand_in_base and n != "cpu")
-        build(names, engine, local_base=args.local_base, stand_in=args.stand_in_base, dry=args.dry,
+        # build() makes every command (refusing an unsupported family) before it builds anything.
+        build(args.names or default_names(load_matrix()), engine, local_base=args.local_base, stand_in=args.stand_in_base, dry=args.dry,
               record=args.record, log=lambda m: print(m, flush=True))
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,16 +29,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from build_images import Engine, detect_engine, engine_env  # noqa: E402
 
+from engine.launcher import free_port  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker" / "compose.cpu.yaml"
 RUN_NAME = "compose"  # the run directory the stack's servers share (compose.cpu.yaml)
 PROMPTS = ["The capital of France is", "The ocean is", "List three prime numbers:", "def fibonacci(n):"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def compose_base(engine: Engine, project: str) -> list[str]:
@@ -86,14 +81,14 @@ def generate(url: str, text: str, max_new_tokens: int, timeout: float) -> dict[s
             "completion_tokens": out.get("meta_info", {}).get("completion_tokens")}
 
 
-def wait_serving(url: str, deadline_s: float) -> tuple[float, int]:
-    """Seconds until the router answers a generation; and how many probes were served."""
+def wait_serving(url: str, deadline_s: float) -> None:
+    """Until the router serves a generation (that one probe counts among the served)."""
     t0 = time.monotonic()
     last = ""
     while time.monotonic() - t0 < deadline_s:
         try:
             generate(url, "Hello", 1, timeout=120)
-            return time.monotonic() - t0, 1
+            return
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
             last = str(exc)
         time.sleep(3)
@@ -131,7 +126,8 @@ def page_counts(dashboard_url: str, run: str, expect: int, timeout_s: float, sho
         driver.save_screenshot(str(shot))
         body = driver.find_element(By.TAG_NAME, "body").text
         return {"finished": int(finished) if finished and finished.isdigit() else None,
-                "run_named": run in body, "screenshot": str(shot)}
+                "run_named": run in body,
+                "screenshot": str(shot.relative_to(ROOT)) if shot.is_relative_to(ROOT) else str(shot)}
 
 
 def check(engine: Engine, requests: int, link_mbps: float | None, out_dir: Path, log=print) -> dict[str, Any]:
@@ -147,14 +143,14 @@ def check(engine: Engine, requests: int, link_mbps: float | None, out_dir: Path,
     try:
         log(f"[stack] {project}: up (router :{router_port}, dashboard :{dash_port}) ...")
         subprocess.run([*base, "up", "-d"], cwd=ROOT, env=env, check=True, timeout=600)
-        ready_s, probes = wait_serving(router, 900)
+        wait_serving(router, 900)
         result["up_to_serving_s"] = round(time.monotonic() - t0, 1)
         log(f"[stack] serving after {result['up_to_serving_s']} s")
         for i in range(requests):
             r = generate(router, PROMPTS[i % len(PROMPTS)], 16, timeout=300)
             result["requests"].append(r)
             log(f"[stack] request {i}: {r['status']} in {r['s']} s, {r['completion_tokens']} tokens: {r['text']!r}")
-        served = probes + sum(1 for r in result["requests"] if r["status"] == 200)
+        served = 1 + sum(1 for r in result["requests"] if r["status"] == 200)  # + the probe that answered
         prefill = container_of(engine, project, "prefill")
         qdisc = subprocess.run([engine.value, "exec", prefill, "tc", "qdisc", "show"], capture_output=True,
                                text=True, env=env, timeout=60).stdout
