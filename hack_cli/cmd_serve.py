@@ -137,8 +137,7 @@ def record_run(args: argparse.Namespace, model_path: str, cmd: list[str], pid: i
     if getattr(args, "join", False) and not args.run_dir:
         raise ValueError("--join needs --run-dir: the run directory the stack's servers share")
     if args.run_dir:
-        init = rundir.join_run if getattr(args, "join", False) else rundir.init_run
-        run_dir = init(args.run_dir, label, kv, extra=meta)
+        run_dir = rundir.init_run(args.run_dir, label, kv, extra=meta, join=getattr(args, "join", False))
     else:
         run_dir = rundir.create_run(label, kv, extra=meta)
     instance = getattr(args, "instance", 0)

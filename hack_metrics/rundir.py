@@ -79,25 +79,15 @@ def create_run(label: str, kv_mode: str, *, link_rate: str | None = None,
 
 
 def init_run(path: str | os.PathLike, label: str, kv_mode: str, *,
-             link_rate: str | None = None, extra: dict | None = None) -> Path:
+             link_rate: str | None = None, extra: dict | None = None, join: bool = False) -> Path:
     """Use a given directory as a run directory: a fresh run.json replaces an old one (a
-    directory reused by a new cluster is a new run)."""
+    directory reused by a new cluster is a new run). `join`: the run of several servers started
+    apart (the containers of a compose stack): the first to arrive writes run.json, the others
+    keep it."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     with _locked(path):
-        _write_json(path / RUN_JSON, _initial_meta(clean_label(label), kv_mode, link_rate, None,
-                                                   False, extra, dt.datetime.now(dt.timezone.utc)))
-    return path
-
-
-def join_run(path: str | os.PathLike, label: str, kv_mode: str, *, link_rate: str | None = None,
-             extra: dict | None = None) -> Path:
-    """Use a given directory as the run of several servers started apart (the containers of a
-    compose stack): the first to arrive writes run.json, the others keep it."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    with _locked(path):
-        if not (path / RUN_JSON).exists():
+        if not (join and (path / RUN_JSON).exists()):
             _write_json(path / RUN_JSON, _initial_meta(clean_label(label), kv_mode, link_rate, None,
                                                        False, extra, dt.datetime.now(dt.timezone.utc)))
     return path

@@ -143,11 +143,11 @@ def test_hack_serve_refuses_flags_that_do_not_fit_with_a_sentence(capsys, monkey
         assert sentence in capsys.readouterr().err
 
 
-def test_join_run_keeps_the_first_servers_run(tmp_path):
-    first = rundir.join_run(tmp_path / "r", "pd-hack", "hack")
+def test_a_joined_run_keeps_the_first_servers_run(tmp_path):
+    first = rundir.init_run(tmp_path / "r", "pd-hack", "hack", join=True)
     rundir.register_server(first, "prefill-0", "prefill", "http://a:1")
-    again = rundir.join_run(tmp_path / "r", "pd-hack", "hack")
+    again = rundir.init_run(tmp_path / "r", "pd-hack", "hack", join=True)
     assert again == first and [s["id"] for s in rundir.read_run(again)["servers"]] == ["prefill-0"]
-    # init_run, by contrast, starts the directory over (a new cluster in an old directory).
+    # Without join, init_run starts the directory over (a new cluster in an old directory).
     rundir.init_run(tmp_path / "r", "pd-hack", "hack")
     assert rundir.read_run(first)["servers"] == []
