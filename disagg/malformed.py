@@ -100,6 +100,8 @@ def _generate_items() -> list[BadRequest]:
         "input-ids-too-long": {**_gen(text=None), "input_ids": [1] * TOO_LONG_TOKENS},
         "text-too-long": _gen(text="hello " * TOO_LONG_TOKENS),
         "sampling-params-not-object": _gen(sampling_params="greedy"),
+        "sampling-params-empty-list": _gen(sampling_params=[]),  # one prompt: a 500 upstream
+        "sampling-params-list-one-prompt": _gen(sampling_params=[{"max_new_tokens": 4}]),
         "sampling-params-unknown-key": _gen_sp(temprature=0.5),
         "max-new-tokens-negative": _gen_sp(max_new_tokens=-5),
         "max-new-tokens-absurd": _gen_sp(max_new_tokens=10**12),
@@ -107,6 +109,7 @@ def _generate_items() -> list[BadRequest]:
         "max-new-tokens-float": _gen_sp(max_new_tokens=2.5),
         "temperature-negative": _gen_sp(temperature=-1.0),
         "temperature-string": _gen_sp(temperature="hot"),
+        "top-k-above-int32": _gen_sp(top_k=2**31),  # killed the scheduler upstream
         "top-p-zero": _gen_sp(top_p=0.0),
         "top-p-above-one": _gen_sp(top_p=1.5),
         "min-p-above-one": _gen_sp(min_p=2.0),
@@ -117,11 +120,14 @@ def _generate_items() -> list[BadRequest]:
         "stop-list-of-numbers": _gen_sp(stop=[1, 2]),
         "stop-token-ids-string": _gen_sp(stop_token_ids="2"),
         "stop-token-ids-strings": _gen_sp(stop_token_ids=["eos"]),
+        # With min_new_tokens, an id outside the vocabulary killed the scheduler upstream.
+        "stop-token-ids-outside-vocab": _gen_sp(min_new_tokens=1, stop_token_ids=[10**17]),
         "regex-invalid": _gen_sp(regex="(unclosed"),
         "json-schema-invalid": _gen_sp(json_schema="{not json"),
         "top-logprobs-absurd": _gen(return_logprob=True, top_logprobs_num=10**6),
         "logprob-start-len-string": _gen(return_logprob=True, logprob_start_len="zero"),
         "stream-not-bool": _gen(stream="yes"),
+        "rid-list-one-prompt": _gen(rid=["r1"]),  # a 500 upstream (unhashable)
     }
     return items + [BadRequest(f"generate-{k}", g, _json(v)) for k, v in bodies.items()]
 
@@ -149,6 +155,7 @@ def _completions_items() -> list[BadRequest]:
         "stop-token-ids-string": _cmpl(stop_token_ids="2"),
         "logprobs-absurd": _cmpl(logprobs=10**6),
         "echo-not-bool": _cmpl(echo="sometimes"),
+        "rid-list-one-prompt": _cmpl(rid=["r1"]),
     }
     return items + [BadRequest(f"completions-{k}", c, _json(v)) for k, v in bodies.items()]
 
@@ -173,13 +180,18 @@ def _chat_items() -> list[BadRequest]:
         "temperature-negative": _chat(temperature=-2),
         "top-p-zero": _chat(top_p=0.0),
         "top-p-above-one": _chat(top_p=1.01),
+        "top-k-above-int32": _chat(top_k=2**40),
         "n-zero": _chat(n=0),
         "stop-number": _chat(stop=3),
         "stop-token-ids-string": _chat(stop_token_ids="eos"),
+        "stop-token-ids-outside-vocab": _chat(min_tokens=1, stop_token_ids=[-7]),
         "tools-not-list": _chat(tools="calculator"),
         "response-format-unknown": _chat(response_format={"type": "yaml"}),
+        "response-format-not-object": _chat(response_format=[[]]),  # a 500 upstream
+        "response-format-schema-not-object": _chat(response_format={"type": "json_schema", "schema": [1]}),
         "logit-bias-not-object": _chat(logit_bias=[1, 2]),
         "top-logprobs-absurd": _chat(logprobs=True, top_logprobs=10**6),
+        "rid-list": _chat(rid=["r1"]),
     }
     return items + [BadRequest(f"chat-{k}", h, _json(v)) for k, v in bodies.items()]
 
@@ -191,7 +203,9 @@ def _chat_items() -> list[BadRequest]:
 ROUTER_ANSWERS: dict[str, dict[str, int]] = {
     # The Rust router parses a request into its own typed struct and sends that on: an unknown
     # sampling_params key is dropped, and the servers see (and serve) a valid request.
-    "rust": {"generate-sampling-params-unknown-key": 200},
+    "rust": {"generate-sampling-params-unknown-key": 200,
+             # It forwards a chat with a list rid as a request the servers serve (200).
+             "chat-rid-list": 200},
     # SGLang's Python mini-lb fails on these in its own request handling before any server sees
     # them (sglang_router/mini_lb.py, _get_request_batch_size); not fixable on our side.
     "mini-lb": {

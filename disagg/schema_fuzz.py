@@ -37,12 +37,14 @@ from typing import Any, Callable, Iterable
 
 import requests
 
+from .fuzz_draws import module_independent
 from .fuzz_scope import fuzzed_operations
 
 CHEAP_TOKENS = 2  # the most tokens a valid fuzz case may ask for
 CHEAP_N = 4  # the most samples (n, best_of)
 COVERAGE_SCAN = 6000  # coverage cases looked at per mode and endpoint before sampling
 REQUEST_TIMEOUT_S = 60.0
+FAILURE_BODY_BYTES = 2000  # enough of a failing body to replay it from a CI log
 _BASE = "http://fuzz.invalid"  # requests are prepared against a placeholder, sent to the target
 
 # Token budgets by name, wherever they appear (top level, sampling_params, Ollama's options,
@@ -248,7 +250,8 @@ def positive_cases(schema: Any, path: str, method: str, count: int, seed: int) -
                 seen.add(req)
                 out.append(case)
 
-        draw()
+        with module_independent():
+            draw()
     return out
 
 
@@ -383,7 +386,7 @@ def run_requests(base_url: str, reqs: list[FuzzRequest], alive: Callable[[], boo
             res.statuses[status] += 1
             res.by_source.setdefault(req.source.value, Counter())[status] += 1
             if (status == 0 or status >= 500) and not excused(req, status):
-                res.failures.append(f"{status} for {req.describe()}")
+                res.failures.append(f"{status} for {req.describe(FAILURE_BODY_BYTES)}")
             if status == 0 and not alive():
                 res.died_after = req.describe()
                 break

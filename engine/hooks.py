@@ -216,9 +216,14 @@ def _after_allocator_clear(result: Any, self: Any, *args: Any, **kwargs: Any) ->
 # ---------------------------------------------------------------- request validation
 
 def _before_validate_one_request(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
-    from .request_checks import check_input_ids, check_lora_id, check_return_hidden_states, check_top_logprobs_num
+    from .request_checks import (check_input_ids, check_lora_id, check_return_hidden_states,
+                                 check_int32_sampling_params, check_stop_token_ids,
+                                 check_top_logprobs_num)
 
     check_input_ids(self.model_config.vocab_size, input_ids)
+    sampling_params = getattr(obj, "sampling_params", None)
+    check_stop_token_ids(self.model_config.vocab_size, sampling_params)
+    check_int32_sampling_params(sampling_params)
     check_top_logprobs_num(self.model_config.vocab_size, getattr(obj, "top_logprobs_num", None))
     check_lora_id(getattr(obj, "lora_id", None))
     check_return_hidden_states(getattr(obj, "return_hidden_states", False))

@@ -9,6 +9,9 @@ whole server down:
     forward that adds no token (found by schema fuzzing);
   - `top_logprobs_num` (OpenAI: `logprobs` / `top_logprobs`) above the vocabulary: the top-k
     over the logits (found by the fuzz tests, tests/test_fuzz_api.py);
+  - `top_k` or `min_new_tokens` above the int32 range: the scheduler's sampling tensors;
+  - `stop_token_ids` outside the vocabulary with `min_new_tokens` (OpenAI: `min_tokens`): the
+    min-new-tokens penalizer's scatter (found by schema fuzzing);
   - `lora_id` that is not a string: appended to the cache key, and `return_hidden_states` that
     is neither a boolean nor 'last' (found by schema fuzzing).
 On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`,
@@ -18,9 +21,13 @@ On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`
   - `input_embeds` empty, ragged or nested wrongly (/generate, /vertex_generate: IndexError in
     GenerateReqInput._determine_batch_size, or a dropped connection when streamed);
   - in a batch, a per-prompt list with fewer entries than prompts (IndexError in
-    GenerateReqInput.__getitem__; /generate, /v1/completions);
+    GenerateReqInput.__getitem__; /generate, /v1/completions), and for one prompt a list of
+    sampling_params (IndexError or AttributeError; /generate), or a list `rid` sampled once
+    (TypeError; /generate, /v1/completions, /v1/chat/completions, /invocations);
   - /vertex_generate `parameters` that are not /generate fields, or that repeat the instances'
     inputs (TypeError building the request), and instances that are not objects;
+  - a chat `response_format` (or its json_schema's schema) that is not an object
+    (/v1/chat/completions, /invocations: AttributeError in the request model's validator);
   - /api/chat without messages and Ollama `options` of the wrong type (a 500, or a dropped
     connection when streamed; Ollama's other value errors: engine.ollama_errors).
 """
@@ -53,6 +60,39 @@ def check_top_logprobs_num(vocab_size: int, top_logprobs_num: Any) -> None:
         if isinstance(k, int) and not isinstance(k, bool) and k > vocab_size:
             raise ValueError(f"top_logprobs_num (OpenAI: logprobs / top_logprobs) is {k}; "
                              f"at most the vocabulary size {vocab_size} can be returned")
+
+
+INT32_MAX = 2**31 - 1
+
+
+# Sampling parameters the scheduler puts into int32 tensors (the batch's top_k; the
+# min-new-tokens penalizer): a value above that range killed the scheduler (top_k found by
+# schema fuzzing; min_new_tokens has no upper bound when max_new_tokens is null).
+INT32_SAMPLING_PARAMS = ("top_k", "min_new_tokens")
+
+
+def check_int32_sampling_params(sampling_params: Any) -> None:
+    if not isinstance(sampling_params, dict):
+        return
+    for name in INT32_SAMPLING_PARAMS:
+        value = sampling_params.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > INT32_MAX:
+            hint = (" (any value at or above the vocabulary size samples from the whole vocabulary)"
+                    if name == "top_k" else "")
+            raise ValueError(f"{name} is {value}; at most {INT32_MAX}{hint}")
+
+
+def check_stop_token_ids(vocab_size: int, sampling_params: Any) -> None:
+    """`stop_token_ids` must be token ids of the vocabulary: with `min_new_tokens` (OpenAI:
+    `min_tokens`) the min-new-tokens penalizer scatters them into a vocabulary-wide tensor, and
+    one outside it killed the scheduler (found by schema fuzzing). SGLang checks logit_bias and
+    token_ids_logprob this way itself; outside min_new_tokens such an id could never match."""
+    ids = sampling_params.get("stop_token_ids") if isinstance(sampling_params, dict) else None
+    if not isinstance(ids, (list, tuple, set)):
+        return  # absent; SGLang's own parsing refuses other types
+    for tok in ids:
+        if isinstance(tok, int) and not isinstance(tok, bool) and not 0 <= tok < vocab_size:
+            raise ValueError(f"stop_token_ids holds {tok}, outside the vocabulary [0, {vocab_size})")
 
 
 def check_lora_id(lora_id: Any) -> None:
@@ -105,6 +145,8 @@ def body_field_error(path: str, body: bytes) -> str | None:
 
 
 # ---------------------------------------------------------------- /generate
+
+_INPUT_KEYS = ("text", "input_ids", "input_embeds")
 
 def input_embeds_error(value: Any) -> str | None:
     """`input_embeds` must be one prompt's embeddings (a non-empty list of equally long,
@@ -186,13 +228,41 @@ def per_prompt_lists_error(body: dict, prompts: int | None, fields: tuple[str, .
     return None
 
 
+def single_prompt_sampling_error(body: dict, prompts: int | None) -> str | None:
+    """One prompt's `sampling_params` must be one object: SGLang keeps a list as it is and
+    then reads it as a dict (`[]`: IndexError, `[{}]`: AttributeError; both a 500, found by
+    the fuzz tests)."""
+    if prompts is not None:
+        return None  # a batch (per_prompt_lists_error), or no prompt (SGLang refuses it)
+    if isinstance(body.get("sampling_params"), list):
+        return ("sampling_params is a list, but the request has one prompt: give one object "
+                "(a list, one object per prompt, is for a batch)")
+    return None
+
+
+def single_prompt_rid_error(body: dict, prompts: int | None, n: Any) -> str | None:
+    """One prompt sampled once takes one request id: SGLang keeps a list `rid` as it is and then
+    uses it as a dict key (TypeError: unhashable, a 500; found by schema fuzzing). With n > 1 a
+    list is SGLang's to check (one id, or one per sample)."""
+    if prompts is not None or not isinstance(body.get("rid"), list):
+        return None
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        return None
+    return "rid is a list, but the request has one prompt sampled once: give one string"
+
+
 def generate_error(body: dict) -> str | None:
     if body.get("text") is None and body.get("input_ids") is None:
         error = input_embeds_error(body.get("input_embeds"))  # SGLang ignores it otherwise
         if error:
             return error
-    return per_prompt_lists_error(body, generate_batch_size(body),
-                                  PER_PROMPT_LISTS + ("token_ids_logprob",))
+    prompts = generate_batch_size(body)
+    if all(body.get(k) is None for k in _INPUT_KEYS):
+        prompts = 0  # no prompt: SGLang refuses the request itself
+    sp = body.get("sampling_params")
+    return (single_prompt_sampling_error(body, prompts)
+            or single_prompt_rid_error(body, prompts, sp.get("n") if isinstance(sp, dict) else None)
+            or per_prompt_lists_error(body, prompts, PER_PROMPT_LISTS + ("token_ids_logprob",)))
 
 
 # ---------------------------------------------------------------- /v1/completions
@@ -205,13 +275,39 @@ COMPLETION_PER_PROMPT = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "
 def completion_error(body: dict) -> str | None:
     prompt = body.get("prompt")
     batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else None
-    return per_prompt_lists_error(body, batch, COMPLETION_PER_PROMPT)
+    return (single_prompt_rid_error(body, batch, body.get("n"))
+            or per_prompt_lists_error(body, batch, COMPLETION_PER_PROMPT))
+
+
+# ---------------------------------------------------------------- /v1/chat/completions, /invocations
+
+def chat_error(body: dict) -> str | None:
+    """A chat is one prompt (single_prompt_rid_error), and `response_format` as SGLang's chat request reads it before validating it
+    (ChatCompletionRequest.set_json_schema: `.get` on the value, on a json_schema format's
+    `schema`, and on that schema's `properties` and `properties.strict`): a value that is not
+    an object there was an AttributeError, a 500 (found by schema fuzzing)."""
+    error = single_prompt_rid_error(body, None, body.get("n"))
+    if error:
+        return error
+    fmt = body.get("response_format")
+    if not fmt:
+        return None  # absent, null or empty: SGLang skips it
+    if not isinstance(fmt, dict):
+        return f"response_format is {type(fmt).__name__}; it must be an object"
+    schema = fmt.get("schema") if fmt.get("type") == "json_schema" and not fmt.get("json_schema") else None
+    if not schema:
+        return None
+    if not isinstance(schema, dict):
+        return f"response_format.schema is {type(schema).__name__}; a JSON schema is an object"
+    if "properties" in schema and not isinstance(schema["properties"], dict):
+        return "response_format.schema.properties must be an object"
+    strict = schema.get("properties", {}).get("strict")
+    if strict and not isinstance(strict, dict):
+        return "response_format.schema.properties.strict must be an object (a JSON schema)"
+    return None
 
 
 # ---------------------------------------------------------------- /vertex_generate
-
-_INPUT_KEYS = ("text", "input_ids", "input_embeds")
-
 
 @functools.lru_cache(maxsize=1)
 def _generate_fields() -> frozenset[str]:
@@ -297,6 +393,8 @@ def ollama_chat_error(body: dict) -> str | None:
 _FIELD_CHECKS: dict[str, Callable[[dict], str | None]] = {
     "/generate": generate_error,
     "/v1/completions": completion_error,
+    "/v1/chat/completions": chat_error,
+    "/invocations": chat_error,  # SageMaker's route takes a chat request
     "/vertex_generate": vertex_error,
     "/api/chat": ollama_chat_error,
     "/api/generate": ollama_options_error,

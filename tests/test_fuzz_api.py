@@ -27,6 +27,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 
 from disagg import cluster, procs
 from disagg.fuzz_bodies import request_bodies
+from disagg.fuzz_draws import module_independent
 from disagg.fuzz_run import COLOCATED_ARGS, Target, TargetRun, fuzz_target, server_problems
 from disagg.fuzz_scope import CI_CORE, NOT_FUZZED, fuzzed_operations
 from disagg.malformed import ROUTER_ANSWERS, BadRequest, Endpoint, bad_requests, send
@@ -138,9 +139,10 @@ def _fuzz_failures(url: str, endpoint: Endpoint, cases: int,
             if excused(endpoint.value, raw):
                 print(f"\n  the router's own answer {status} for {raw[:200]!r}")
             else:
-                failures.append(f"{status} for {raw[:300]!r}")
+                failures.append(f"{status} for {raw[:2000]!r}")  # whole, to replay it
 
-    run()
+    with module_independent():  # the same draws here as in the whole suite
+        run()
     return failures, statuses
 
 

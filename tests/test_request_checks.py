@@ -58,6 +58,11 @@ def test_the_hook_applies_both_checks():
     ({"lora_id": 3}, "lora_id is 3"),
     ({"return_hidden_states": "x"}, "return_hidden_states must be a boolean or the string literal 'last'"),
     ({"return_hidden_states": [True]}, "return_hidden_states must be"),
+    ({"sampling_params": {"min_new_tokens": 1, "stop_token_ids": [10**17]}}, r"stop_token_ids holds 10+, outside"),
+    ({"sampling_params": {"stop_token_ids": [5, -7]}}, r"stop_token_ids holds -7, outside the vocabulary \[0, 49152\)"),
+    ({"sampling_params": {"stop_token_ids": [VOCAB]}}, "stop_token_ids holds 49152"),
+    ({"sampling_params": {"top_k": 2**31}}, "top_k is 2147483648; at most 2147483647"),
+    ({"sampling_params": {"max_new_tokens": None, "min_new_tokens": 2**40}}, "min_new_tokens is 1099511627776"),
 ])
 def test_the_hook_refuses_fields_that_killed_the_scheduler(fields, words):
     manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB))
@@ -66,7 +71,10 @@ def test_the_hook_refuses_fields_that_killed_the_scheduler(fields, words):
 
 
 @pytest.mark.parametrize("fields", [{"lora_id": "adapter-1"}, {"lora_id": None}, {"return_hidden_states": "last"},
-                                    {"return_hidden_states": True}, {}])
+                                    {"return_hidden_states": True}, {},
+                                    {"sampling_params": {"min_new_tokens": 1, "stop_token_ids": [0, VOCAB - 1]}},
+                                    {"sampling_params": {"stop_token_ids": None}}, {"sampling_params": None},
+                                    {"sampling_params": {"top_k": 2**31 - 1}}, {"sampling_params": {"top_k": -1}}])
 def test_the_hook_passes_what_the_scheduler_reads(fields):
     manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB))
     _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0, **fields), [1])
@@ -211,6 +219,76 @@ def test_generate_bodies_sglang_serves_pass(body):
 def test_a_per_prompt_list_shorter_than_the_batch_is_refused(body, field):
     error = _field_error("/generate", body)
     assert error is not None and error.startswith(f"{field} has ") and "for a batch of" in error
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [255, 34, 694], "sampling_params": []},  # IndexError in SGLang: a 500
+    {"input_ids": [1, 2], "sampling_params": [{}]},  # AttributeError in SGLang: a 500
+    {"text": "a", "sampling_params": [{}, {}]},
+    {"input_embeds": [[0.5]], "sampling_params": [{"max_new_tokens": 1}]},
+])
+def test_one_prompt_with_a_list_of_sampling_params_is_refused(body):
+    error = _field_error("/generate", body)
+    assert error is not None and error.startswith("sampling_params is a list, but the request has one prompt")
+
+
+def test_sampling_params_lists_pass_for_a_batch_and_without_a_prompt():
+    assert _field_error("/generate", {"input_ids": [[1], [2]], "sampling_params": [{}, {}]}) is None
+    assert _field_error("/generate", {"text": "a", "sampling_params": {}}) is None
+    assert _field_error("/generate", {"sampling_params": []}) is None  # SGLang: no prompt given
+
+
+_CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/invocations"])
+@pytest.mark.parametrize("fmt, words", [
+    ([[]], "response_format is list"),
+    ("json", "response_format is str"),
+    ({"type": "json_schema", "schema": [1]}, "response_format.schema is list"),
+    ({"type": "json_schema", "schema": {"properties": []}}, "schema.properties must be an object"),
+    ({"type": "json_schema", "schema": {"properties": {"strict": 1}}}, "properties.strict must be an object"),
+])
+def test_a_chat_response_format_sglang_reads_as_an_object_must_be_one(path, fmt, words):
+    error = _field_error(path, {**_CHAT, "response_format": fmt})
+    assert error is not None and words in error, error
+
+
+@pytest.mark.parametrize("fmt", [
+    None, {}, [], {"type": "text"}, {"type": "json_object"},
+    {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"type": "string"}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}, "schema": 5},  # schema unused
+    {"type": "text", "schema": 5},  # read only for json_schema
+])
+def test_chat_response_formats_sglang_reads_pass(fmt):
+    assert _field_error("/v1/chat/completions", {**_CHAT, "response_format": fmt}) is None
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"text": "hi", "rid": ["a"]}),
+    ("/generate", {"input_ids": [1, 2], "rid": [], "sampling_params": {"n": 1}}),
+    ("/v1/completions", {"prompt": "hi", "rid": ["b"]}),
+    ("/v1/completions", {"prompt": [1, 2], "rid": ["b"], "n": 1}),
+    ("/v1/chat/completions", {**_CHAT, "rid": ["c"]}),
+    ("/v1/chat/completions", {**_CHAT, "rid": [], "n": "2"}),
+    ("/invocations", {**_CHAT, "rid": ["d"]}),
+])
+def test_a_list_rid_for_one_prompt_sampled_once_is_refused(path, body):
+    error = _field_error(path, body)
+    assert error is not None and error.startswith("rid is a list, but the request has one prompt"), error
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"text": "hi", "rid": "a"}),
+    ("/generate", {"text": "hi", "rid": ["a"], "sampling_params": {"n": 2}}),  # SGLang serves it
+    ("/generate", {"text": ["hi", "yo"], "rid": ["a", "b"]}),
+    ("/generate", {"rid": ["a"]}),  # no prompt: SGLang's own 400
+    ("/v1/completions", {"prompt": ["hi", "yo"], "rid": ["a", "b"]}),
+    ("/v1/completions", {"prompt": "hi", "rid": ["a"], "n": 2}),
+    ("/v1/chat/completions", {**_CHAT, "rid": ["a"], "n": 2}),
+])
+def test_rid_lists_sglang_serves_pass(path, body):
+    assert _field_error(path, body) is None
 
 
 def test_completion_batches_need_a_bootstrap_entry_per_prompt():

@@ -1,0 +1,60 @@
+"""Fuzz draws do not depend on which project modules are loaded (disagg.fuzz_draws): the suite
+found a 500 in CI that the fuzz file alone did not draw."""
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+
+from disagg.fuzz_draws import module_independent
+
+EXAMPLES = 300
+
+
+def _draws() -> list:
+    out: list = []
+
+    @seed(7)
+    @settings(max_examples=EXAMPLES, database=None, deadline=None, phases=(Phase.generate,),
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(st.one_of(st.integers(), st.text(max_size=12), st.floats()), max_size=3))
+    def draw(x: list) -> None:
+        out.append(repr(x))
+
+    draw()
+    return out
+
+
+def _load_module_with_constants(directory: Path, name: str, first: int) -> None:
+    # A project-local module (not under site-packages, not a test file) full of constants
+    # Hypothesis would otherwise mix into its draws.
+    body = "\n".join(f"C{i} = {123456789 + first + i}\nS{i} = 'hackconst{first + i}'"
+                     for i in range(200))  # under Hypothesis's 1,024 per module
+    (directory / f"{name}.py").write_text(body + "\n")
+    sys.path.insert(0, str(directory))
+    try:
+        importlib.import_module(name)
+    finally:
+        sys.path.remove(str(directory))
+
+
+def test_draws_ignore_the_constants_of_newly_loaded_modules(tmp_path):
+    with module_independent():
+        before = _draws()
+    _load_module_with_constants(tmp_path, "consts_for_fuzz_draws", 0)
+    with module_independent():
+        after = _draws()
+    assert after == before
+    assert not any("hackconst" in d or "1234" in d for d in after)
+
+
+def test_without_it_the_same_seed_draws_the_new_constants(tmp_path):
+    """What the context manager guards against (the check above can fail)."""
+    before = _draws()
+    _load_module_with_constants(tmp_path, "consts_for_fuzz_draws_b", 1000)
+    after = _draws()
+    assert after != before
+    assert any("hackconst" in d or "1234" in d for d in after)
