@@ -114,6 +114,7 @@ def _generate_items() -> list[BadRequest]:
         "top-p-above-one": _gen_sp(top_p=1.5),
         "min-p-above-one": _gen_sp(min_p=2.0),
         "repetition-penalty-negative": _gen_sp(repetition_penalty=-1.0),
+        "n-zero-batch": {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4, "n": 0}},
         "n-mismatch-in-batch": {"text": ["a", "b"], "sampling_params": [
             {"max_new_tokens": 4, "n": 1}, {"max_new_tokens": 4, "n": 2}]},
         "stop-number": _gen_sp(stop=5),
@@ -151,6 +152,7 @@ def _completions_items() -> list[BadRequest]:
         "top-p-above-one": _cmpl(top_p=2.0),
         "n-zero": _cmpl(n=0),
         "n-string": _cmpl(n="two"),
+        "n-zero-batch": _cmpl(prompt=["a", "b"], n=0),  # a 500 upstream
         "stop-number": _cmpl(stop=7),
         "stop-token-ids-string": _cmpl(stop_token_ids="2"),
         "logprobs-absurd": _cmpl(logprobs=10**6),

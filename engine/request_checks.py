@@ -23,9 +23,11 @@ On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`
   - in a batch, a per-prompt list with fewer entries than prompts (IndexError in
     GenerateReqInput.__getitem__; /generate, /v1/completions), and for one prompt a list of
     sampling_params (IndexError or AttributeError; /generate), or a list `rid` sampled once
-    (TypeError; /generate, /v1/completions, /v1/chat/completions, /invocations);
+    (TypeError; /generate, /v1/completions, /v1/chat/completions, /invocations), and `n` below 1
+    on a batch (IndexError);
   - /vertex_generate `parameters` that are not /generate fields, or that repeat the instances'
-    inputs (TypeError building the request), and instances that are not objects;
+    inputs (TypeError building the request), instances that are not objects, and a built
+    request SGLang's /generate schema refuses (a text that is a number: TypeError);
   - a chat `response_format` (or its json_schema's schema) that is not an object
     (/v1/chat/completions, /invocations: AttributeError in the request model's validator);
   - /api/chat without messages and Ollama `options` of the wrong type (a 500, or a dropped
@@ -240,6 +242,26 @@ def single_prompt_sampling_error(body: dict, prompts: int | None) -> str | None:
     return None
 
 
+def n_error(n: Any, name: str = "n") -> str | None:
+    """The number of samples per prompt must be at least 1: SGLang's request handling divides
+    by it or indexes a list it sizes by it (n = 0 on a batch: IndexError, a 500; on one prompt a
+    400 that reads "range() arg 3 must not be zero"; found by schema fuzzing)."""
+    if isinstance(n, int) and not isinstance(n, bool) and n < 1:
+        return f"{name} is {n}; at least 1 sample per prompt"
+    return None
+
+
+def _sampling_n_error(sampling_params: Any) -> str | None:
+    rows = sampling_params if isinstance(sampling_params, list) else [sampling_params]
+    for i, row in enumerate(rows):
+        if isinstance(row, dict):
+            where = "sampling_params" if rows is not sampling_params else f"sampling_params[{i}]"
+            error = n_error(row.get("n"), f"{where}.n")
+            if error:
+                return error
+    return None
+
+
 def single_prompt_rid_error(body: dict, prompts: int | None, n: Any) -> str | None:
     """One prompt sampled once takes one request id: SGLang keeps a list `rid` as it is and then
     uses it as a dict key (TypeError: unhashable, a 500; found by schema fuzzing). With n > 1 a
@@ -260,7 +282,7 @@ def generate_error(body: dict) -> str | None:
     if all(body.get(k) is None for k in _INPUT_KEYS):
         prompts = 0  # no prompt: SGLang refuses the request itself
     sp = body.get("sampling_params")
-    return (single_prompt_sampling_error(body, prompts)
+    return (_sampling_n_error(sp) or single_prompt_sampling_error(body, prompts)
             or single_prompt_rid_error(body, prompts, sp.get("n") if isinstance(sp, dict) else None)
             or per_prompt_lists_error(body, prompts, PER_PROMPT_LISTS + ("token_ids_logprob",)))
 
@@ -275,7 +297,7 @@ COMPLETION_PER_PROMPT = ("bootstrap_host", "bootstrap_port", "bootstrap_room", "
 def completion_error(body: dict) -> str | None:
     prompt = body.get("prompt")
     batch = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else None
-    return (single_prompt_rid_error(body, batch, body.get("n"))
+    return (n_error(body.get("n")) or single_prompt_rid_error(body, batch, body.get("n"))
             or per_prompt_lists_error(body, batch, COMPLETION_PER_PROMPT))
 
 
@@ -286,7 +308,7 @@ def chat_error(body: dict) -> str | None:
     (ChatCompletionRequest.set_json_schema: `.get` on the value, on a json_schema format's
     `schema`, and on that schema's `properties` and `properties.strict`): a value that is not
     an object there was an AttributeError, a 500 (found by schema fuzzing)."""
-    error = single_prompt_rid_error(body, None, body.get("n"))
+    error = n_error(body.get("n")) or single_prompt_rid_error(body, None, body.get("n"))
     if error:
         return error
     fmt = body.get("response_format")
@@ -341,16 +363,28 @@ def vertex_error(body: dict, fields: Callable[[], frozenset[str]] = _generate_fi
             return "parameters.image_data: images belong in the instances"
         if key == kind:
             return f"parameters.{key}: the instances already give {kind}"
-    if kind is None:
-        return generate_error(params)  # the request is the parameters alone
-    for i, inst in enumerate(instances):
-        if inst.get(kind) is None:
-            return f"instances[{i}] has no {kind} (instances[0] gives {kind}; every instance must)"
-        if kind == "input_embeds":
-            error = _embeddings_error(inst[kind], f"instances[{i}].input_embeds")
-            if error:
-                return error
-    return generate_error({**params, kind: [inst[kind] for inst in instances]})
+    if kind is not None:
+        for i, inst in enumerate(instances):
+            if inst.get(kind) is None:
+                return f"instances[{i}] has no {kind} (instances[0] gives {kind}; every instance must)"
+            if kind == "input_embeds":
+                error = _embeddings_error(inst[kind], f"instances[{i}].input_embeds")
+                if error:
+                    return error
+    # The /generate request SGLang builds (the parameters alone when no instance gives an input)
+    # skips the schema check /generate applies to its body: a text that is a number was a 500.
+    request = params if kind is None else {**params, kind: [inst[kind] for inst in instances]}
+    error = generate_error(request)
+    if error:
+        return error
+    contract = _generate_contract_error(request)
+    return None if contract is None else f"the /generate request of these instances and parameters: {contract}"
+
+
+def _generate_contract_error(body: dict) -> str | None:
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    return generate_contract_error(body)
 
 
 # ---------------------------------------------------------------- Ollama: /api/chat, /api/generate

@@ -4,6 +4,7 @@ the scheduler is refused with a ValueError (SGLang answers it with HTTP 400), an
 around it still pass."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -188,7 +189,6 @@ def _field_error(path: str, body: dict | bytes) -> str | None:
     ("x", "input_embeds must be a non-empty list"),
 ])
 def test_input_embeds_that_sglang_cannot_read_are_refused_naming_the_field(embeds, words):
-    import re
 
     error = _field_error("/generate", {"input_embeds": embeds})
     assert error is not None and re.search(words, error), error
@@ -291,6 +291,24 @@ def test_rid_lists_sglang_serves_pass(path, body):
     assert _field_error(path, body) is None
 
 
+@pytest.mark.parametrize("path, body, words", [
+    ("/v1/completions", {"prompt": ["a", "b"], "n": 0}, "n is 0; at least 1"),
+    ("/v1/completions", {"prompt": "a", "n": -2}, "n is -2"),
+    ("/v1/chat/completions", {**_CHAT, "n": 0}, "n is 0"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": {"n": 0}}, "sampling_params.n is 0"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 0}]}, r"sampling_params\[1\].n is 0"),
+])
+def test_fewer_than_one_sample_per_prompt_is_refused(path, body, words):
+    error = _field_error(path, body)
+    assert error is not None and re.search(words, error), error
+
+
+def test_one_or_more_samples_pass():
+    assert _field_error("/v1/completions", {"prompt": ["a", "b"], "n": 2}) is None
+    assert _field_error("/generate", {"text": "a", "sampling_params": {"n": 1}}) is None
+    assert _field_error("/v1/completions", {"prompt": "a", "n": "two"}) is None  # SGLang's own 400
+
+
 def test_completion_batches_need_a_bootstrap_entry_per_prompt():
     assert "bootstrap_port has 0 entries for a batch of 2" in _field_error(
         "/v1/completions", {"prompt": [[1, 2], [3]], "bootstrap_port": []})
@@ -307,10 +325,12 @@ def test_completion_batches_need_a_bootstrap_entry_per_prompt():
     ({"instances": [{"input_embeds": [[1.0]]}, {"input_embeds": [[]]}]}, r"instances\[1\].input_embeds\[0\]"),
     ({"instances": [{}], "parameters": {"input_embeds": [[], []]}}, r"input_embeds\[0\] must be"),
     ({"instances": [{"text": "a"}, {"text": "b"}], "parameters": {"bootstrap_host": ["h"]}}, "bootstrap_host has 1"),
+    ({"instances": [{}], "parameters": {"text": 5}}, "the /generate request .*integer `5`"),
+    ({"instances": [{}], "parameters": {"input_ids": 5}}, "integer `5`"),
+    ({"instances": [{"text": 5}]}, "expected a string"),
+    ({"instances": [{"text": "a"}, {"text": 5}]}, "expected a string"),
 ])
 def test_vertex_requests_sglang_cannot_build_are_refused(body, words):
-    import re
-
     error = _field_error("/vertex_generate", body)
     assert error is not None and re.search(words, error), error
 
@@ -319,6 +339,8 @@ def test_vertex_requests_sglang_cannot_build_are_refused(body, words):
     {"instances": [{"text": "a"}, {"text": "b"}], "parameters": {"sampling_params": {"max_new_tokens": 2}}},
     {"instances": []},  # SGLang answers []
     {"instances": [{}], "parameters": {"text": "a"}},  # the parameters alone are the request
+    {"instances": [{"input_ids": [1, 2]}, {"input_ids": [3]}], "parameters": {"sampling_params": {"n": 2}}},
+    {"instances": [{"input_embeds": [[1.0]]}]},
 ])
 def test_vertex_requests_sglang_serves_pass(body):
     assert _field_error("/vertex_generate", body) is None
