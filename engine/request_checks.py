@@ -150,6 +150,7 @@ def body_field_error(path: str, body: bytes) -> str | None:
 
 _INPUT_KEYS = ("text", "input_ids", "input_embeds")
 
+
 def input_embeds_error(value: Any) -> str | None:
     """`input_embeds` must be one prompt's embeddings (a non-empty list of equally long,
     non-empty lists of numbers, the first value a float: SGLang tells one prompt from a batch by
@@ -235,7 +236,7 @@ def single_prompt_sampling_error(body: dict, prompts: int | None) -> str | None:
     then reads it as a dict (`[]`: IndexError, `[{}]`: AttributeError; both a 500, found by
     the fuzz tests)."""
     if prompts is not None:
-        return None  # a batch (per_prompt_lists_error), or no prompt (SGLang refuses it)
+        return None  # a batch (per_prompt_lists_error), or no prompt (0: SGLang refuses it)
     if isinstance(body.get("sampling_params"), list):
         return ("sampling_params is a list, but the request has one prompt: give one object "
                 "(a list, one object per prompt, is for a batch)")
@@ -304,10 +305,11 @@ def completion_error(body: dict) -> str | None:
 # ---------------------------------------------------------------- /v1/chat/completions, /invocations
 
 def chat_error(body: dict) -> str | None:
-    """A chat is one prompt (single_prompt_rid_error), and `response_format` as SGLang's chat request reads it before validating it
-    (ChatCompletionRequest.set_json_schema: `.get` on the value, on a json_schema format's
-    `schema`, and on that schema's `properties` and `properties.strict`): a value that is not
-    an object there was an AttributeError, a 500 (found by schema fuzzing)."""
+    """A chat is one prompt (`n` and `rid` as above). SGLang's chat request reads
+    `response_format` before validating it (ChatCompletionRequest.set_json_schema: `.get` on the
+    value, on a json_schema format's `schema`, and on that schema's `properties` and
+    `properties.strict`): a value that is not an object there was an AttributeError, a 500
+    (found by schema fuzzing)."""
     error = n_error(body.get("n")) or single_prompt_rid_error(body, None, body.get("n"))
     if error:
         return error
