@@ -106,6 +106,8 @@ USES: tuple[Use, ...] = (
         "its field names: what /vertex_generate's parameters may hold (engine.request_checks)"),
     Use("sglang.srt.managers.schedule_batch.get_return_hidden_states_mode",
         "SGLang's own parser of return_hidden_states, run per prompt before the scheduler does"),
+    Use("sglang.srt.entrypoints.api_contract.generate_contract_error",
+        "SGLang's /generate schema check, run on the request /vertex_generate builds (engine.request_checks)"),
 )
 
 # Attributes of every RadixAttention that the backend reads (window, scaling, soft-cap, kind).
@@ -118,6 +120,7 @@ DIRECT_FIELDS = (
     ("sglang.srt.managers.io_struct.GenerateReqInput", "top_logprobs_num"),  # request checks
     ("sglang.srt.managers.io_struct.GenerateReqInput", "lora_id"),
     ("sglang.srt.managers.io_struct.GenerateReqInput", "return_hidden_states"),
+    ("sglang.srt.managers.io_struct.GenerateReqInput", "sampling_params"),  # stop_token_ids, top_k
 )
 
 
