@@ -99,8 +99,11 @@ USES: tuple[Use, ...] = (
     Use("sglang.srt.mem_cache.base_prefix_cache.EvictParams",
         "engine.sink_reclaim evicts cached sequences when sink slots run short"),
     Use("sglang.srt.managers.scheduler.Scheduler", "engine.sink_reclaim reads tree_cache and the allocator"),
-    Use("sglang.srt.mem_cache.radix_cache.RadixCache.evict", "engine.sink_reclaim: least recently used first"),
-    Use("sglang.srt.mem_cache.radix_cache.RadixCache.evictable_size", "engine.sink_reclaim: what can go"),
+    # The tree a server builds by default (mem_cache.registry.create_unified_radix_cache).
+    Use("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict",
+        "engine.sink_reclaim: least recently used first"),
+    Use("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evictable_size",
+        "engine.sink_reclaim: what can go"),
     Use("sglang.srt.entrypoints.http_server.app", "SGLang's FastAPI app: the /hack/* routes go there"),
     Use("sglang.srt.managers.io_struct.GenerateReqInput",
         "its field names: what /vertex_generate's parameters may hold (engine.request_checks)"),
