@@ -30,6 +30,8 @@ On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`
     request SGLang's /generate schema refuses (a text that is a number: TypeError);
   - a chat `response_format` (or its json_schema's schema) that is not an object
     (/v1/chat/completions, /invocations: AttributeError in the request model's validator);
+  - an Anthropic tool whose `type` is not a string (/v1/messages: AttributeError picking its
+    variant);
   - /api/chat without messages and Ollama `options` of the wrong type (a 500, or a dropped
     connection when streamed; Ollama's other value errors: engine.ollama_errors).
 """
@@ -331,6 +333,23 @@ def chat_error(body: dict) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------- /v1/messages (Anthropic)
+
+def messages_error(body: dict) -> str | None:
+    """SGLang picks each Anthropic tool's variant by calling `.startswith` on its `type`
+    (anthropic.protocol._tool_discriminator) before validating it: a `type` that is not a
+    string was an AttributeError, a 500, and the connection it came on was dropped for the
+    next request (found by 5,000-request schema fuzzing)."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return None  # absent, or refused by SGLang's request model
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind and not isinstance(kind, str):
+            return f"tools[{i}].type is {type(kind).__name__}; it must be a string"
+    return None
+
+
 # ---------------------------------------------------------------- /vertex_generate
 
 @functools.lru_cache(maxsize=1)
@@ -431,6 +450,7 @@ _FIELD_CHECKS: dict[str, Callable[[dict], str | None]] = {
     "/v1/completions": completion_error,
     "/v1/chat/completions": chat_error,
     "/invocations": chat_error,  # SageMaker's route takes a chat request
+    "/v1/messages": messages_error,
     "/vertex_generate": vertex_error,
     "/api/chat": ollama_chat_error,
     "/api/generate": ollama_options_error,

@@ -160,8 +160,14 @@ def render(result: dict) -> str:
         lines.append(f"- {run['target']}: {run['requests']} requests in {run['wall_s']} s (server start "
                      f"included); " + ("no 5xx, no dropped connection, " + _after(run["target"])
                                        if not problems else f"{len(problems)} problem(s): "
-                                       + "; ".join(problems[:5])))
+                                       + "; ".join(_short(p) for p in problems[:5])
+                                       + ("" if len(problems) <= 5 else "; the rest in the JSON")))
     return "\n".join(lines)
+
+
+def _short(problem: str, limit: int = 240) -> str:
+    """A problem as the doc lists it (the JSON keeps the whole failing body to replay it)."""
+    return problem if len(problem) <= limit else problem[:limit] + " ..."
 
 
 def _after(target: str) -> str:

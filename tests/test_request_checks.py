@@ -309,6 +309,21 @@ def test_one_or_more_samples_pass():
     assert _field_error("/v1/completions", {"prompt": "a", "n": "two"}) is None  # SGLang's own 400
 
 
+@pytest.mark.parametrize("tools, refused", [
+    ([{"type": [None, None], "name": "bash"}], "tools[0].type is list"),
+    ([{"name": "f", "input_schema": {}}, {"type": 5}], "tools[1].type is int"),
+    ([{"type": "bash_20250124", "name": "bash"}], None),
+    ([{"type": None, "name": "f", "input_schema": {}}], None),  # absent type: a custom tool
+    ("not a list", None),  # SGLang's request model refuses it
+])
+def test_an_anthropic_tool_type_must_be_a_string(tools, refused):
+    error = _field_error("/v1/messages", {"model": "m", "max_tokens": 4, "messages": [], "tools": tools})
+    if refused is None:
+        assert error is None, error
+    else:
+        assert error is not None and refused in error, error
+
+
 def test_completion_batches_need_a_bootstrap_entry_per_prompt():
     assert "bootstrap_port has 0 entries for a batch of 2" in _field_error(
         "/v1/completions", {"prompt": [[1, 2], [3]], "bootstrap_port": []})
