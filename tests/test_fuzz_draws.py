@@ -48,13 +48,13 @@ def test_draws_ignore_the_constants_of_newly_loaded_modules(tmp_path):
     with module_independent():
         after = _draws()
     assert after == before
-    assert not any("hackconst" in d or "1234" in d for d in after)
+    assert not any("hackconst" in d or "1234567" in d for d in after)
 
 
-def test_without_it_the_same_seed_draws_the_new_constants(tmp_path):
+def test_without_it_the_same_seed_draws_otherwise_once_a_module_loads(tmp_path):
     """What the context manager guards against (the check above can fail)."""
     before = _draws()
     _load_module_with_constants(tmp_path, "consts_for_fuzz_draws_b", 1000)
-    after = _draws()
-    assert after != before
-    assert any("hackconst" in d or "1234" in d for d in after)
+    # Not asserted: that a new constant is drawn; in the whole suite hundreds of modules share the
+    # pool, so which constants come up differs, but that the draws change does not.
+    assert _draws() != before
