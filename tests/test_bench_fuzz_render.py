@@ -1,0 +1,30 @@
+"""hack bench fuzz's doc block: each problem cut to a readable length (the JSON keeps the whole
+failing body, which a replay needs), at most five listed."""
+from __future__ import annotations
+
+from hack_cli.bench_fuzz import render
+
+
+def _result(failures: list[str]) -> dict:
+    endpoint = {"path": "/v1/messages", "sent": 100, "seconds": 1.0, "statuses": {"400": 93, "500": 7},
+                "by_source": {}, "server_errors": 7, "failures": failures, "died_after": None}
+    return {"command": "hack bench fuzz", "date": "2026-11-27", "model": "smollm2", "per_endpoint": 100,
+            "seed": 6, "runs": [{"target": "hack", "endpoints": {"/v1/messages": endpoint}, "problems": [],
+                                 "requests": 100, "server_errors": 7, "wall_s": 9.0}]}
+
+
+def _summary(text: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith("- hack:"))
+
+
+def test_long_problems_are_cut_and_the_rest_left_to_the_json():
+    body = "500 for POST /v1/messages [coverage, application/json] b'{" + "x" * 2000 + "}'"
+    summary = _summary(render(_result([body] * 7)))
+    assert "7 problem(s)" in summary and summary.endswith("; the rest in the JSON")
+    assert summary.count(" ...") == 5 and len(summary) < 5 * 260 + 200
+
+
+def test_short_problems_are_listed_whole():
+    summary = _summary(render(_result(["500 for POST /v1/messages b'{}'"])))
+    assert summary.endswith("1 problem(s): /v1/messages: 500 for POST /v1/messages b'{}'")
+    assert "| hack | `/v1/messages` | 100 | 0 | 93 | 7 | 0 | 1.0 |" in render(_result([]))
