@@ -42,6 +42,15 @@ import json
 from typing import Any, Callable
 
 
+# JSON numbers as Python reads them (a bool is an int there, and not a number in JSON).
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _integer(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def check_input_ids(vocab_size: int, input_ids: Any) -> None:
     if input_ids is None:
         return
@@ -50,7 +59,7 @@ def check_input_ids(vocab_size: int, input_ids: Any) -> None:
     if not input_ids:  # the scheduler cannot run a forward that adds no token: the server died
         raise ValueError("the prompt is empty (no token after tokenization); at least one token is needed")
     for i, tok in enumerate(input_ids):
-        if isinstance(tok, bool) or not isinstance(tok, int):
+        if not _integer(tok):
             raise ValueError(f"input_ids[{i}] is {tok!r}; token ids must be integers")
         if not 0 <= tok < vocab_size:
             raise ValueError(f"input_ids[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
@@ -61,7 +70,7 @@ def check_top_logprobs_num(vocab_size: int, top_logprobs_num: Any) -> None:
     logits cannot return more). Negative values mean none upstream and are left alone."""
     values = top_logprobs_num if isinstance(top_logprobs_num, (list, tuple)) else [top_logprobs_num]
     for k in values:
-        if isinstance(k, int) and not isinstance(k, bool) and k > vocab_size:
+        if _integer(k) and k > vocab_size:
             raise ValueError(f"top_logprobs_num (OpenAI: logprobs / top_logprobs) is {k}; "
                              f"at most the vocabulary size {vocab_size} can be returned")
 
@@ -80,7 +89,7 @@ def check_int32_sampling_params(sampling_params: Any) -> None:
         return
     for name in INT32_SAMPLING_PARAMS:
         value = sampling_params.get(name)
-        if isinstance(value, int) and not isinstance(value, bool) and value > INT32_MAX:
+        if _integer(value) and value > INT32_MAX:
             hint = (" (any value at or above the vocabulary size samples from the whole vocabulary)"
                     if name == "top_k" else "")
             raise ValueError(f"{name} is {value}; at most {INT32_MAX}{hint}")
@@ -95,7 +104,7 @@ def check_stop_token_ids(vocab_size: int, sampling_params: Any) -> None:
     if not isinstance(ids, (list, tuple, set)):
         return  # absent; SGLang's own parsing refuses other types
     for tok in ids:
-        if isinstance(tok, int) and not isinstance(tok, bool) and not 0 <= tok < vocab_size:
+        if _integer(tok) and not 0 <= tok < vocab_size:
             raise ValueError(f"stop_token_ids holds {tok}, outside the vocabulary [0, {vocab_size})")
 
 
@@ -184,7 +193,7 @@ def _embeddings_error(rows: Any, name: str) -> str | None:
         if not isinstance(row, list) or not row:
             return f"{name}[{j}] must be a non-empty list of floats (one token's embedding)"
         for x in row:
-            if isinstance(x, bool) or not isinstance(x, (int, float)):
+            if not _number(x):
                 return f"{name}[{j}] holds {x!r}; an embedding holds numbers"
         if width is None:
             width = len(row)
@@ -249,7 +258,7 @@ def n_error(n: Any, name: str = "n") -> str | None:
     """The number of samples per prompt must be at least 1: SGLang's request handling divides
     by it or indexes a list it sizes by it (n = 0 on a batch: IndexError, a 500; on one prompt a
     400 that reads "range() arg 3 must not be zero"; found by schema fuzzing)."""
-    if isinstance(n, int) and not isinstance(n, bool) and n < 1:
+    if _integer(n) and n < 1:
         return f"{name} is {n}; at least 1 sample per prompt"
     return None
 
@@ -271,7 +280,7 @@ def single_prompt_rid_error(body: dict, prompts: int | None, n: Any) -> str | No
     list is SGLang's to check (one id, or one per sample)."""
     if prompts is not None or not isinstance(body.get("rid"), list):
         return None
-    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+    if _integer(n) and n > 1:
         return None
     return "rid is a list, but the request has one prompt sampled once: give one string"
 
@@ -409,14 +418,6 @@ def _generate_contract_error(body: dict) -> str | None:
 
 
 # ---------------------------------------------------------------- Ollama: /api/chat, /api/generate
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _integer(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
 
 # Ollama options SGLang maps onto sampling parameters, with the JSON type each must have.
 OLLAMA_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {

@@ -31,7 +31,7 @@ from disagg.fuzz_draws import module_independent
 from disagg.fuzz_run import COLOCATED_ARGS, Target, TargetRun, fuzz_target, server_problems
 from disagg.fuzz_scope import CI_CORE, NOT_FUZZED, fuzzed_operations
 from disagg.malformed import ROUTER_ANSWERS, BadRequest, Endpoint, bad_requests, send
-from disagg.schema_fuzz import Budget, FuzzRequest, build_requests, fetch_document
+from disagg.schema_fuzz import FAILURE_BODY_BYTES, Budget, FuzzRequest, build_requests, fetch_document
 from engine.launcher import SGLangServer
 from engine.request_checks import GENERATION_PATHS
 from engine.usage import is_idle
@@ -139,7 +139,7 @@ def _fuzz_failures(url: str, endpoint: Endpoint, cases: int,
             if excused(endpoint.value, raw):
                 print(f"\n  the router's own answer {status} for {raw[:200]!r}")
             else:
-                failures.append(f"{status} for {raw[:2000]!r}")  # whole, to replay it
+                failures.append(f"{status} for {raw[:FAILURE_BODY_BYTES]!r}")  # enough to replay it
 
     with module_independent():  # the same draws here as in the whole suite
         run()
