@@ -115,6 +115,7 @@ def _generate_items() -> list[BadRequest]:
         "min-p-above-one": _gen_sp(min_p=2.0),
         "repetition-penalty-negative": _gen_sp(repetition_penalty=-1.0),
         "n-zero-batch": {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 4, "n": 0}},
+        "n-null": _gen_sp(n=None),  # a 500 upstream (None > 1)
         "n-mismatch-in-batch": {"text": ["a", "b"], "sampling_params": [
             {"max_new_tokens": 4, "n": 1}, {"max_new_tokens": 4, "n": 2}]},
         "stop-number": _gen_sp(stop=5),
@@ -206,8 +207,9 @@ ROUTER_ANSWERS: dict[str, dict[str, int]] = {
     # The Rust router parses a request into its own typed struct and sends that on: an unknown
     # sampling_params key is dropped, and the servers see (and serve) a valid request.
     "rust": {"generate-sampling-params-unknown-key": 200,
-             # It forwards a chat with a list rid as a request the servers serve (200).
-             "chat-rid-list": 200},
+             # It forwards a chat with a list rid, and a /generate whose sampling_params.n is
+             # null, as requests the servers serve (200).
+             "chat-rid-list": 200, "generate-n-null": 200},
     # SGLang's Python mini-lb fails on these in its own request handling before any server sees
     # them (sglang_router/mini_lb.py, _get_request_batch_size); not fixable on our side.
     "mini-lb": {

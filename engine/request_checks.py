@@ -24,7 +24,7 @@ On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`
     GenerateReqInput.__getitem__; /generate, /v1/completions), and for one prompt a list of
     sampling_params (IndexError or AttributeError; /generate), or a list `rid` sampled once
     (TypeError; /generate, /v1/completions, /v1/chat/completions, /invocations), and `n` below 1
-    on a batch (IndexError);
+    on a batch (IndexError) or a null `sampling_params.n` (TypeError);
   - /vertex_generate `parameters` that are not /generate fields, or that repeat the instances'
     inputs (TypeError building the request), instances that are not objects, and a built
     request SGLang's /generate schema refuses (a text that is a number: TypeError);
@@ -268,6 +268,8 @@ def _sampling_n_error(sampling_params: Any) -> str | None:
     for i, row in enumerate(rows):
         if isinstance(row, dict):
             where = "sampling_params" if rows is not sampling_params else f"sampling_params[{i}]"
+            if "n" in row and row["n"] is None:  # SGLang compares it with 1: TypeError, a 500
+                return f"{where}.n is null; give an integer of at least 1, or leave it out"
             error = n_error(row.get("n"), f"{where}.n")
             if error:
                 return error

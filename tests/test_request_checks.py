@@ -297,6 +297,8 @@ def test_rid_lists_sglang_serves_pass(path, body):
     ("/v1/chat/completions", {**_CHAT, "n": 0}, "n is 0"),
     ("/generate", {"text": ["a", "b"], "sampling_params": {"n": 0}}, "sampling_params.n is 0"),
     ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 1}, {"n": 0}]}, r"sampling_params\[1\].n is 0"),
+    ("/generate", {"input_ids": [210, 93], "sampling_params": {"n": None}}, "sampling_params.n is null"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{"n": None}, {}]}, r"sampling_params\[0\].n is null"),
 ])
 def test_fewer_than_one_sample_per_prompt_is_refused(path, body, words):
     error = _field_error(path, body)
