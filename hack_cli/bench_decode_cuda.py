@@ -182,6 +182,59 @@ def plan_cells(shapes: list[str], batches, contexts, free_bytes: int) -> tuple[l
     return cells, skipped
 
 
+def measure_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, copy_bps: float) -> dict:
+    """One cell's timings, bytes, targets and output differences; its memory freed after."""
+    from hack_ops.triton import benchcases as bc
+
+    c = CudaCell(cell, baseline, device)
+    try:
+        times = bc.median_ms(c.methods(), repeats, WARMUP, bc.Timer(device), flush)
+        row = row_from(cell, times, c.bytes(), copy_bps, c.splits)
+        row["max_abs_diff"] = {k: round(v, 5) for k, v in c.differences().items()}
+        return row
+    finally:
+        c.release()
+        del c
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:
+            pass  # a lost context: the caller stops the grid
+
+
+def sweep_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, counts: tuple[int, ...]) -> dict:
+    """The CUDA kernel's time at each split count of `counts` (and at the one choose_splits
+    picks) beside BF16's, on one cell: the data the split rule is checked against."""
+    from hack_ops.cuda import CodeOrder, CudaDecodeAttention
+    from hack_ops.cuda.decode import MAX_SPLITS
+    from hack_ops.triton import benchcases as bc
+    from hack_ops.triton.store import cache_kwargs
+
+    c = CudaCell(cell, baseline, device)
+    try:
+        b, q, kw = c.case.hack.batch, c.case.q, cache_kwargs(c.case.bufs)
+        methods = {"bf16": c.case.run_bf16}
+        for n in sorted({n for n in counts if n <= MAX_SPLITS}):
+            att = CudaDecodeAttention(c.case.layout, c.case.shape.q_heads, num_splits=n, order=CodeOrder.TOKEN)
+            att.plan(b.kv_indptr, b.kv_indices, b.seq_lens, b.tail_rows, b.sink_slots)
+            methods[f"splits_{n}"] = (lambda a: lambda: a.run(q, **kw, out=c.out))(att)
+        methods["auto"] = c.methods()["cuda"]
+        times = bc.median_ms(methods, repeats, WARMUP, bc.Timer(device), flush)
+        return {**asdict(cell), "auto_splits": list(c.splits), "ms": {k: round(v, 4) for k, v in times.items()}}
+    finally:
+        c.release()
+        del c
+        torch.cuda.empty_cache()
+
+
+def _context_lost(device: torch.device) -> bool:
+    """True when the CUDA context no longer runs work (a sticky error such as an illegal address)."""
+    try:
+        torch.ones(1, device=device).add_(1).item()
+        return False
+    except RuntimeError:
+        return True
+
+
 def nvcc_version() -> str:
     import subprocess
 
@@ -221,16 +274,36 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = []
-    for i, cell in enumerate(cells):
-        c = CudaCell(cell, baseline, device)
-        times = bc.median_ms(c.methods(), args.repeats, WARMUP, bc.Timer(device), flush)
-        row = row_from(cell, times, c.bytes(), copy_bps, c.splits)
-        row["max_abs_diff"] = {k: round(v, 5) for k, v in c.differences().items()}
-        c.release()
-        torch.cuda.empty_cache()
-        results.append(row)
-        out.write_text(json.dumps({**head, "complete": False, "cells_done": i + 1, "cells_planned": len(cells),
+
+    def save(done: int) -> None:
+        out.write_text(json.dumps({**head, "complete": False, "cells_done": done, "cells_planned": len(cells),
                                    "results": results, "skipped": skipped}, indent=1) + "\n")
+
+    if args.sweep_splits:
+        counts = _ints(args.sweep_splits, "--sweep-splits")
+        head["sweep"] = []
+        for cell in cells:
+            head["sweep"].append(sweep_cell(cell, baseline, device, args.repeats, flush, counts))
+            out.write_text(json.dumps(head, indent=1) + "\n")
+            r = head["sweep"][-1]
+            best = min((v, k) for k, v in r["ms"].items() if k.startswith("splits_"))
+            print(f"{cell}: auto {r['auto_splits']} {r['ms']['auto']:.4f} ms, best {best[1]} {best[0]:.4f} ms, "
+                  f"bf16 {r['ms']['bf16']:.4f} ms", flush=True)
+        return 0
+    for i, cell in enumerate(cells):
+        try:
+            row = measure_cell(cell, baseline, device, args.repeats, flush, copy_bps)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            # One cell's failure is a result too; the rest of the grid still runs unless the
+            # CUDA context is gone (an illegal address is sticky: every later call fails alike).
+            skipped.append({**asdict(cell), "reason": f"failed: {str(exc).splitlines()[0][:300]}"})
+            print(f"{cell}: failed: {exc}", file=sys.stderr, flush=True)
+            save(i + 1)
+            if _context_lost(device):
+                return 1
+            continue
+        results.append(row)
+        save(i + 1)
         m = row["methods"]
         print(f"{cell.shape:10s} batch {cell.batch:3d} context {cell.context:6d}: "
               + "  ".join(f"{k} {v['median_ms']:.3f} ms ({v['gb_per_s']:.0f} GB/s)" for k, v in m.items())
@@ -259,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--out", default="decode-cuda.json", help="the JSON, rewritten after every cell")
+    ap.add_argument("--sweep-splits", default="",
+                    help="comma-separated split counts: time the CUDA kernel at each (and at its own choice) "
+                         "per cell instead of the method grid, to check the split rule")
     ap.add_argument("--from-json", type=Path, help="render a GPU run's JSON into docs/kernels.md (no GPU)")
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)

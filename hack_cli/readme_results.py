@@ -74,7 +74,21 @@ def _row(d: dict, variant: str, mode: str) -> dict:
 
 def _gpu_decode(d: dict) -> str:
     r = [c["hack_vs_bf16"] for c in d["results"] if c["phase"] == "decode"]
-    return f"{_x(min(r))}-{_x(max(r))} of BF16 flash attention's speed (slower; {len(r)} cells)"
+    return f"Triton: {_x(min(r))}-{_x(max(r))} (slower; {len(r)} cells)"
+
+
+def _cuda_decode(d: dict) -> str:
+    r = [c["cuda_vs_bf16"] for c in d["results"]]
+    big = max(d["results"], key=lambda c: c["batch"] * c["context"])
+    return (f"CUDA kernel: {_x(big['cuda_vs_bf16'])} BF16 flash attention's speed at batch {big['batch']} x "
+            f"{big['context'] // 1024}K ({_pct(big['methods']['cuda']['fraction_of_copy'], 0)} of copy bandwidth); "
+            f"{_x(min(r))}-{_x(max(r))} over {len(r)} cells (small cells' BF16 time varies run to run)")
+
+
+def _model_decode(d: dict) -> str:
+    by = {r["format"]: r for r in d["results"]}
+    return (f"{_x(d['hack_vs_bf16'])} BF16's tokens/s (Llama-3-8B shapes, {d['context'] // 1024}K context, "
+            f"batch {by['hack']['batch']} vs {by['bf16']['batch']} in {d['kv_budget_gib']:.0f} GiB)")
 
 
 ROWS: tuple[Row, ...] = (
@@ -107,8 +121,12 @@ ROWS: tuple[Row, ...] = (
                "docs/engine.md#on-an-avx-512--amx-host", AMX),
     )),
     Row("Decode speed, GPU kernel", (
+        Source("docs/bench/decode-cuda.json", _cuda_decode, "docs/kernels.md#measured-on-an-h100", "NVIDIA H100"),
         Source("docs/bench/attention-cuda.json", _gpu_decode,
                "docs/kernels.md#measured-on-a-gpu", "NVIDIA H200"),
+    )),
+    Row("Decode, GPU, same KV memory", (
+        Source("docs/bench/decode-model.json", _model_decode, "docs/kernels.md#measured-on-an-h100", "NVIDIA H100"),
     )),
     Row("PD mean JCT, 7.5K-token documents", (
         Source("docs/bench/disagg.json",

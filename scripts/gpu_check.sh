@@ -9,16 +9,17 @@
 #                                                                             -> tests.log, failures.log
 #   3. bench   python -m hack_cli.bench_decode_cuda: per cell the CUDA kernel, its fragment-order
 #              variant, the Triton kernel and BF16 (180 s)   -> decode-cuda.json (after every cell), run.log
+#  3b. splits  only with HACK_GPU_SPLITS_SECONDS > 0: the split-count sweep        -> splits.json
 #   4. model   python -m hack_cli.bench_decode_model: Llama-3-8B shapes at 32K, tokens/s of BF16 and
 #              HACK KV at equal KV memory (120 s)                            -> decode-model.json, run.log
-#   5. ncu     one launch of the kernel at batch 32 x 32K, `ncu --set full` (60 s, when ncu is here)
+#   5. ncu     one launch of the kernel at batch 32 (HACK_GPU_NCU_BATCH) x 32K, `ncu --set full` (60 s, when ncu is here)
 #                                                                                      -> ncu.txt
 #   6. triton  only with HACK_GPU_CHECK_TRITON=1, outside the total: the Triton kernel tests
 #              (cuda-marked first) and `hack bench attention --device cuda`
 #                                                                 -> tests.log, attention-cuda.json, run.log
 # device.txt collects the GPU, the versions and every phase's exit status (8 files at most in all).
-# Phase limits:
-# HACK_GPU_{BUILD,TEST,BENCH,MODEL,NCU}_SECONDS.
+# Phase limits: HACK_GPU_{BUILD,TEST,BENCH,MODEL,NCU}_SECONDS (0 skips a phase);
+# HACK_GPU_CPU_TESTS=0 leaves out the test pass CI also runs (the tests not marked cuda).
 # Back on a machine without a GPU: python -m hack_cli.bench_decode_cuda --from-json OUT_DIR/decode-cuda.json
 # writes docs/bench/decode-cuda.json and the table in docs/kernels.md.
 # Usage: scripts/gpu_check.sh [OUT_DIR] [TOTAL_SECONDS] [extra bench_decode_cuda args...]
@@ -42,7 +43,8 @@ nvidia-smi -L 2>&1 | tee "$out/device.txt"
 (nvcc --version 2>&1 | tail -1) | tee -a "$out/device.txt"
 workers=()
 if "$py" -c "import xdist" 2>/dev/null; then
-  n=$(( $(nproc) > 2 ? $(nproc) - 2 : 1 )); workers=(-n "$n")
+  cores=$(nproc --all)  # not plain nproc: it answers OMP_NUM_THREADS, set to 1 above
+  n=$(( cores > 2 ? cores - 2 : 1 )); workers=(-n "$n")
 fi
 has_timeout=0
 "$py" -c "import pytest_timeout" 2>/dev/null && has_timeout=1
@@ -69,7 +71,9 @@ fi
 tests=(tests/test_cuda_decode.py tests/test_cuda_static.py)
 s=$(limit tests "${HACK_GPU_TEST_SECONDS:-150}" | tail -1)
 t0=$SECONDS
-for pass in cuda "not cuda"; do
+passes=(cuda)
+[[ "${HACK_GPU_CPU_TESTS:-1}" == 0 ]] || passes+=("not cuda")
+for pass in "${passes[@]}"; do
   (( s > 0 )) || break
   left=$(( s - (SECONDS - t0) ))
   (( left > 10 )) || { echo "no time left for the tests marked '$pass'" >>"$out/tests.log"; continue; }
@@ -91,6 +95,16 @@ if (( s > 0 )); then
   echo "bench_decode_cuda: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
 fi
 
+# 3b. splits, only with HACK_GPU_SPLITS_SECONDS > 0: the kernel at each split count against the
+# count hack_ops.cuda.decode.choose_splits picks, per cell of the small-batch grid.
+s=$(limit splits "${HACK_GPU_SPLITS_SECONDS:-0}" | tail -1)
+if (( s > 0 )); then
+  echo "=== bench_decode_cuda --sweep-splits ===" >>"$out/run.log"
+  timeout "$s" "$py" -m hack_cli.bench_decode_cuda --out "$out/splits.json" --batches 1,8,32 --contexts 8192,32768 \
+    --repeats 10 --sweep-splits 1,2,3,4,6,8,12,16,24,32,48,64 >>"$out/run.log" 2>&1
+  echo "splits sweep: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
+fi
+
 # 4. model: tokens/s at equal KV memory (HACK's batch against BF16's), Llama-3-8B shapes at 32K.
 s=$(limit model "${HACK_GPU_MODEL_SECONDS:-120}" | tail -1)
 if (( s > 0 )); then
@@ -104,7 +118,7 @@ s=$(limit ncu "${HACK_GPU_NCU_SECONDS:-60}" | tail -1)
 if (( s > 0 )); then
   if command -v ncu >/dev/null 2>&1; then
     timeout "$s" ncu --target-processes all -k regex:hack_decode_kernel -c 1 --set full --page details --csv \
-      "$py" -m hack_cli.bench_decode_cuda --shapes llama3-8b --batches 32 --contexts 32768 --repeats 1 \
+      "$py" -m hack_cli.bench_decode_cuda --shapes llama3-8b --batches "${HACK_GPU_NCU_BATCH:-32}" --contexts 32768 --repeats 1 \
       --out /tmp/hack-ncu-cell.json >"$out/ncu.txt" 2>&1
     echo "ncu: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
   else

@@ -78,3 +78,58 @@ def test_from_json_renders_into_the_docs(tmp_path, monkeypatch, capsys):
     assert json.loads((tmp_path / "bench" / "decode-cuda.json").read_text())["device"] == "NVIDIA H100"
     src.write_text("{}")
     assert bench.main(["--from-json", str(src)]) == 2
+
+
+def _fake_gpu(monkeypatch):
+    """What run() asks of torch.cuda and benchcases before the first cell, answered without a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bc, "choose_baseline", lambda device, fi: bc.Baseline.SDPA_FLASH)
+    monkeypatch.setattr(bc, "l2_flush", lambda device: None)
+    monkeypatch.setattr(bc, "copy_bandwidth", lambda device: 3e12)
+
+
+def test_a_failing_cell_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch)
+    times = {"cuda": 0.5, "cuda_fragment": 0.5, "triton": 5.0, "bf16": 2.0}
+
+    def measure(cell, baseline, device, repeats, flush, copy_bps):
+        if cell.batch == 8:
+            raise RuntimeError("CUDA out of memory while planning\nsecond line")
+        return bench.row_from(cell, times, {m: 10**9 for m in bench.METHODS}, copy_bps, (1, 32))
+
+    monkeypatch.setattr(bench, "measure_cell", measure)
+    monkeypatch.setattr(bench, "_context_lost", lambda device: False)
+    out = tmp_path / "grid.json"
+    assert bench.main(["--shapes", "llama3-8b", "--batches", "1,8,32", "--contexts", "2048", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is True and [r["batch"] for r in doc["results"]] == [1, 32]
+    assert doc["skipped"] == [{"shape": "llama3-8b", "batch": 8, "context": 2048,
+                               "reason": "failed: CUDA out of memory while planning"}]
+    # a sticky error (the context is gone): the grid stops there, and says it did not finish
+    monkeypatch.setattr(bench, "_context_lost", lambda device: True)
+    assert bench.main(["--shapes", "llama3-8b", "--batches", "1,8,32", "--contexts", "2048", "--out", str(out)]) == 1
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["cells_done"] == 2 and [r["batch"] for r in doc["results"]] == [1]
+
+
+def test_the_split_sweep_writes_one_entry_per_cell(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch)
+    seen = []
+
+    def sweep(cell, baseline, device, repeats, flush, counts):
+        seen.append(counts)
+        return {"shape": cell.shape, "batch": cell.batch, "context": cell.context, "auto_splits": [4, 8],
+                "ms": {"bf16": 0.1, "splits_1": 0.05, "splits_4": 0.02, "auto": 0.02}}
+
+    monkeypatch.setattr(bench, "sweep_cell", sweep)
+    out = tmp_path / "splits.json"
+    assert bench.main(["--shapes", "qwen2.5-7b", "--batches", "1,8", "--contexts", "8192", "--out", str(out),
+                       "--sweep-splits", "1,4"]) == 0
+    doc = json.loads(out.read_text())
+    assert [(r["batch"], r["auto_splits"]) for r in doc["sweep"]] == [(1, [4, 8]), (8, [4, 8])]
+    assert seen == [(1, 4), (1, 4)] and "results" not in doc
+    assert bench.main(["--sweep-splits", "0,4", "--out", str(out)]) == 2  # counts must be positive

@@ -99,11 +99,16 @@ def test_queries_must_be_bf16_or_fp16_on_a_gpu():
 
 
 def test_split_choice():
-    assert choose_splits(1, 8, 512, 132) == 50  # batch 1 x 32K: ~3 blocks per SM
-    assert choose_splits(128, 8, 512, 132) == 1  # enough blocks already
-    assert choose_splits(8, 8, 128, 132) == 7
+    """The rule hack_ops.cuda.decode.choose_splits states, at the H100's 132 SMs (396 blocks)."""
+    assert choose_splits(1, 8, 512, 132) == 22  # batch 1 x 32K: ~sqrt(512) splits of 24 pages
+    assert choose_splits(1, 8, 128, 132) == 11  # batch 1 x 8K
+    assert choose_splits(8, 8, 512, 132) == 6  # 384 blocks: one wave (7 would start a second)
+    assert choose_splits(8, 4, 512, 132) == 12
+    assert choose_splits(32, 4, 512, 132) == 3
+    assert choose_splits(32, 8, 128, 132) == 1  # 256 blocks fill the GPU: unsplit
+    assert choose_splits(128, 8, 512, 132) == 1
     assert choose_splits(1, 8, 9, 132) == 1  # too few pages to share between 4 warps twice
-    assert choose_splits(1, 1, 4096, 132) == 256  # capped
+    assert choose_splits(1, 1, 1 << 20, 132) == 256  # capped
 
 
 # ---- on a GPU ------------------------------------------------------------------------------------
