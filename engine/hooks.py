@@ -99,6 +99,10 @@ USES: tuple[Use, ...] = (
     Use("sglang.srt.mem_cache.base_prefix_cache.EvictParams",
         "engine.sink_reclaim evicts cached sequences when sink slots run short"),
     Use("sglang.srt.managers.scheduler.Scheduler", "engine.sink_reclaim reads tree_cache and the allocator"),
+    Use("sglang.srt.mem_cache.memory_pool.ReqToTokenPool.pre_alloc_size",
+        "engine.usage counts a request pool's rows as size + pre_alloc_size (0 here)"),
+    Use("sglang.srt.disaggregation.decode.DecodeReqToTokenPool.available_size",
+        "engine.usage: a PD decode pool's free rows include its pre-allocation rows (pre_alloc_size)"),
     # The tree a server builds by default (mem_cache.registry.create_unified_radix_cache).
     Use("sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache.evict",
         "engine.sink_reclaim: least recently used first"),

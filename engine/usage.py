@@ -43,9 +43,17 @@ def _used_tokens(scheduler: Any) -> tuple[int, int]:
     return total, total - int(scheduler.token_to_kv_pool_allocator.available_size())
 
 
+def _request_rows(req_pool: Any) -> int:
+    """Every row the request pool hands out: `size` (the running requests) plus, on a PD decode
+    server, `pre_alloc_size` rows for requests still arriving (SGLang's DecodeReqToTokenPool;
+    2x the running batch when --max-running-requests is small). Counting `size` alone made an
+    idle decode server report -24 rows in use at --max-running-requests 12."""
+    return int(req_pool.size) + int(getattr(req_pool, "pre_alloc_size", 0) or 0)
+
+
 def _rows_in_use(scheduler: Any) -> int:
     req_pool = scheduler.req_to_token_pool
-    return int(req_pool.size - req_pool.available_size())
+    return _request_rows(req_pool) - int(req_pool.available_size())
 
 
 def kv_usage(scheduler: Any) -> dict:
@@ -57,7 +65,7 @@ def kv_usage(scheduler: Any) -> dict:
         "used_tokens": used,
         "radix_cached_tokens": None,
         "radix_evictable_tokens": None,
-        "request_rows_total": int(scheduler.req_to_token_pool.size),
+        "request_rows_total": _request_rows(scheduler.req_to_token_pool),
         "request_rows_in_use": _rows_in_use(scheduler),
         "hack": None,
     }

@@ -49,6 +49,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-running-requests", type=int, default=None,
                    help="requests a server runs at once, every method alike (SGLang's flag; for HACK also its "
                         "request rows: without it HACK's rows take at most 12.5%% of the budget)")
+    p.add_argument("--num-reserved-decode-tokens", type=int, default=None,
+                   help="decode tokens SGLang reserves per request when it admits one (its flag, default 512): "
+                        "with outputs longer than this, a tight budget makes decode retract")
     p.add_argument("--out", default="docs/bench/soak.json", help="write the JSON reports here")
     add_router_args(p)
     p.set_defaults(func=run_cli)
@@ -116,6 +119,10 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
         extra += ["--max-running-requests", str(args.max_running_requests)]
+    if args.num_reserved_decode_tokens is not None:
+        if args.num_reserved_decode_tokens < 0:
+            raise ValueError(f"--num-reserved-decode-tokens must be >= 0, got {args.num_reserved_decode_tokens}")
+        extra += ["--num-reserved-decode-tokens", str(args.num_reserved_decode_tokens)]
     out = {"command": command_line("soak"), "date": time.strftime("%Y-%m-%d"), "model": args.model, "runs": []}
     broken: list[str] = []
     for method in methods:
