@@ -97,7 +97,8 @@ fi
 
 # 3b. splits, only with HACK_GPU_SPLITS_SECONDS > 0: the kernel at each split count against the
 # count hack_ops.cuda.decode.choose_splits picks, per cell of the small-batch grid.
-s=$(limit splits "${HACK_GPU_SPLITS_SECONDS:-0}" | tail -1)
+s=0
+(( ${HACK_GPU_SPLITS_SECONDS:-0} > 0 )) && s=$(limit splits "$HACK_GPU_SPLITS_SECONDS" | tail -1)
 if (( s > 0 )); then
   echo "=== bench_decode_cuda --sweep-splits ===" >>"$out/run.log"
   timeout "$s" "$py" -m hack_cli.bench_decode_cuda --out "$out/splits.json" --batches 1,8,32 --contexts 8192,32768 \

@@ -48,7 +48,7 @@ def choose_splits(batch: int, kv_heads: int, span_pages: int, sms: int) -> int:
     at most ~sqrt(pages) (the combine pass reads every split, a cost that grows with their
     count while a block's pages shrink with it), never fewer than MIN_SPLIT_PAGES pages each.
 
-    From a sweep of every count on an H100 (docs/kernels.md, "Split count"): a second wave of
+    From a sweep of 1-64 splits on an H100 (docs/kernels.md, "Split count"): a second wave of
     blocks costs more than longer splits in one (batch 8 x 32K, Llama-3-8B heads: 7 splits =
     448 blocks took 0.114 ms, 6 = 384 blocks 0.088 ms), and a grid that fills the GPU already is
     fastest unsplit (batch 32 x 8K: 1 split 0.084 ms, 3 splits 0.096 ms)."""
