@@ -66,19 +66,36 @@ def kv_budget_bytes(kvc: Any, profile: Callable[[], int]) -> int:
     rows = _requested_rows(kvc)
     if rows is None:
         rows = max(1, min(MAX_DEFAULT_ROWS, int(budget * DEFAULT_ROW_SHARE) // per_row))
-    # SGLang's request table has one row more than the requests it admits (a padding row).
-    reserve = (rows + 1) * per_row
+    # SGLang's request table has one row more than the requests it admits (a padding row), and
+    # on a PD decode server pre-allocation rows for requests still arriving; each row holds FP16
+    # tails (the pool is built with one per row of the table: engine.hooks).
+    extra = _decode_pre_alloc_rows()
+    reserve = (rows + extra + 1) * per_row
     if reserve >= budget:
         raise ValueError(
-            f"the KV budget ({budget / (1 << 20):.1f} MB) cannot hold the FP16 tails of {rows} "
-            f"requests ({per_row / (1 << 20):.2f} MB each); lower --max-running-requests or "
-            "raise the budget")
+            f"the KV budget ({budget / (1 << 20):.1f} MB) cannot hold the FP16 tails of {rows + extra} "
+            f"request rows ({rows} running{f', {extra} pre-allocated for arriving transfers' if extra else ''}; "
+            f"{per_row / (1 << 20):.2f} MB each); lower --max-running-requests"
+            f"{' or --disaggregation-decode-extra-slots' if extra else ''}, or raise the budget")
     # The configurator has __slots__: the decision waits in the server state for
     # resolve_max_num_reqs and the pool build.
     state().reserve(kvc, Reservation(rows=rows, budget=budget))
-    logger.info("sglang-hack: %d request rows reserve %.1f MB for FP16 tails/sinks; %.1f MB left "
-                "for pages", rows, reserve / (1 << 20), (budget - reserve) / (1 << 20))
+    logger.info("sglang-hack: %d request rows%s reserve %.1f MB for FP16 tails/sinks; %.1f MB left "
+                "for pages", rows, f" (+{extra} pre-allocated for arriving transfers)" if extra else "",
+                reserve / (1 << 20), (budget - reserve) / (1 << 20))
     return budget - reserve
+
+
+def _decode_pre_alloc_rows() -> int:
+    """Rows a PD decode server's request table holds beyond the running requests, for requests
+    still arriving (SGLang's --disaggregation-decode-extra-slots: by default 2x the running
+    batch when --max-running-requests is at most 32 per worker, else 0)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    d = get_disagg()
+    if d.disaggregation_mode != "decode" and not getattr(d, "enable_pd_role_switch", False):
+        return 0
+    return int(d.disaggregation_decode_extra_slots or 0)
 
 
 def _requested_rows(kvc: Any) -> int | None:

@@ -89,6 +89,8 @@ USES: tuple[Use, ...] = (
     Use("sglang.srt.constants.GPU_MEMORY_TYPE_KV_CACHE", "memory-saver region of the pool"),
     Use("sglang.srt.runtime_context.get_parallel", "attention TP/DCP size when sizing the pool"),
     Use("sglang.srt.runtime_context.get_schedule", "--max-running-requests when sizing the pool"),
+    Use("sglang.srt.runtime_context.get_disagg",
+        "a PD decode server's pre-allocation rows (disaggregation_decode_extra_slots) hold FP16 tails too"),
     Use("sglang.srt.model_executor.forward_batch_info.ForwardBatch",
         "what the backend is handed each forward; its fields in DIRECT_FIELDS"),
     Use("sglang.srt.configs.model_config.is_hybrid_swa_model", "startup refusal (engine.model_checks)"),

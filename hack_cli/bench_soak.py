@@ -52,6 +52,10 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-reserved-decode-tokens", type=int, default=None,
                    help="decode tokens SGLang reserves per request when it admits one (its flag, default 512): "
                         "with outputs longer than this, a tight budget makes decode retract")
+    p.add_argument("--decode-extra-slots", type=int, default=None,
+                   help="request rows a decode server pre-allocates for arriving transfers (SGLang's "
+                        "--disaggregation-decode-extra-slots; its default is 2x --max-running-requests up to 32); "
+                        "HACK reserves FP16 tails for each")
     p.add_argument("--out", default="docs/bench/soak.json", help="write the JSON reports here")
     add_router_args(p)
     p.set_defaults(func=run_cli)
@@ -123,6 +127,10 @@ def run_cli(args: argparse.Namespace) -> int:
         if args.num_reserved_decode_tokens < 0:
             raise ValueError(f"--num-reserved-decode-tokens must be >= 0, got {args.num_reserved_decode_tokens}")
         extra += ["--num-reserved-decode-tokens", str(args.num_reserved_decode_tokens)]
+    if args.decode_extra_slots is not None:
+        if args.decode_extra_slots < 0:
+            raise ValueError(f"--decode-extra-slots must be >= 0, got {args.decode_extra_slots}")
+        extra += ["--disaggregation-decode-extra-slots", str(args.decode_extra_slots)]
     out = {"command": command_line("soak"), "date": time.strftime("%Y-%m-%d"), "model": args.model, "runs": []}
     broken: list[str] = []
     for method in methods:

@@ -44,3 +44,43 @@ def test_pool_build_is_set_only_inside_the_context():
         with pool_build_context(rows=3, budget=1):
             raise ValueError("a failed build")
     assert server_state.state().pool_build is None
+
+
+class _Kvc:
+    """What kv_budget_bytes reads of SGLang's configurator (one attention DP rank)."""
+
+    __slots__ = ("layer_info", "attn_dp_size")
+
+    def __init__(self) -> None:
+        self.layer_info = type("L", (), {"num_effective_layers": 30})()
+        self.attn_dp_size = 1
+
+
+@pytest.mark.parametrize("mode,extra_slots,rows_reserved", [("null", 24, 13), ("decode", 24, 37),
+                                                             ("decode", 0, 13), ("prefill", 24, 13)])
+def test_a_decode_servers_pre_allocation_rows_get_tails_from_the_budget(monkeypatch, mode, extra_slots,
+                                                                         rows_reserved):
+    """A PD decode server's request table holds --disaggregation-decode-extra-slots rows beyond the
+    running requests (2x them at --max-running-requests 12), and the pool gives every row FP16
+    tails: the budget reserves them all, not only the running rows (else a 64 MB budget held
+    103 MB)."""
+    import sglang.srt.runtime_context as rc
+
+    from engine.pool_geometry import unit_bytes
+
+    units = unit_bytes(__import__("hack_ops").HackConfig(), 3, 64, 30)
+    monkeypatch.setattr(capacity, "_units", lambda kvc: units)
+    monkeypatch.setattr(capacity.settings_mod, "budget_bytes", lambda: 64 << 20)
+    monkeypatch.setattr(rc, "get_schedule", lambda: type("S", (), {"max_running_requests": 12})())
+    monkeypatch.setattr(rc, "get_disagg", lambda: type("D", (), {"disaggregation_mode": mode,
+                                                                 "disaggregation_decode_extra_slots": extra_slots})())
+    kvc = _Kvc()
+    left = capacity.kv_budget_bytes(kvc, lambda: 0)
+    per_row = capacity.row_bytes(units, 30)
+    assert left == (64 << 20) - rows_reserved * per_row
+    assert capacity.cap_max_num_reqs(kvc, 100) == 12  # running requests stay 12 either way
+    if rows_reserved == 37:  # 38 rows would not fit in 48 MB: refused with a sentence naming both flags
+        server_state.reset()
+        monkeypatch.setattr(capacity.settings_mod, "budget_bytes", lambda: 48 << 20)
+        with pytest.raises(ValueError, match="36 request rows .*12 running, 24 pre-allocated.*extra-slots"):
+            capacity.kv_budget_bytes(_Kvc(), lambda: 0)
