@@ -76,8 +76,9 @@ USES: tuple[Use, ...] = (
     Use(f"{_POOL}._get_value_buffer", "overridden: raw page bytes (never viewed as V)"),
     Use(f"{_POOL}.set_kv_buffer", "overridden: refused (writes go through the backend)"),
     Use(f"{_POOL}.move_kv_cache", "overridden: refused"),
-    Use(f"{_POOL}.get_cpu_copy", "overridden: refused (no CPU offload of HACK pages)"),
-    Use(f"{_POOL}.load_cpu_copy", "overridden: refused"),
+    Use(f"{_POOL}.get_cpu_copy", "overridden: a retracted request's pages, tail rows and sinks to the CPU "
+        "(hack_ops.paged.offload; PD decode's cpu_tensor retraction backup calls it with req_pool_index)"),
+    Use(f"{_POOL}.load_cpu_copy", "overridden: that copy into the request's new slots, row and sink slot"),
     Use(f"{_POOL}._build_kv_buffer_descs",
         "overridden: a descriptor per buffer from its own shape (layers may differ in page bytes)"),
     Use("sglang.srt.mem_cache.memory_pool.KvBufferDesc", "HackKVPool._build_kv_buffer_descs builds them"),

@@ -25,6 +25,7 @@ from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from hack_ops.layout import describe_layouts
+from hack_ops.paged import offload
 from hack_ops.paged.store import HackKVStore
 
 from . import settings as settings_mod
@@ -162,8 +163,16 @@ class HackKVPool(MHATokenToKVPool):
     def move_kv_cache(self, tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
         self._refuse("move_kv_cache")
 
-    def get_cpu_copy(self, *args: Any, **kwargs: Any):
-        self._refuse("CPU offload (get_cpu_copy)")
+    # ---- a retracted request's state off the pool and back (PD decode's cpu_tensor backup) -------
+    def get_cpu_copy(self, indices: torch.Tensor, mamba_indices: Any = None, req_pool_index: Any = None):
+        """SGLang copies a request it retracts (its KV token slots, its request row) before freeing
+        them: its pages, open-page tail rows and sinks (hack_ops.paged.offload)."""
+        if req_pool_index is None:
+            self._refuse("CPU offload without the request's row (get_cpu_copy)")
+        return offload.save(self.store, indices, int(req_pool_index))
 
-    def load_cpu_copy(self, *args: Any, **kwargs: Any):
-        self._refuse("CPU offload (load_cpu_copy)")
+    def load_cpu_copy(self, kv_cache_cpu: Any, indices: torch.Tensor, mamba_indices: Any = None,
+                      req_pool_index: Any = None) -> None:
+        if req_pool_index is None or not isinstance(kv_cache_cpu, offload.RequestCopy):
+            self._refuse("CPU offload of anything but a HACK request copy (load_cpu_copy)")
+        offload.load(self.store, kv_cache_cpu, indices, int(req_pool_index))

@@ -271,3 +271,60 @@ def test_sink_slots_run_short_and_come_back_from_the_cache(hack_env):
     tree.cached.clear()  # everything left is running (locked): nothing to evict
     with pytest.raises(RuntimeError, match="out of sink slots"):
         store.sink_slots_for(torch.tensor([11, 12, 13]), allocate=True)
+
+
+@pytest.mark.parametrize("n", [130, 128, 40])
+def test_a_retracted_request_comes_back_where_sglang_puts_it(hack_env, n):
+    """PD decode's retraction backup (`--disaggregation-decode-retraction-backup cpu_tensor`):
+    SGLang copies a retracted request's KV off the pool (its token slots and request row), frees
+    them, and later loads the copy into other slots and another row. The next decode step must read
+    exactly what it would have read in place: pages (every layer), the open page's FP16 tail rows
+    and the sinks under the new first page. Open pages of 2, 0 and 40 tokens."""
+    from hack_ops.paged import offload
+
+    pool = _pool(layers=2)
+    store = pool.store
+    g = torch.Generator().manual_seed(n)
+    k, v = torch.randn(n + 1, 3, DIM, generator=g), torch.randn(n + 1, 3, DIM, generator=g)
+    q = torch.randn(1, 9, DIM, generator=g)
+    r2t = torch.zeros(4, 512, dtype=torch.int64)
+    r2t[1, :192] = torch.arange(192) + 7 * 64  # pages 7, 8, 9 in row 1
+    plan = store.plan(r2t, [1], [n], [n])
+    for layer in range(2):
+        store.write(layer, plan, k[:n], v[:n])
+    step = store.plan(r2t, [1], [n + 1])
+    before = [decode(store, layer, step, q, k[n:], v[n:]) for layer in range(2)]
+
+    # the same decode step again, on the request moved: SGLang's slots exclude the new token
+    r2t_old = r2t.clone()
+    for layer in range(2):  # undo the step's write of token n (a retraction drops it too)
+        store.write(layer, store.plan(r2t_old, [1], [n], [n]), k[:n], v[:n])
+    copy = pool.get_cpu_copy(r2t[1, :n], req_pool_index=1)
+    assert copy.tokens == n and copy.nbytes > 0 and copy.k_pages[0].device.type == "cpu"
+    hooks._around_release_page_ids(lambda *a: None, type("A", (), {"get_kvcache": lambda s: pool})(),
+                                   torch.tensor([7, 8, 9]))
+    for buf in store.k_pages + store.v_pages:  # the freed pages get other requests' bytes
+        buf[7:10] = 0xA5
+    for ts in store.tails.values():
+        for t in ts:
+            t[1] = float("nan")
+    r2t[1] = 0
+    r2t[3, :192] = torch.arange(192) + 12 * 64  # pages 12, 13, 14 in row 3
+    pool.load_cpu_copy(copy, r2t[3, :n], req_pool_index=3)
+    after = [decode(store, layer, store.plan(r2t, [3], [n + 1]), q, k[n:], v[n:]) for layer in range(2)]
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="holds 130 tokens|holds 128 tokens|holds 40 tokens"):
+        pool.load_cpu_copy(copy, r2t[3, : n - 1], req_pool_index=3)
+    with pytest.raises(NotImplementedError):
+        pool.load_cpu_copy(object(), r2t[3, :n], req_pool_index=3)
+
+
+def test_offload_refuses_slots_that_are_not_whole_pages(hack_env):
+    from hack_ops.paged import offload
+
+    pool = _pool()
+    with pytest.raises(ValueError, match="whole pages in order"):
+        offload.save(pool.store, torch.tensor([64, 65, 130]), 1)
+    with pytest.raises(ValueError, match="outside the store's 4 rows"):
+        offload.save(pool.store, torch.arange(64, 70), 9)
