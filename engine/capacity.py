@@ -92,7 +92,10 @@ def _decode_pre_alloc_rows() -> int:
     batch when --max-running-requests is at most 32 per worker, else 0)."""
     from sglang.srt.runtime_context import get_disagg
 
-    d = get_disagg()
+    try:
+        d = get_disagg()
+    except ValueError:  # no server published its PD settings (an engine built in process): not PD
+        return 0
     if d.disaggregation_mode != "decode" and not getattr(d, "enable_pd_role_switch", False):
         return 0
     return int(d.disaggregation_decode_extra_slots or 0)
