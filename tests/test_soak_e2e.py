@@ -101,25 +101,3 @@ def test_1p1d_link_partition_then_packet_loss() -> None:
     assert report["failures"]["defect"] == 0       # TCP absorbs the 5% loss: no request lost to it
     assert set(report["pools"]["idle_after"].values()) == {True}
     _assert_gone(state)
-
-
-def test_1p1d_decode_retracts_and_serves_everything() -> None:
-    """Long outputs on a decode server whose pool cannot hold them: SGLang retracts requests, backs
-    their KV up (`cpu_tensor`, which `hack up` sets) and resumes them. A HACK decode server died at
-    its first retraction until its pool could copy a request out and back
-    (hack_ops.paged.offload); here it must retract, serve every request and end idle."""
-    spec = SoakSpec(requests=16, concurrency=8, seed=3, long_fraction=0.0, chat_max_tokens=256, bad_every=0)
-    extra = ["--hack-kv-budget-mb", "44", "--max-running-requests", "8", "--num-reserved-decode-tokens", "16"]
-    cspec = cluster.ClusterSpec(model_path=_model(), kv="hack", prefill=1, decode=1, max_total_tokens=16384,
-                                extra_server_args=extra, label="soak-test")
-    state = cluster.up(cspec, log=lambda m: None)
-    try:
-        report = Soak(state, spec, _model(), log=print).run()
-    finally:
-        cluster.down(state)
-    print(report["requests"], report["retractions"], report["decode_pressure"])
-    assert passed(report) == [], report["defects"]
-    assert report["requests"]["ok"] == report["requests"]["sent"] == 16
-    assert report["retractions"]["decode-0"] > 0, "the pool never filled: nothing was retracted"
-    assert report["pools"]["idle_after"]["decode-0"]
-    _assert_gone(state)
