@@ -14,6 +14,7 @@ docs/kernels.md here, with no GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import sys
@@ -182,16 +183,12 @@ def plan_cells(shapes: list[str], batches, contexts, free_bytes: int) -> tuple[l
     return cells, skipped
 
 
-def measure_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, copy_bps: float) -> dict:
-    """One cell's timings, bytes, targets and output differences; its memory freed after."""
-    from hack_ops.triton import benchcases as bc
-
+@contextlib.contextmanager
+def _cell(cell: Cell, baseline, device: torch.device):
+    """One cell's data for the block's length, its memory freed after (also after a failure)."""
     c = CudaCell(cell, baseline, device)
     try:
-        times = bc.median_ms(c.methods(), repeats, WARMUP, bc.Timer(device), flush)
-        row = row_from(cell, times, c.bytes(), copy_bps, c.splits)
-        row["max_abs_diff"] = {k: round(v, 5) for k, v in c.differences().items()}
-        return row
+        yield c
     finally:
         c.release()
         del c
@@ -199,6 +196,17 @@ def measure_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush
             torch.cuda.empty_cache()
         except RuntimeError:
             pass  # a lost context: the caller stops the grid
+
+
+def measure_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, copy_bps: float) -> dict:
+    """One cell's timings, bytes, targets and output differences."""
+    from hack_ops.triton import benchcases as bc
+
+    with _cell(cell, baseline, device) as c:
+        times = bc.median_ms(c.methods(), repeats, WARMUP, bc.Timer(device), flush)
+        row = row_from(cell, times, c.bytes(), copy_bps, c.splits)
+        row["max_abs_diff"] = {k: round(v, 5) for k, v in c.differences().items()}
+        return row
 
 
 def sweep_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, counts: tuple[int, ...]) -> dict:
@@ -209,8 +217,7 @@ def sweep_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, 
     from hack_ops.triton import benchcases as bc
     from hack_ops.triton.store import cache_kwargs
 
-    c = CudaCell(cell, baseline, device)
-    try:
+    with _cell(cell, baseline, device) as c:
         b, q, kw = c.case.hack.batch, c.case.q, cache_kwargs(c.case.bufs)
         methods = {"bf16": c.case.run_bf16}
         for n in sorted({n for n in counts if n <= MAX_SPLITS}):
@@ -220,10 +227,6 @@ def sweep_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, 
         methods["auto"] = c.methods()["cuda"]
         times = bc.median_ms(methods, repeats, WARMUP, bc.Timer(device), flush)
         return {**asdict(cell), "auto_splits": list(c.splits), "ms": {k: round(v, 4) for k, v in times.items()}}
-    finally:
-        c.release()
-        del c
-        torch.cuda.empty_cache()
 
 
 def _context_lost(device: torch.device) -> bool:

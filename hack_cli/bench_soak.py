@@ -119,18 +119,16 @@ def run_cli(args: argparse.Namespace) -> int:
     router = router_options_from_args(args)
     model_path = _model_path(args.model)
     extra = ["--hack-kv-budget-mb", f"{args.kv_budget_mb:g}"] if args.kv_budget_mb else []
-    if args.max_running_requests is not None:
-        if args.max_running_requests < 1:
-            raise ValueError(f"--max-running-requests must be >= 1, got {args.max_running_requests}")
-        extra += ["--max-running-requests", str(args.max_running_requests)]
-    if args.num_reserved_decode_tokens is not None:
-        if args.num_reserved_decode_tokens < 0:
-            raise ValueError(f"--num-reserved-decode-tokens must be >= 0, got {args.num_reserved_decode_tokens}")
-        extra += ["--num-reserved-decode-tokens", str(args.num_reserved_decode_tokens)]
-    if args.decode_extra_slots is not None:
-        if args.decode_extra_slots < 0:
-            raise ValueError(f"--decode-extra-slots must be >= 0, got {args.decode_extra_slots}")
-        extra += ["--disaggregation-decode-extra-slots", str(args.decode_extra_slots)]
+    # our flag, its value, the least it may be, the SGLang server flag it becomes
+    for flag, value, least, server_flag in (
+            ("--max-running-requests", args.max_running_requests, 1, "--max-running-requests"),
+            ("--num-reserved-decode-tokens", args.num_reserved_decode_tokens, 0, "--num-reserved-decode-tokens"),
+            ("--decode-extra-slots", args.decode_extra_slots, 0, "--disaggregation-decode-extra-slots")):
+        if value is None:
+            continue
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+        extra += [server_flag, str(value)]
     out = {"command": command_line("soak"), "date": time.strftime("%Y-%m-%d"), "model": args.model, "runs": []}
     broken: list[str] = []
     for method in methods:
