@@ -52,7 +52,7 @@ def capture_layer_inputs(model, ids: Tensor) -> tuple[list[Tensor], object]:
     finally:
         for h in handles:
             h.remove()
-    return [t for t in inputs], out.past_key_values
+    return inputs, out.past_key_values
 
 
 def _rope(model, layer, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
