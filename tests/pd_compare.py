@@ -1,6 +1,6 @@
 """Shared by the end-to-end tests that hold a 1P1D cluster's greedy tokens to a colocated
-server's: the same prompts through each, one deployment after the other (memory), always
-stopped. Not a test module (no test_ prefix)."""
+server's: the same prompts through each (the two start together; the colocated one serves once
+the cluster has), always stopped. Not a test module (no test_ prefix)."""
 from __future__ import annotations
 
 import os
@@ -33,10 +33,11 @@ def cluster_runs(spec: Any, prompts: dict[int, list[int]], n_new: int, request: 
     return out
 
 
-def colocated_runs(model_path: str, label: str, extra: list[str], prompts: dict[int, list[int]], n_new: int,
-                   max_total_tokens: int, startup_timeout_s: float, request: Any) -> dict:
-    """The same prompts through one colocated `hack` server with the cluster's server flags
-    (`extra` on top of disagg.server_cmd's)."""
+def spawn_colocated(model_path: str, label: str, extra: list[str], max_total_tokens: int,
+                    request: Any) -> tuple[str, int, Path]:
+    """Start one colocated `hack` server with the cluster's server flags (`extra` on top of
+    disagg.server_cmd's) without waiting for it: (url, pid, log). Started before the cluster, the
+    two starts overlap (each is most of a minute of this machine; the peak is three servers)."""
     run_dir = Path(cluster.default_run_root()) / f"{label}-colocated-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -44,7 +45,13 @@ def colocated_runs(model_path: str, label: str, extra: list[str], prompts: dict[
     log = run_dir / "colocated.log"
     pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), log)
     request.addfinalizer(lambda: procs.stop(pid))
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", pid, log
+
+
+def colocated_runs(spawned: tuple[str, int, Path], prompts: dict[int, list[int]], n_new: int,
+                   startup_timeout_s: float) -> dict:
+    """The same prompts through the server `spawn_colocated` started, once it is up; then it stops."""
+    url, pid, log = spawned
     cluster.wait_healthy([url + "/health"], [pid], startup_timeout_s, [log])
     out = {n: generate(url, ids, n_new, stream=False) for n, ids in prompts.items()}
     procs.stop(pid)

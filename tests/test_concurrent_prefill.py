@@ -8,8 +8,9 @@ died with SIGFPE (tests/test_mixed_batches.py holds the kernel-level cases).
 Each server takes four prompts at once whose lengths are not multiples of the chunk size, so
 the last chunk of one prompt shares its batch with the first of the next; answers are checked
 against the same prompts sent one at a time, the server must still serve afterwards and its
-pool must come back to idle. One server per mode, started and stopped in turn, so only one
-takes memory and cores at a time.
+pool must come back to idle. One server per mode, started two at a time (two starts overlap on
+this machine's two cores; the second sleeps while the first is tested) and each stopped after its
+test, so at most two hold memory.
 """
 from __future__ import annotations
 
@@ -43,6 +44,29 @@ def model_path() -> str:
     from hack_eval.models import prepare
 
     return str(prepare("smollm2", log=lambda *a, **k: None))
+
+
+@pytest.fixture(scope="module")
+def servers(model_path, tmp_path_factory):
+    """servers(name): the started server of mode `name`; the first ask of a pair starts both."""
+    logs = tmp_path_factory.mktemp("concurrent-prefill")
+    names = [name for name, _ in SERVERS]
+    started: dict[str, SGLangServer] = {}
+
+    def get(name: str) -> SGLangServer:
+        if name not in started:
+            i = names.index(name)
+            for n, flags in SERVERS[i - i % 2: i - i % 2 + 2]:
+                started[n] = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *flags, "--chunked-prefill-size",
+                                                       str(CHUNK), "--mem-fraction-static", "0.1", "--random-seed",
+                                                       "0", "--sleep-on-idle"], log_path=logs / f"{n}.log").start()
+        return started[name].wait_ready()
+
+    try:
+        yield get
+    finally:
+        for server in started.values():
+            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -80,12 +104,9 @@ def _concurrently(server: SGLangServer, prompts: list[list[int]]) -> tuple[dict[
 
 
 @pytest.mark.parametrize("name,flags", SERVERS, ids=[s[0] for s in SERVERS])
-def test_concurrent_long_prompts_in_every_prefill_mode(name, flags, model_path, prompts, tmp_path):
-    server = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *flags, "--chunked-prefill-size", str(CHUNK),
-                                       "--mem-fraction-static", "0.1", "--random-seed", "0"],
-                          log_path=tmp_path / f"{name}.log")
+def test_concurrent_long_prompts_in_every_prefill_mode(name, flags, servers, prompts):
+    server = servers(name)
     try:
-        server.start().wait_ready()
         results, errors = _concurrently(server, prompts)
         assert server.proc.poll() is None, f"the {name} server died:\n{server.log_tail(60)}"
         assert not errors, (errors, server.log_tail(30))

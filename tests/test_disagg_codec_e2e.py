@@ -54,7 +54,8 @@ def _prompt(n_tokens: int, offset: int) -> list[int]:
     return ids[offset:offset + n_tokens]
 
 
-def _spawn(request, role: str, method: str, bootstrap_port: int | None = None) -> str:
+def _spawn(request, role: str, method: str, bootstrap_port: int | None = None) -> tuple[str, int, Path]:
+    """Start one server without waiting for it: (url, pid, log); stopped with the module."""
     run_dir = Path(cluster.default_run_root()) / f"codec-{role}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
@@ -63,15 +64,28 @@ def _spawn(request, role: str, method: str, bootstrap_port: int | None = None) -
     log = run_dir / f"{role}.log"
     pid = procs.spawn(cmd, env, log)
     request.addfinalizer(lambda: procs.stop(pid))
-    url = f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{port}", pid, log
+
+
+def _ready(spawned: tuple[str, int, Path]) -> str:
+    url, pid, log = spawned
     cluster.wait_healthy([url + "/health"], [pid], 900, [log])
     return url
 
 
 @pytest.fixture(scope="module")
-def lossless_pd(request):
+def others(request) -> dict:
+    """The colocated BF16 reference and a prefill without the codec, started with the cluster so
+    that the four starts overlap (idle servers sleep: the tests' requests run alone)."""
     if os.geteuid() != 0:
         pytest.skip("shaping the link needs root")
+    bport = free_port()
+    return {"bf16": _spawn(request, "colocated", "bf16"),
+            "plain_prefill": _spawn(request, "prefill", "bf16", bootstrap_port=bport), "bootstrap_port": bport}
+
+
+@pytest.fixture(scope="module")
+def lossless_pd(request, others):
     spec = cluster.ClusterSpec(model_path=_model(), kv="bf16-lossless", max_total_tokens=16384,
                                extra_server_args=NO_RADIX, waiting_timeout_s=300, link_mbps=1000)
     state = cluster.up(spec, log=lambda m: None)
@@ -88,8 +102,8 @@ def _decode_usage(state: dict) -> dict:
     return info["internal_states"][0]["hack_kv"]
 
 
-def test_lossless_pair_gives_the_bf16_tokens_with_fewer_bytes(lossless_pd, request):
-    bf16 = _spawn(request, "colocated", "bf16")
+def test_lossless_pair_gives_the_bf16_tokens_with_fewer_bytes(lossless_pd, others):
+    bf16 = _ready(others["bf16"])
     wire = Path(lossless_pd["run_dir"]) / "wire-prefill-0.jsonl"
     for n, offset in ((157, 157), (2068, 0)):
         prompt = _prompt(n, offset)
@@ -117,9 +131,9 @@ def test_corrupted_coded_bytes_fail_the_request_and_free_its_pages(lossless_pd):
     assert usage["request_rows_in_use"] == 0 and usage["used_tokens"] == (usage["radix_cached_tokens"] or 0)
 
 
-def test_prefill_without_the_codec_is_refused_with_a_sentence(lossless_pd, request):
-    bport = free_port()
-    _spawn(request, "prefill", "bf16", bootstrap_port=bport)
+def test_prefill_without_the_codec_is_refused_with_a_sentence(lossless_pd, others):
+    _ready(others["plain_prefill"])
+    bport = others["bootstrap_port"]
     body = {"input_ids": _prompt(40, 500), "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": random.getrandbits(62)}
     r = requests.post(f"{_url(lossless_pd, 'decode')}/generate", json=body, timeout=300)

@@ -52,11 +52,18 @@ def _prompts(n_tokens: int, count: int, offset: int = 0) -> list[list[int]]:
     return [ids[offset + i * n_tokens: offset + (i + 1) * n_tokens] for i in range(count)]
 
 
+# Seconds a prefill waits for its decode's handshake (and a decode for a silent prefill). The
+# router retries a request whose decode was killed before its health checks notice, and that
+# retry's prefill leg waits this long for the dead decode (SGLang's default, 300 s, is the CLI's:
+# a loaded decode may pre-allocate late). Requests here are few and short: a minute is ample.
+WAITING_TIMEOUT_S = 60
+
+
 def _start(request, **kw) -> dict:
     if os.geteuid() != 0 and kw.get("link_mbps"):
         pytest.skip("shaping the link needs root")
     spec = cluster.ClusterSpec(model_path=_model(), max_total_tokens=16384,
-                               extra_server_args=NO_RADIX, waiting_timeout_s=300, **kw)
+                               extra_server_args=NO_RADIX, waiting_timeout_s=WAITING_TIMEOUT_S, **kw)
     state = cluster.up(spec, log=lambda m: None)
     request.addfinalizer(lambda: cluster.down(state))
     return state

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -174,21 +173,32 @@ def _still_generates(url: str) -> None:
 
 # ---------------------------------------------------------------- one colocated HACK server
 
-def _running(model_path: str, args: list[str], log):
-    """A started server for a fixture to yield, stopped when the fixture ends."""
-    srv = SGLangServer(model_path, args, log_path=log)
+@pytest.fixture(scope="module")
+def colocated(model_path, tmp_path_factory) -> dict[Target, SGLangServer]:
+    """The fuzzed HACK and BF16 servers, started together (two starts overlap on two cores; the
+    BF16 one sleeps while the HACK one is fuzzed). Each class stops its server when it ends."""
+    logs = tmp_path_factory.mktemp("fuzz")
+    servers = {Target.HACK: SGLangServer(model_path, SERVER_ARGS, log_path=logs / "hack.log"),
+               Target.BF16: SGLangServer(model_path, COLOCATED_ARGS[Target.BF16], log_path=logs / "bf16.log")}
     try:
-        srv.start()
-        srv.wait_ready()
-        yield srv
+        for srv in servers.values():
+            srv.start()
+        yield servers
     finally:
-        srv.stop()
+        for srv in servers.values():
+            srv.stop()
+
+
+def _class_server(srv: SGLangServer):
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()  # before the cluster of a later class starts (memory)
 
 
 @pytest.fixture(scope="class")
-def server(model_path, tmp_path_factory):
-    """Class scope: stopped before the cluster of the next class starts (memory)."""
-    yield from _running(model_path, SERVER_ARGS, tmp_path_factory.mktemp("fuzz") / "hack.log")
+def server(colocated):
+    yield from _class_server(colocated[Target.HACK])
 
 
 class TestColocated:
@@ -229,8 +239,8 @@ class TestColocated:
 # ---------------------------------------------------------------- one colocated BF16 server
 
 @pytest.fixture(scope="class")
-def bf16_server(model_path, tmp_path_factory):
-    yield from _running(model_path, COLOCATED_ARGS[Target.BF16], tmp_path_factory.mktemp("fuzz") / "bf16.log")
+def bf16_server(colocated):
+    yield from _class_server(colocated[Target.BF16])
 
 
 class TestBf16:

@@ -11,7 +11,7 @@ the tokens. The wire bytes are checked against that layout too.
 
 Every server runs with --disable-radix-cache, so every request is a cold prefill on both sides
 (cached-prefix and cold prefill are numerically different paths). One cluster and one
-colocated server serve all assertions, one after the other (memory), and are always stopped.
+colocated server, started together, serve all assertions and are always stopped.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs
+from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs, spawn_colocated
 from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
@@ -62,10 +62,15 @@ def _prompts(model_path: str) -> dict[int, list[int]]:
     return {n: _prompt(model_path, n, index=i) for i, n in enumerate(PROMPT_LENGTHS)}
 
 
-# Memory: a Gemma-3 server is ~1.5 GB of processes and this host is shared, so the cluster
-# serves every prompt and is stopped before the colocated server starts (peak: two servers).
+# Memory: a Gemma-3 server is ~1.5 GB of processes: the colocated reference starts with the
+# cluster (peak: three servers) and serves once the cluster has served every prompt.
 @pytest.fixture(scope="module")
-def pd_runs(model_path, request) -> dict:
+def colocated_spawned(model_path, request):
+    return spawn_colocated(model_path, "gemma3", NO_RADIX, MAX_TOTAL_TOKENS, request)
+
+
+@pytest.fixture(scope="module")
+def pd_runs(model_path, colocated_spawned, request) -> dict:
     """Every prompt through one 1P1D cluster: output ids, wire records, and each side's KV
     usage once the requests are done."""
     def usage(state: dict, out: dict) -> None:
@@ -75,10 +80,9 @@ def pd_runs(model_path, request) -> dict:
 
 
 @pytest.fixture(scope="module")
-def colocated_runs(model_path, pd_runs, request) -> dict:
+def colocated_runs(model_path, pd_runs, colocated_spawned) -> dict:
     """The same prompts through one colocated HACK server with the cluster's server flags."""
-    return colocated_runs_of(model_path, "gemma3", NO_RADIX, _prompts(model_path), N_NEW, MAX_TOTAL_TOKENS,
-                             STARTUP_TIMEOUT_S, request)
+    return colocated_runs_of(colocated_spawned, _prompts(model_path), N_NEW, STARTUP_TIMEOUT_S)
 
 
 def _prompt(model_path: str, n: int, index: int) -> list[int]:

@@ -7,7 +7,7 @@ Why equality is the bar: both sides lay out every layer with the same bits (the 
 part of the PD layout fingerprint), so the only difference is the transfer; a page sent with
 another layer's item size, or K sums rebuilt with another layer's layout, changes the scores and,
 greedy, the tokens. Every server runs with --disable-radix-cache (cold prefill on both sides).
-One cluster, then one colocated server (memory), always stopped.
+One cluster and one colocated server, started together, always stopped.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs
+from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs, spawn_colocated
 from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
@@ -43,7 +43,14 @@ def _prompts(model_path: str) -> dict[int, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def pd_runs(model_path, request) -> dict:
+def colocated_spawned(model_path, request):
+    """The colocated reference, started with the cluster so that the two starts overlap."""
+    return spawn_colocated(model_path, "layer-bits", ["--hack-4bit-layers", LAYERS, *NO_RADIX], MAX_TOTAL_TOKENS,
+                           request)
+
+
+@pytest.fixture(scope="module")
+def pd_runs(model_path, colocated_spawned, request) -> dict:
     from hack_cli.cmd_cluster import spec_from_args
     from hack_cli.main import build_parser
 
@@ -57,9 +64,8 @@ def pd_runs(model_path, request) -> dict:
 
 
 @pytest.fixture(scope="module")
-def colocated_runs(model_path, pd_runs, request) -> dict:
-    return colocated_runs_of(model_path, "layer-bits", ["--hack-4bit-layers", LAYERS, *NO_RADIX],
-                             _prompts(model_path), N_NEW, MAX_TOTAL_TOKENS, STARTUP_TIMEOUT_S, request)
+def colocated_runs(model_path, pd_runs, colocated_spawned) -> dict:
+    return colocated_runs_of(colocated_spawned, _prompts(model_path), N_NEW, STARTUP_TIMEOUT_S)
 
 
 def _predicted_wire_bytes(model_path: str, n: int) -> int:

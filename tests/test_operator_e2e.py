@@ -1,9 +1,10 @@
 """The operator's path on a real cluster: `hack up` (1 prefill + 1 decode behind a shaped
 200 Mbit/s link, Prometheus on), a handful of short requests, then `hack status`, run.json,
 the live /hack/* routes on both servers (prefill behind its namespace), the hack: metrics on
-the servers' /metrics, `hack dashboard` with no arguments and with `--url ROUTER` rendered in
-Debian's chromium (timeline, phase breakdown, memory chart, header) and stopped by SIGTERM,
-and `hack down` leaving nothing. One cluster for the module (started once).
+the servers' /metrics, the prefill's wire log, `hack dashboard` with no arguments and with `--url
+ROUTER` rendered in Debian's chromium (timeline, phase breakdown, memory chart, header) and stopped
+by SIGTERM, and `hack down` leaving nothing (a second one says so). One cluster for the module
+(started once); tests/test_disagg_cli.py has no cluster of its own for the same path.
 Screenshots: artifacts/operator-*.png."""
 from __future__ import annotations
 
@@ -278,6 +279,15 @@ def test_dashboard_url_follows_the_router(live, browser):
     assert took < STOP_LIMIT_S
 
 
+def test_every_request_crossed_the_shaped_link_once(live):
+    from disagg.wire_meter import read_log
+
+    st = live["state"]
+    assert st["link"]["namespace"] in netns.list_namespaces()
+    wire = read_log(Path(st["run_dir"]) / "wire-prefill-0.jsonl")
+    assert len(wire) >= N_REQUESTS + 1 and all(w["bytes"] > 0 for w in wire), wire   # (+ the warm-up)
+
+
 def test_hack_down_leaves_nothing(live):
     st, env = live["state"], live["env"]
     down = _hack("down", env=env, timeout=300)
@@ -289,6 +299,7 @@ def test_hack_down_leaves_nothing(live):
     assert not os.listdir(env["HACK_CLUSTER_STATE_DIR"])
     assert rundir.read_run(st["run_dir"])["finished"]
     assert "no clusters" in _hack("status", env=env, timeout=120).stdout
+    assert "nothing to stop" in _hack("down", env=env, timeout=120).stdout
 
 
 def test_sigterm_stops_hack_up_in_the_foreground_while_starting(tmp_path):
