@@ -28,6 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hack_ops.paged import offload
+
 DEFAULT_OUT = "docs/bench/restore-sources-{model}.json"
 
 
@@ -79,40 +81,18 @@ class Pool:
     def plan(self):
         return self.store.plan(self.table, [0], [self.n], [self.n])
 
-    def request_tensors(self) -> list[torch.Tensor]:
-        """Every byte of the request's state, layer by layer: K pages, V pages, the open page's tail
-        rows, the sinks (views into the store; what a page tier keeps)."""
-        s, out = self.store, []
-        slot = int(s.sink_map[int(self.page_ids[0])])
-        for layer in range(s.num_layers):
-            out += [s.k_pages[layer][self.page_ids], s.v_pages[layer][self.page_ids]]
-            out += [s.tails[name][layer][0] for name in sorted(s.tails)]
-            if s.num_sink_slots:
-                out += [s.sink_k[layer][slot], s.sink_v[layer][slot]]
-        return out
+    @property
+    def slots(self) -> torch.Tensor:
+        return self.table[0, :self.n]
 
-    def load(self, flat: np.ndarray) -> None:
-        """Scatter `flat` (request_tensors' bytes, in order) back into the store."""
-        s, off = self.store, 0
-        slot = s.sink_slots_for(self.page_ids[:1], allocate=True)[0] if s.num_sink_slots else None
+    def request_bytes(self) -> bytes:
+        """Every byte of the request's state (hack_ops.paged.offload: pages, open tail rows,
+        sinks): what a page tier keeps."""
+        return offload.save(self.store, self.slots, 0).to_bytes()
 
-        def take(like: torch.Tensor) -> torch.Tensor:
-            nonlocal off
-            nb = like.numel() * like.element_size()
-            t = torch.from_numpy(flat[off:off + nb]).view(like.dtype).view(like.shape)
-            off += nb
-            return t
-
-        for layer in range(s.num_layers):
-            s.k_pages[layer][self.page_ids] = take(s.k_pages[layer][self.page_ids])
-            s.v_pages[layer][self.page_ids] = take(s.v_pages[layer][self.page_ids])
-            for name in sorted(s.tails):
-                s.tails[name][layer][0] = take(s.tails[name][layer][0])
-            if slot is not None:
-                s.sink_k[layer][slot] = take(s.sink_k[layer][slot])
-                s.sink_v[layer][slot] = take(s.sink_v[layer][slot])
-        if off != flat.size:
-            raise ValueError(f"the stored request holds {flat.size} bytes, the pool expects {off}")
+    def load(self, data: bytes | np.ndarray) -> None:
+        """Put `request_bytes`' bytes back into the store (ValueError on a wrong byte count)."""
+        offload.load(self.store, offload.RequestCopy.from_bytes(self.store, self.n, data), self.slots, 0)
 
 
 def page_digest(data: bytes | np.ndarray) -> str:
@@ -140,7 +120,7 @@ def _best(fn, runs: int) -> tuple[float, object]:
 
 
 def _same_pages(a: Pool, b: Pool) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a.request_tensors(), b.request_tensors()))
+    return a.request_bytes() == b.request_bytes()
 
 
 @torch.inference_mode()
@@ -182,7 +162,7 @@ def measure(model_name: str, n: int, runs: int, workdir: Path) -> dict:
     with hid_file.open("wb") as f:
         for h in hidden:
             f.write(h.to(torch.bfloat16).contiguous().view(torch.uint8).numpy().tobytes())
-    page_bytes = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in ref.request_tensors())
+    page_bytes = ref.request_bytes()
     page_file.write_bytes(page_bytes)
     digest = page_digest(page_bytes)
     hidden_size = hidden[0].shape[1]

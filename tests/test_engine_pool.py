@@ -301,6 +301,13 @@ def test_a_retracted_request_comes_back_where_sglang_puts_it(hack_env, n):
         store.write(layer, store.plan(r2t_old, [1], [n], [n]), k[:n], v[:n])
     copy = pool.get_cpu_copy(r2t[1, :n], req_pool_index=1)
     assert copy.tokens == n and copy.nbytes > 0 and copy.k_pages[0].device.type == "cpu"
+    # what a page tier stores is the copy's bytes: the rest of the test runs on their round trip
+    raw = copy.to_bytes()
+    assert len(raw) == copy.nbytes
+    copy = offload.RequestCopy.from_bytes(store, n, raw)
+    assert copy.to_bytes() == raw
+    with pytest.raises(ValueError, match=f"a {n}-token request of this layout"):
+        offload.RequestCopy.from_bytes(store, n, raw[:-1])
     hooks._around_release_page_ids(lambda *a: None, type("A", (), {"get_kvcache": lambda s: pool})(),
                                    torch.tensor([7, 8, 9]))
     for buf in store.k_pages + store.v_pages:  # the freed pages get other requests' bytes

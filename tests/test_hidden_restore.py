@@ -82,10 +82,10 @@ def test_pool_load_refuses_the_wrong_size():
     from hack_ops import HackConfig
 
     pool = bench_restore.Pool(HackConfig(), 2, 1, 64, 100)
-    flat = np.concatenate([t.contiguous().view(torch.uint8).numpy().ravel() for t in pool.request_tensors()])
+    flat = pool.request_bytes()
     pool.load(flat)
-    with pytest.raises(ValueError, match="expects"):
-        pool.load(np.concatenate([flat, np.zeros(3, dtype=np.uint8)]))
+    with pytest.raises(ValueError, match="100-token request of this layout"):
+        pool.load(flat + bytes(3))
 
 
 def test_cli_refuses_bad_arguments(capsys):

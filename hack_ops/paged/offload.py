@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -30,11 +31,52 @@ class RequestCopy:
     sink_k: list[Tensor] | None  # per layer [sink tokens, heads, head_dim]; None: no sinks held
     sink_v: list[Tensor] | None
 
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the copy in one fixed order: per layer K pages, V pages, the open
+        rows of each tail (by name), then the sinks. `to_bytes` and `from_bytes` agree on it."""
+        out: list[Tensor] = []
+        for layer in range(len(self.k_pages)):
+            out += [self.k_pages[layer], self.v_pages[layer]]
+            out += [self.tails[name][layer] for name in sorted(self.tails)]
+            if self.sink_k is not None:
+                out += [self.sink_k[layer], self.sink_v[layer]]
+        return out
+
     @property
     def nbytes(self) -> int:
-        ts = [*self.k_pages, *self.v_pages, *(t for ts in self.tails.values() for t in ts),
-              *(self.sink_k or []), *(self.sink_v or [])]
-        return sum(t.numel() * t.element_size() for t in ts)
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def to_bytes(self) -> bytes:
+        """The copy as one byte string (what a page tier writes; shapes come from the store)."""
+        return b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in self.tensors())
+
+    @classmethod
+    def from_bytes(cls, store: HackKVStore, tokens: int, data: bytes | bytearray | memoryview) -> "RequestCopy":
+        """The copy `to_bytes` wrote of a `tokens`-token request of a store laid out as `store`;
+        ValueError when the byte count is not that layout's (with sinks or without)."""
+        pages = -(-tokens // store.page_size)
+        open_tokens = tokens % store.page_size
+        heads, dim = store.num_heads, store.head_dim
+        k = [torch.empty((pages, *b.shape[1:]), dtype=b.dtype) for b in store.k_pages]
+        v = [torch.empty((pages, *b.shape[1:]), dtype=b.dtype) for b in store.v_pages]
+        tails = {name: [torch.empty((open_tokens, *t.shape[2:]), dtype=t.dtype) for t in ts]
+                 for name, ts in store.tails.items()}
+        sinks = store.num_sink_slots and tokens
+        sink_k = [torch.empty(t.shape[1:], dtype=t.dtype) for t in store.sink_k] if sinks else None
+        sink_v = [torch.empty(t.shape[1:], dtype=t.dtype) for t in store.sink_v] if sinks else None
+        copy = cls(tokens, k, v, tails, sink_k, sink_v)
+        raw = np.frombuffer(data, dtype=np.uint8)
+        if len(raw) != copy.nbytes and sinks:  # saved while the request held no sink slot
+            copy = cls(tokens, k, v, tails, None, None)
+        if len(raw) != copy.nbytes:
+            raise ValueError(f"the stored request holds {len(raw):,} bytes; a {tokens}-token request of this "
+                             f"layout ({heads} KV heads x {dim}) holds {copy.nbytes:,}")
+        off = 0
+        for t in copy.tensors():
+            nb = t.numel() * t.element_size()
+            t.view(torch.uint8).view(-1).numpy()[:] = raw[off:off + nb]
+            off += nb
+        return copy
 
 
 def _pages(store: HackKVStore, token_slots: Tensor) -> Tensor:
