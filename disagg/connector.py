@@ -30,7 +30,7 @@ from engine.hooks import Hook, HookSet, Patch, Use, option_error, register_exten
 
 from . import checksum as cpu_checksum
 from . import faults, hack_wire, pd_state, transfer_codec, wire_meter
-from .request_guard import check_bootstrap_fields
+from .request_guard import check_bootstrap_fields, check_input_embeds, note_radix_cache_flag
 
 logger = logging.getLogger(__name__)
 
@@ -190,11 +190,13 @@ class PdConnector:
             option_error(str(exc))
             raise
         transfer_codec.publish(codec)
+        note_radix_cache_flag(getattr(ns, "disable_radix_cache", False))
         return None
 
     @staticmethod
     def guard_request(manager: Any, obj: Any, *a: Any, **kw: Any) -> None:
         check_bootstrap_fields(manager, obj)
+        check_input_embeds(manager, obj)
         return None
 
     # ---- the connector's rows of the hook table ------------------------------------------------
@@ -208,7 +210,8 @@ class PdConnector:
             Hook("sglang.srt.server_args.ServerArgs.add_cli_args", "AFTER", self.add_arguments,
                  "add --hack-kv-codec (lossless KV transfer codec)"),
             Hook("sglang.srt.server_args.ServerArgs.from_cli_args", "BEFORE", self.check_options,
-                 "refuse a --hack-kv-codec combination that cannot work; publish the codec to children"),
+                 "refuse a --hack-kv-codec combination that cannot work; publish the codec to children; note "
+                 "whether --disable-radix-cache was asked for (SGLang forces it on decode servers)"),
             Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.send_kvcache", "AROUND",
                  self.send, "PD prefill with --hack-kv-codec: send the pages coded (SplitZip + header table, "
                  "or HACK pages without derived bytes)"),
@@ -228,7 +231,8 @@ class PdConnector:
                  self.check_pairing, "PD decode: a format mismatch fails the pairing's requests with a clear reason"),
             Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
                  self.guard_request,
-                 "PD: 400 for a request without bootstrap fields (it would crash the decode scheduler)"),
+                 "PD: 400 for a request without bootstrap fields (it would crash the decode scheduler), and for "
+                 "input_embeds on a decode server whose prefill refuses them (the decode would wait for KV)"),
             Hook(f"{_ENGINE}.batch_transfer_sync", "AROUND", wire_meter.around_batch_transfer,
                  "PD: count bytes on the wire"),
             Hook(f"{_ENGINE}.transfer_sync", "AROUND", wire_meter.around_transfer, "PD: count bytes on the wire"),

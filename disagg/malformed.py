@@ -96,6 +96,9 @@ def _generate_items() -> list[BadRequest]:
         "input-ids-negative": {**_gen(text=None), "input_ids": [1, -1, 2]},
         "input-ids-out-of-vocab": {**_gen(text=None), "input_ids": [1, FAR_OUT_OF_VOCAB]},
         "input-ids-empty": {**_gen(text=None), "input_ids": []},
+        # well formed, but every server here runs its radix cache (a PD decode server without
+        # one answered nothing through the router until disagg.request_guard refused it too)
+        "input-embeds-with-radix-cache": {**_gen(text=None), "input_embeds": [[0.0] * 8]},
         "text-empty": _gen(text=""),  # no token after tokenization (SmolLM2 adds no BOS)
         "input-ids-too-long": {**_gen(text=None), "input_ids": [1] * TOO_LONG_TOKENS},
         "text-too-long": _gen(text="hello " * TOO_LONG_TOKENS),

@@ -4,6 +4,13 @@ A prefill or decode server needs the bootstrap fields the router adds (bootstrap
 bootstrap_room; bootstrap_port has a default). Without them SGLang's decode scheduler dies
 on the request (an AttributeError deep in its networking code). Raising ValueError in the
 tokenizer manager's validation makes SGLang answer 400 with this message instead.
+
+`input_embeds` on a decode server: SGLang refuses it on a server whose radix cache is on, and a
+decode server always runs without one, so the router's decode leg was accepted while the
+prefill refused its leg, and the decode waited for KV that never came: the client got no
+answer (through the Rust router) until the PD waiting timeout. A decode server now refuses it
+too unless it was launched with `--disable-radix-cache` (as the prefill then must be: `hack up`
+gives both servers the same flags).
 """
 from __future__ import annotations
 
@@ -16,6 +23,28 @@ def _missing(value: Any) -> bool:
     if isinstance(value, list):
         return any(v is None or v == "" for v in value) or not value
     return value == ""
+
+
+# Whether this server's command line asked for --disable-radix-cache (SGLang turns it on for every
+# decode server itself, so the parsed ServerArgs cannot tell); set once at startup.
+_radix_asked_off = False
+
+
+def note_radix_cache_flag(disable_radix_cache: bool) -> None:
+    global _radix_asked_off
+    _radix_asked_off = bool(disable_radix_cache)
+
+
+def check_input_embeds(manager: Any, obj: Any, radix_asked_off: bool | None = None) -> None:
+    """ValueError for `input_embeds` on a decode server launched with its radix cache on."""
+    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", "null")
+    if mode != "decode" or getattr(obj, "input_embeds", None) is None:
+        return
+    if _radix_asked_off if radix_asked_off is None else radix_asked_off:
+        return
+    raise ValueError("input_embeds through prefill/decode disaggregation needs --disable-radix-cache on the "
+                     "prefill and decode servers: a prefill with its radix cache on refuses it, and this decode "
+                     "server would wait for KV that never comes")
 
 
 def check_bootstrap_fields(manager: Any, obj: Any) -> None:

@@ -114,6 +114,36 @@ def test_request_guard_refuses_missing_bootstrap_fields_only_on_pd_servers():
     check_bootstrap_fields(mode("decode"), SimpleNamespace(bootstrap_host="2.2.2.2", bootstrap_room=None))
 
 
+def test_a_decode_server_refuses_input_embeds_its_prefill_would_refuse(monkeypatch):
+    """SGLang refuses input_embeds where the radix cache is on, and turns it off on every decode
+    server: without this check the decode leg waited for KV the refused prefill leg never sent."""
+    from disagg.connector import PdConnector
+    from disagg.request_guard import check_input_embeds
+
+    mode = lambda m: SimpleNamespace(disaggregation_mode=SimpleNamespace(value=m))  # noqa: E731
+    embeds = SimpleNamespace(input_embeds=[[0.0] * 8], bootstrap_host="10.0.0.1", bootstrap_room=7)
+    with pytest.raises(ValueError, match="needs --disable-radix-cache on the prefill and decode servers"):
+        check_input_embeds(mode("decode"), embeds, radix_asked_off=False)
+    check_input_embeds(mode("decode"), embeds, radix_asked_off=True)  # both launched without it: served
+    check_input_embeds(mode("prefill"), embeds, radix_asked_off=False)  # SGLang's own check answers there
+    check_input_embeds(mode("null"), embeds, radix_asked_off=False)
+    check_input_embeds(mode("decode"), SimpleNamespace(input_embeds=None), radix_asked_off=False)
+    # the flag as the command line gave it, noted before SGLang forces it on for decode
+    from disagg import transfer_codec
+
+    monkeypatch.setenv(transfer_codec.ENV_VAR, "none")  # check_options publishes the codec: restored after
+    try:
+        PdConnector.check_options(None, SimpleNamespace(disable_radix_cache=True, hack_kv_codec="none"))
+        check_input_embeds(mode("decode"), embeds)
+        PdConnector.check_options(None, SimpleNamespace(disable_radix_cache=False, hack_kv_codec="none"))
+        with pytest.raises(ValueError, match="input_embeds"):
+            check_input_embeds(mode("decode"), embeds)
+    finally:
+        from disagg.request_guard import note_radix_cache_flag
+
+        note_radix_cache_flag(False)
+
+
 def test_tbf_burst_covers_a_timer_tick():
     args = netns.tbf_args(10000)
     assert args[:3] == ["tbf", "rate", "10000mbit"]
