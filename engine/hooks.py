@@ -229,11 +229,12 @@ def _after_allocator_clear(result: Any, self: Any, *args: Any, **kwargs: Any) ->
 # ---------------------------------------------------------------- request validation
 
 def _before_validate_one_request(self: Any, obj: Any, input_ids: Any, *args: Any, **kwargs: Any) -> None:
-    from .request_checks import (check_input_ids, check_lora_id, check_return_hidden_states,
-                                 check_int32_sampling_params, check_stop_token_ids,
-                                 check_top_logprobs_num)
+    from .request_checks import (check_input_embeds_width, check_input_ids, check_lora_id,
+                                 check_return_hidden_states, check_int32_sampling_params,
+                                 check_stop_token_ids, check_top_logprobs_num)
 
     check_input_ids(self.model_config.vocab_size, input_ids)
+    check_input_embeds_width(getattr(self.model_config, "hidden_size", 0), getattr(obj, "input_embeds", None))
     sampling_params = getattr(obj, "sampling_params", None)
     check_stop_token_ids(self.model_config.vocab_size, sampling_params)
     check_int32_sampling_params(sampling_params)
@@ -340,8 +341,9 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
          _before_validate_one_request,
          "refuse out-of-vocabulary input_ids, top_logprobs_num above the vocabulary, a lora_id "
-         "that is not a string and a return_hidden_states that is neither a boolean nor 'last' "
-         "with a 400 (upstream crashes the scheduler on each)"),
+         "that is not a string, a return_hidden_states that is neither a boolean nor 'last' and "
+         "input_embeds rows not as wide as the hidden size with a 400 (upstream crashes the "
+         "scheduler on each)"),
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.create_abort_task", "AROUND",
          _around_create_abort_task, "a streamed request refused before it was read has nothing to "
          "abort (upstream's task raised and the connection was closed; engine.stream_abort)"),

@@ -13,7 +13,9 @@ whole server down:
   - `stop_token_ids` outside the vocabulary with `min_new_tokens` (OpenAI: `min_tokens`): the
     min-new-tokens penalizer's scatter (found by schema fuzzing);
   - `lora_id` that is not a string: appended to the cache key, and `return_hidden_states` that
-    is neither a boolean nor 'last' (found by schema fuzzing).
+    is neither a boolean nor 'last' (found by schema fuzzing);
+  - `input_embeds` rows narrower or wider than the model's hidden size, on a server launched with
+    --disable-radix-cache (others refuse input_embeds): the first layer norm.
 On the HTTP body (engine.http_guard, before SGLang parses it: `body_shape_error`,
 `body_field_error`), what SGLang's request handling reads without checking and answers with a
 500 (found by schema fuzzing of the server's OpenAPI document; each answer names the field):
@@ -63,6 +65,24 @@ def check_input_ids(vocab_size: int, input_ids: Any) -> None:
             raise ValueError(f"input_ids[{i}] is {tok!r}; token ids must be integers")
         if not 0 <= tok < vocab_size:
             raise ValueError(f"input_ids[{i}] = {tok} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_input_embeds_width(hidden_size: int, input_embeds: Any) -> None:
+    """Every embedding row as wide as the model's hidden size: a server launched with
+    --disable-radix-cache (the only kind that takes input_embeds) died in its first layer norm on
+    a narrower row."""
+    if input_embeds is None or not hidden_size:
+        return
+    shape = getattr(input_embeds, "shape", None)
+    if shape is not None:  # a tensor, from the Python engine API
+        width = int(shape[-1]) if len(shape) else 0
+        if width != hidden_size:
+            raise ValueError(f"input_embeds rows have {width} values; this model's embeddings have {hidden_size}")
+        return
+    for i, row in enumerate(input_embeds):
+        if isinstance(row, (list, tuple)) and len(row) != hidden_size:
+            raise ValueError(f"input_embeds[{i}] has {len(row)} values; this model's embeddings have "
+                             f"{hidden_size} (its hidden size)")
 
 
 def check_top_logprobs_num(vocab_size: int, top_logprobs_num: Any) -> None:

@@ -170,3 +170,21 @@ def test_the_bit_plan_is_loaded_at_startup(servers, model_path):
     print(f"\nmax total tokens, {BUDGET_MB} MB: the plan {planned['max_total_num_tokens']}, "
           f"2-bit {two['max_total_num_tokens']} (x{ratio:.3f})")
     assert 0.80 < ratio < 0.99  # a few of 36 K and V tensors with ~1.8x the bytes per page
+
+
+def test_input_embeds_not_as_wide_as_the_model_get_a_400_and_the_server_serves_on(servers, model_path):
+    """These servers run without a radix cache, so SGLang takes input_embeds: a row narrower than
+    the hidden size killed the scheduler in its first layer norm (engine.request_checks)."""
+    import json
+    from pathlib import Path
+
+    width = json.loads((Path(model_path) / "config.json").read_text())["hidden_size"]
+    server = servers["hack"]
+    url = server.url + "/generate"
+    bad = requests.post(url, json={"input_embeds": [[0.0] * 8], "sampling_params": {"max_new_tokens": 2}}, timeout=120)
+    assert bad.status_code == 400 and f"this model's embeddings have {width}" in bad.text, bad.text
+    good = requests.post(url, json={"input_embeds": [[0.01] * width] * 3, "sampling_params": {"max_new_tokens": 2}},
+                         timeout=300)
+    assert good.status_code == 200 and good.json()["meta_info"]["completion_tokens"] == 2, good.text[:300]
+    assert server.proc.poll() is None
+    assert len(server.generate("The capital of France is", 2)["output_ids"]) >= 1

@@ -499,3 +499,18 @@ def test_the_abort_task_skips_a_request_that_was_never_read():
     assert aborted == []
     _run(skip_unread(upstream_task, None, read)())
     assert aborted == [True]
+
+
+def test_the_hook_refuses_input_embeds_not_as_wide_as_the_hidden_size():
+    """A server launched with --disable-radix-cache takes input_embeds; a row narrower than the
+    hidden size killed its scheduler in the first layer norm (SmolLM2, 576 wide, given 8)."""
+    import torch
+
+    manager = SimpleNamespace(model_config=SimpleNamespace(vocab_size=VOCAB, hidden_size=576))
+    _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0, input_embeds=[[0.0] * 576] * 3), None)
+    _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0, input_embeds=torch.zeros(3, 576)), None)
+    for embeds, words in (([[0.0] * 576, [0.0] * 8], r"input_embeds\[1\] has 8 values; this model's embeddings have 576"),
+                          ([[0.0] * 577], r"input_embeds\[0\] has 577 values"),
+                          (torch.zeros(2, 64), "input_embeds rows have 64 values")):
+        with pytest.raises(ValueError, match=words):
+            _before_validate_one_request(manager, SimpleNamespace(top_logprobs_num=0, input_embeds=embeds), None)
