@@ -75,7 +75,6 @@ class Pool:
         # pages 1..: in reverse, so no reader can assume contiguity
         order = torch.arange(self.pages, 0, -1, dtype=torch.int32)
         self.table = (order[:, None] * p + torch.arange(p, dtype=torch.int32)[None]).flatten()[None]
-        self.page_ids = order.long()
         self.n = n
 
     def plan(self):

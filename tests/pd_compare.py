@@ -33,28 +33,41 @@ def cluster_runs(spec: Any, prompts: dict[int, list[int]], n_new: int, request: 
     return out
 
 
-def spawn_colocated(model_path: str, label: str, extra: list[str], max_total_tokens: int,
-                    request: Any) -> tuple[str, int, Path]:
-    """Start one colocated `hack` server with the cluster's server flags (`extra` on top of
-    disagg.server_cmd's) without waiting for it: (url, pid, log). Started before the cluster, the
-    two starts overlap (each is most of a minute of this machine; the peak is three servers)."""
-    run_dir = Path(cluster.default_run_root()) / f"{label}-colocated-{os.getpid()}"
+Spawned = tuple[str, int, Path]  # (url, pid, log) of a server started without waiting for it
+
+
+def spawn_server(model_path: str, label: str, role: str, method: str, extra: list[str], max_total_tokens: int,
+                 request: Any, bootstrap_port: int | None = None, env: dict | None = None) -> Spawned:
+    """Start one server of disagg.server_cmd (`extra` on top of its flags) on 127.0.0.1 without
+    waiting for it; stopped by `request`'s finalizer at the latest. Started before a cluster, the
+    starts overlap (each is most of a minute of this machine)."""
+    run_dir = Path(cluster.default_run_root()) / f"{label}-{role}-{os.getpid()}"
     run_dir.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    cmd = server_command("colocated", "hack", model_path, "127.0.0.1", port, None, max_total_tokens, extra)
-    log = run_dir / "colocated.log"
-    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), log)
+    cmd = server_command(role, method, model_path, "127.0.0.1", port, bootstrap_port, max_total_tokens, extra)
+    log = run_dir / f"{role}.log"
+    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1", **(env or {}))), log)
     request.addfinalizer(lambda: procs.stop(pid))
     return f"http://127.0.0.1:{port}", pid, log
 
 
-def colocated_runs(spawned: tuple[str, int, Path], prompts: dict[int, list[int]], n_new: int,
-                   startup_timeout_s: float) -> dict:
-    """The same prompts through the server `spawn_colocated` started, once it is up; then it stops."""
+def spawn_colocated(model_path: str, label: str, extra: list[str], max_total_tokens: int, request: Any) -> Spawned:
+    """The colocated `hack` server with the cluster's server flags: a PD pair's greedy reference."""
+    return spawn_server(model_path, label, "colocated", "hack", extra, max_total_tokens, request)
+
+
+def wait_up(spawned: Spawned, timeout_s: float = 900.0) -> str:
+    """The server's URL once it answers /health (its log's last lines if it died starting)."""
     url, pid, log = spawned
-    cluster.wait_healthy([url + "/health"], [pid], startup_timeout_s, [log])
+    cluster.wait_healthy([url + "/health"], [pid], timeout_s, [log])
+    return url
+
+
+def colocated_runs(spawned: Spawned, prompts: dict[int, list[int]], n_new: int, startup_timeout_s: float) -> dict:
+    """The same prompts through the server `spawn_colocated` started, once it is up; then it stops."""
+    url = wait_up(spawned, startup_timeout_s)
     out = {n: generate(url, ids, n_new, stream=False) for n, ids in prompts.items()}
-    procs.stop(pid)
+    procs.stop(spawned[1])
     return out
 
 

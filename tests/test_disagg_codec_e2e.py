@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 import requests
 
-from disagg import cluster, procs
+from disagg import cluster
 from damaged_transfer import check_damaged_request, decode_mismatches
+from pd_compare import Spawned, spawn_server, wait_up
 from disagg.replay import generate
-from disagg.server_cmd import server_command
 from disagg.wire_meter import read_log
-from engine.cpu_runtime import shared_host_env
 from engine.launcher import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
@@ -54,23 +53,9 @@ def _prompt(n_tokens: int, offset: int) -> list[int]:
     return ids[offset:offset + n_tokens]
 
 
-def _spawn(request, role: str, method: str, bootstrap_port: int | None = None) -> tuple[str, int, Path]:
-    """Start one server without waiting for it: (url, pid, log); stopped with the module."""
-    run_dir = Path(cluster.default_run_root()) / f"codec-{role}-{os.getpid()}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    cmd = server_command(role, method, _model(), "127.0.0.1", port, bootstrap_port, 16384, NO_RADIX)
-    env = shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1", SGLANG_HOST_IP="127.0.0.1"))
-    log = run_dir / f"{role}.log"
-    pid = procs.spawn(cmd, env, log)
-    request.addfinalizer(lambda: procs.stop(pid))
-    return f"http://127.0.0.1:{port}", pid, log
-
-
-def _ready(spawned: tuple[str, int, Path]) -> str:
-    url, pid, log = spawned
-    cluster.wait_healthy([url + "/health"], [pid], 900, [log])
-    return url
+def _spawn(request, role: str, method: str, bootstrap_port: int | None = None) -> Spawned:
+    return spawn_server(_model(), "codec", role, method, NO_RADIX, 16384, request, bootstrap_port,
+                        env={"SGLANG_HOST_IP": "127.0.0.1"})
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +88,7 @@ def _decode_usage(state: dict) -> dict:
 
 
 def test_lossless_pair_gives_the_bf16_tokens_with_fewer_bytes(lossless_pd, others):
-    bf16 = _ready(others["bf16"])
+    bf16 = wait_up(others["bf16"])
     wire = Path(lossless_pd["run_dir"]) / "wire-prefill-0.jsonl"
     for n, offset in ((157, 157), (2068, 0)):
         prompt = _prompt(n, offset)
@@ -132,7 +117,7 @@ def test_corrupted_coded_bytes_fail_the_request_and_free_its_pages(lossless_pd):
 
 
 def test_prefill_without_the_codec_is_refused_with_a_sentence(lossless_pd, others):
-    _ready(others["plain_prefill"])
+    wait_up(others["plain_prefill"])
     bport = others["bootstrap_port"]
     body = {"input_ids": _prompt(40, 500), "sampling_params": {"max_new_tokens": 2, "temperature": 0.0},
             "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": random.getrandbits(62)}

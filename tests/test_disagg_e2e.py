@@ -19,8 +19,7 @@ from disagg import cluster, netns, procs
 from disagg.replay import generate
 from disagg.wire_meter import read_log
 from damaged_transfer import check_damaged_request, decode_mismatches
-from engine.cpu_runtime import shared_host_env
-from engine.launcher import free_port
+from pd_compare import spawn_colocated, wait_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.e2e]
 
@@ -86,20 +85,6 @@ def _wire(state: dict) -> list[dict]:
     return read_log(Path(state["run_dir"]) / "wire-prefill-0.jsonl")
 
 
-def _spawn_colocated(request) -> tuple[str, int, Path]:
-    """Start the colocated HACK server (the PD pair's greedy reference) without waiting for it:
-    (url, pid, log). Stopped by the finalizer of `request` at the latest."""
-    from disagg.server_cmd import server_command
-
-    run_dir = Path(cluster.default_run_root()) / f"colocated-{os.getpid()}"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    cmd = server_command("colocated", "hack", _model(), "127.0.0.1", port, None, 16384, NO_RADIX)
-    pid = procs.spawn(cmd, shared_host_env(dict(os.environ, SGLANG_USE_CPU_ENGINE="1")), run_dir / "colocated.log")
-    request.addfinalizer(lambda: procs.stop(pid))
-    return f"http://127.0.0.1:{port}", pid, run_dir / "colocated.log"
-
-
 # Memory: a server is ~2.6 GB of processes here, so deployments are started one after the other
 # (peak: the HACK pair plus one colocated server) in test order: HACK pair tests first, the
 # last of them stops the pair, then the BF16 pair starts.
@@ -111,7 +96,7 @@ def colocated_spawned(request):
     """The colocated server starts before the HACK pair, so that the two starts overlap instead
     of following each other (each is most of a minute of this machine); the peak stays the pair
     plus one colocated server, which `colocated` stops after its test."""
-    return _spawn_colocated(request)
+    return spawn_colocated(_model(), "pd", NO_RADIX, 16384, request)
 
 
 @pytest.fixture(scope="module")
@@ -126,10 +111,9 @@ def bf16_pd(request):
 
 @pytest.fixture()
 def colocated(request, hack_pd, colocated_spawned):
-    url, pid, log = colocated_spawned
+    pid = colocated_spawned[1]
     request.addfinalizer(lambda: procs.stop(pid))  # after its one test, before the BF16 pair starts
-    cluster.wait_healthy([url + "/health"], [pid], 900, [log])
-    return url
+    return wait_up(colocated_spawned)
 
 
 SAME_TOKEN_LENGTHS = (128, 157)  # a multiple of the partition size and not

@@ -41,8 +41,6 @@ SERVER_CASES = 40  # hypothesis examples per endpoint on the colocated server
 ROUTER_CASES = 15  # per endpoint through the PD router
 REQUEST_TIMEOUT_S = 60.0  # a valid fuzz body generates at most 2 tokens (x4 for n)
 IDLE_TIMEOUT_S = 60.0
-SERVER_ARGS = ["--kv-cache-dtype", "hack", "--hack-kv-budget-mb", "128", "--sleep-on-idle",
-               "--random-seed", "0"]
 
 
 # Schema fuzzing in CI: >= 500 requests for each endpoint of fuzz_scope.CI_CORE, fewer for the
@@ -178,7 +176,7 @@ def colocated(model_path, tmp_path_factory) -> dict[Target, SGLangServer]:
     """The fuzzed HACK and BF16 servers, started together (two starts overlap on two cores; the
     BF16 one sleeps while the HACK one is fuzzed). Each class stops its server when it ends."""
     logs = tmp_path_factory.mktemp("fuzz")
-    servers = {Target.HACK: SGLangServer(model_path, SERVER_ARGS, log_path=logs / "hack.log"),
+    servers = {Target.HACK: SGLangServer(model_path, COLOCATED_ARGS[Target.HACK], log_path=logs / "hack.log"),
                Target.BF16: SGLangServer(model_path, COLOCATED_ARGS[Target.BF16], log_path=logs / "bf16.log")}
     try:
         for srv in servers.values():
