@@ -45,7 +45,11 @@ TITLES = {
     "throughput": "Throughput",
     "latency": "Latency percentiles (TTFT, TPOT, JCT)",
     "servers": "Requests and process memory",
+    "tier": "Page tier: prefixes restored from disk",
 }
+TIER_PARTS = (("restored", "restored from the page tier", "#2ca02c"),
+              ("pooled", "from the pool (radix cache)", "#1f77b4"),
+              ("computed", "computed", "#d9d9d9"))
 
 
 def _empty(title: str, why: str) -> go.Figure:
@@ -282,4 +286,44 @@ def servers_figure(view: RunView, max_points: int = 1500) -> go.Figure:
         fig.add_trace(go.Scatter(x=m["t_s"], y=m["rss_bytes"] / 2**20, name=f"{server} RSS",
                                  mode="lines"), row=1, col=2)
     fig.update_layout(title=title, height=320)
+    return fig
+
+
+def has_tier(view: RunView) -> bool:
+    """Whether the run's servers ran with a page tier (`--hack-page-tier`)."""
+    sam = view.samples
+    return bool(len(sam) and "tier_bytes" in sam and sam["tier_bytes"].notna().any())
+
+
+def tier_figure(view: RunView, max_requests: int = 200, max_points: int = 1500) -> go.Figure:
+    """The page tier: per server its bytes on disk and hit rate (pages found / pages asked for)
+    over time; per request (newest first in the window) where its prompt came from."""
+    title = TITLES["tier"]
+    mem = analysis.memory_series(view.samples, view.t0_ns, max_points)
+    mem = mem.dropna(subset=["tier_bytes"]) if len(mem) else mem
+    if not len(mem):
+        return _empty(title, "no page tier in this run (servers without --hack-page-tier)")
+    req = window(view, max_requests).dropna(subset=["cached_tokens"])
+    fig = make_subplots(rows=2, cols=1, vertical_spacing=0.18, specs=[[{"secondary_y": True}], [{}]],
+                        subplot_titles=["tier size and hit rate", "prompt tokens per request, by source"])
+    for server, m in mem.groupby("server", sort=False):
+        fig.add_trace(go.Scatter(x=m["t_s"], y=m["tier_bytes"] / 2**20, name=f"{server} on disk (MiB)",
+                                 mode="lines"), row=1, col=1)
+        rate = 100 * m["tier_hit_pages"] / m["tier_asked_pages"].where(m["tier_asked_pages"] > 0)
+        fig.add_trace(go.Scatter(x=m["t_s"], y=rate, name=f"{server} hit rate (%)", mode="lines",
+                                 line_dash="dot"), row=1, col=1, secondary_y=True)
+    fig.update_yaxes(title_text="MiB", row=1, col=1)
+    fig.update_yaxes(title_text="% of pages asked for", range=[0, 100], row=1, col=1, secondary_y=True)
+    if len(req):
+        labels = _labels(req)
+        x = [labels[k] for k in req["key"]]
+        restored = req["restored_tokens"].fillna(0).to_numpy(np.float64)
+        cached = req["cached_tokens"].to_numpy(np.float64)
+        parts = {"restored": restored, "pooled": np.maximum(cached - restored, 0),
+                 "computed": np.maximum(req["prompt_tokens"].to_numpy(np.float64) - cached, 0)}
+        for col, name, color in TIER_PARTS:
+            fig.add_trace(go.Bar(x=x, y=parts[col], name=name, marker_color=color), row=2, col=1)
+        fig.update_xaxes(showticklabels=len(req) <= 60, title="request (by arrival)", row=2, col=1)
+        fig.update_yaxes(title_text="tokens", row=2, col=1)
+    fig.update_layout(title=title, barmode="stack", height=620)
     return fig

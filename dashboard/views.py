@@ -102,6 +102,8 @@ def run_page(view: RunView, max_requests: int, key: str = "run") -> None:
         _chart(F.average_breakdown_figure({view.data.meta.get("label") or "this run": view},
                                           legend=False), f"{key}-average")
     _chart(F.memory_figure(view), f"{key}-memory")
+    if F.has_tier(view):
+        _chart(F.tier_figure(view, max_requests), f"{key}-tier")
     left, right = st.columns(2)
     with left:
         _chart(F.compression_figure(view), f"{key}-compression")
@@ -114,7 +116,7 @@ def run_page(view: RunView, max_requests: int, key: str = "run") -> None:
     with right:
         _chart(F.servers_figure(view), f"{key}-servers")
     with st.expander("Requests (newest first)"):
-        cols = ["key", "status", "prompt_tokens", "output_tokens", "ttft_s", "tpot_s",
+        cols = ["key", "status", "prompt_tokens", "cached_tokens", "restored_tokens", "output_tokens", "ttft_s", "tpot_s",
                 "jct_s", "bytes", "bytes_bf16", "roles", "error"]
         req = view.requests
         st.dataframe(req[[c for c in cols if c in req]].iloc[::-1].head(max_requests),

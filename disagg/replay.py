@@ -31,6 +31,8 @@ class Result:
     output_ids: list[int] = field(default_factory=list)
     t_send: float = 0.0  # wall clock
     rid: str | None = None
+    cached_tokens: int | None = None  # prompt tokens the server did not compute (SGLang's meta_info)
+    cached_from_store: int | None = None  # of those, tokens restored from an external store (page tier)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -60,6 +62,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout_s: flo
                 data = r.json()
                 res.output_ids = list(data.get("output_ids") or [])
                 res.rid = (data.get("meta_info") or {}).get("id")
+                _note_cached(res, data.get("meta_info") or {})
             else:
                 for data in stream_chunks(r):
                     if "error" in data or data.get("object") == "error":
@@ -70,6 +73,7 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout_s: flo
                         res.ttft_s = time.perf_counter() - t0
                     res.output_ids = list(ids) if len(ids) >= len(res.output_ids) else res.output_ids + list(ids)
                     res.rid = (data.get("meta_info") or {}).get("id", res.rid)
+                    _note_cached(res, data.get("meta_info") or {})
                     fr = (data.get("meta_info") or {}).get("finish_reason") or {}
                     if fr.get("type") == "abort":
                         res.error = fr.get("message") or "aborted"
@@ -78,6 +82,14 @@ def generate(url: str, input_ids: list[int], max_new_tokens: int, timeout_s: flo
     res.jct_s = time.perf_counter() - t0
     res.ok = res.error is None and len(res.output_ids) > 0
     return res
+
+
+def _note_cached(res: Result, meta: dict) -> None:
+    if "cached_tokens" in meta:
+        res.cached_tokens = int(meta["cached_tokens"])
+    details = meta.get("cached_tokens_details")
+    if isinstance(details, dict) and "host" in details:
+        res.cached_from_store = int(details["host"])
 
 
 def replay(url: str, items: list[WorkItem], timeout_s: float = 1800.0) -> list[Result]:

@@ -180,11 +180,25 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         type=_non_negative_int, metavar="PAGES",
         help="Sparse decode: score groups of this many pages first and choose pages within the best groups "
              "(MPCache's two levels; default 0: one level).")),
+    "hack_page_tier": ("--hack-page-tier", dict(
+        metavar="DIR",
+        help="Keep the radix cache's pages in DIR too (the page tier): a prefix evicted from the pool comes back "
+             "from disk instead of being recomputed. Every page SGLang's radix cache inserts is written through "
+             "SGLang's unified-cache linker and its file storage backend; records are verified (size and digest, "
+             "a first page's sinks too) before a hit is reported, else recomputed. Any --kv-cache-dtype (HACK "
+             "pages, or BF16 pages as the baseline); not on a PD decode server or without the radix cache.")),
+    "hack_page_tier_size": ("--hack-page-tier-size", dict(
+        metavar="SIZE",
+        help="Cap of the page tier on disk (e.g. 4G, 512M; least recently used records go first). "
+             "Default: no cap.")),
     "hack_kv_budget_mb": ("--hack-kv-budget-mb", dict(
         type=_positive_float, metavar="MB",
         help="Size the KV pool from this fixed budget instead of free memory (any "
              "--kv-cache-dtype; for comparing capacities under the same budget).")),
 }
+
+# Options that apply to every --kv-cache-dtype, not only to hack.
+DTYPE_FREE_OPTIONS = ("--hack-kv-budget-mb", "--hack-page-tier", "--hack-page-tier-size")
 
 # HackConfig fields set from options (boolean ablations are inverted below).
 _CONFIG_FIELDS = {
@@ -314,7 +328,7 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
             raise HackArgumentError(
                 f"{named[0]} reads HACK-compressed pages and needs --kv-cache-dtype hack "
                 f"(got --kv-cache-dtype {kv_dtype})")
-        extra = [f for f in given_hack_options(ns) if f != "--hack-kv-budget-mb"]
+        extra = [f for f in given_hack_options(ns) if f not in DTYPE_FREE_OPTIONS]
         if extra:
             raise HackArgumentError(
                 f"{', '.join(extra)} only apply with --kv-cache-dtype hack (got {kv_dtype})")

@@ -13,6 +13,7 @@ from typing import Any
 
 from hack_ops.config import HackConfig
 
+from . import page_tier
 from . import settings as settings_mod
 from .args import HackArgumentError, check_combination, settings_from_options
 from .bit_plans import PlanRefusal, resolve_for_namespace, resolve_plan
@@ -32,6 +33,10 @@ def apply_cli_namespace(ns: Any) -> None:
         except PlanRefusal as exc:
             raise HackArgumentError(str(exc)) from None
     _resolve_layer_set(ns)
+    try:
+        page_tier.apply(ns)
+    except page_tier.TierRefusal as exc:
+        raise HackArgumentError(str(exc)) from None
     settings = None
     if enabled or getattr(ns, "hack_kv_budget_mb", None) is not None:
         settings = settings_from_options(ns, enabled=enabled)

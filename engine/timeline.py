@@ -96,7 +96,7 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
         if st["phase"] == "prefill" and mode.is_extend() and not getattr(req, "inflight_middle_chunks", 0):
             if len(getattr(req, "output_ids", ()) or ()) > 0 or req.finished():
                 _emit_fused(req.rid, st, now)
-                hm.end("prefill", req.rid, room=room, t_ns=now)
+                hm.end("prefill", req.rid, room=room, t_ns=now, **_prompt_sources(req))
                 hm.event("first_token", req.rid, room=room, t_ns=now)
                 st.update(phase="decode", last_ns=now)
         elif st["phase"] == "decode" and (mode.is_decode() or mode.is_extend()) and st["last_ns"] is not None \
@@ -107,6 +107,16 @@ def on_batch_result(scheduler: Any, batch: Any) -> None:
             st["last_ns"] = now
         if req.finished():
             _finish(req, st, now)
+
+
+def _prompt_sources(req: Any) -> dict:
+    """The prompt tokens a request did not compute, and of those the ones an external store (the
+    page tier) restored: SGLang's own counts on the request (what its meta_info reports)."""
+    cached = getattr(req, "cached_tokens", None)
+    if not isinstance(cached, int):
+        return {}
+    restored = sum(int(getattr(req, f, 0) or 0) for f in ("cached_tokens_host", "cached_tokens_storage"))
+    return {"cached_tokens": cached, "restored_tokens": restored}
 
 
 def on_prebuilt(batch: Any) -> None:

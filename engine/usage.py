@@ -68,6 +68,7 @@ def kv_usage(scheduler: Any) -> dict:
         "request_rows_total": _request_rows(scheduler.req_to_token_pool),
         "request_rows_in_use": _rows_in_use(scheduler),
         "hack": None,
+        "page_tier": None,
     }
     if tree is not None:
         evictable = _int(tree.evictable_size)
@@ -80,7 +81,16 @@ def kv_usage(scheduler: Any) -> dict:
 
     if isinstance(pool, HackKVPool):
         out["hack"] = pool.usage()
+    out["page_tier"] = page_tier_report(tree)
     return out
+
+
+def page_tier_report(tree: Any) -> dict | None:
+    """The page tier's counters and size (engine.page_tier), or None without one."""
+    from .page_tier.linker import PageTierLinker
+
+    linker = getattr(getattr(tree, "linker", None), "cache_linker", None)
+    return linker.report() if isinstance(linker, PageTierLinker) else None
 
 
 def is_idle(usage: dict | None) -> bool:
@@ -102,6 +112,10 @@ def memory_sample(scheduler: Any) -> dict:
     out = {"pages_used": used // page, "pages_total": total // page,
            "bytes_bf16": used * pool_bf16_bytes_per_token(pool),
            "running": len(scheduler.running_batch.reqs), "queued": len(scheduler.waiting_queue)}
+    tier = page_tier_report(getattr(scheduler, "tree_cache", None))
+    if tier is not None:
+        out.update(tier_bytes=tier["bytes_on_disk"], tier_hit_pages=tier["hit_pages"],
+                   tier_asked_pages=tier["asked_pages"])
     if isinstance(pool, HackKVPool):
         lays = pool.store.layouts  # one per layer: layers may differ in bits
         codes = sum(lay.k.codes.nbytes + lay.v.codes.nbytes for lay in lays)

@@ -19,11 +19,12 @@ BENCH_MODULES: list[str] = [
     "hack_cli.bench_soak",
     "hack_cli.bench_fuzz",
     "hack_cli.bench_restore",
+    "hack_cli.bench_tier",
 ]
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="run benchmarks (attention, sparse, serve, disagg, codec, rotation, hack-wire, plot, soak, fuzz, restore-sources, all)")
+    p = sub.add_parser("bench", help="run benchmarks (attention, sparse, serve, disagg, codec, rotation, hack-wire, plot, soak, fuzz, restore-sources, restore, all)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
     bsub.required = True
     mods = [importlib.import_module(m) for m in BENCH_MODULES]

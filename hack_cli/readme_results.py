@@ -140,6 +140,12 @@ ROWS: tuple[Row, ...] = (
                lambda d: f"{_jct_cut(d, 'hack-dense-prefill', 1000.0)} at 1000",
                "docs/disagg.md#on-a-cpu-with-amx", AMX),
     )),
+    Row("Returning conversations (page tier)", (
+        Source("docs/bench/restore-multiturn-smollm2.json",
+               lambda d: f"TTFT {_x(d['ratios']['ttft_returning_tier_vs_recompute'])} recompute's; "
+                         f"{_x(d['ratios']['tier_tokens_per_byte_hack_vs_bf16'])} the tokens of a BF16 tier per byte",
+               "docs/engine.md#the-page-tier", AMX),
+    )),
     Row("Accuracy, SmolLM2-135M", (
         Source("docs/study/accuracy-smollm2-2k.json",
                lambda d: f"perplexity {_x3(_row(d, 'default', 'hack')['ppl_ratio'])} of exact (2K)",

@@ -3,7 +3,7 @@
 A run directory (`rundir`: run.json + one Arrow IPC stream per server process) is written by
 the servers (engine.metrics: the sink, the live HTTP routes, Prometheus) and read here:
 
-- `schema`   the record schema (version 1), its phases, roles and checks
+- `schema`   the record schema (version 3), its phases, roles and checks
 - `rundir`   the runs root, run directories and run.json
 - `reader`   one stream file, read whole or tailed while it grows
 - `runload`  every stream of a run directory -> `RunData` (frames + warnings)

@@ -17,8 +17,8 @@ _SPAN_COLS = ["key", "role", "server", "phase", "start_ns", "end_ns", "open", "b
               "bytes_bf16", "tokens", "method", "steps"]
 REQUEST_COLUMNS = ["key", "room", "roles", "final_role", "rid_prefill", "rid_decode",
                    "rid_colocated", "arrival_ns", "first_token_ns", "finish_ns", "error",
-                   "prompt_tokens", "bytes", "bytes_bf16", "output_tokens", "status",
-                   "ttft_s", "jct_s", "tpot_s"]
+                   "prompt_tokens", "cached_tokens", "restored_tokens", "bytes", "bytes_bf16",
+                   "output_tokens", "status", "ttft_s", "jct_s", "tpot_s"]
 _FINAL_ROLE_ORDER = ("decode", "colocated", "prefill", "router")
 
 
@@ -158,6 +158,10 @@ def build_requests(ev: pd.DataFrame, spans: pd.DataFrame) -> pd.DataFrame:
         lambda s: "; ".join(str(x) for x in s.dropna().unique()) or "error")
     arrivals = ev[ev["kind"] == "arrival"]
     req["prompt_tokens"] = arrivals.groupby("key")["tokens"].max()
+    # the prompt's sources (schema version 3): taken from the cache, of those restored from the tier
+    pf_end = ev[(ev["kind"] == "end") & (ev["phase"] == "prefill")]
+    for col in ("cached_tokens", "restored_tokens"):
+        req[col] = pf_end.groupby("key")[col].max() if col in pf_end else np.nan
     out_tokens = final[final["kind"] == "finish"].groupby("key")["tokens"].max()
     if len(spans):
         dec = spans[spans["phase"] == "decode"].groupby("key")["tokens"].max()

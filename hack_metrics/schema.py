@@ -1,4 +1,4 @@
-"""The metrics record schema (version 1): one Arrow schema for events and samples.
+"""The metrics record schema (version 3): one Arrow schema for events and samples.
 
 Every row is one record. `kind` says what it is:
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
-SUPPORTED_VERSIONS = frozenset({1, 2})
+SCHEMA_VERSION = 3
+SUPPORTED_VERSIONS = frozenset({1, 2, 3})
 VERSION_KEY = b"hack.schema_version"
 
 POINT_KINDS = ("arrival", "first_token", "finish", "error")
@@ -50,12 +50,19 @@ ROLES = ("prefill", "decode", "colocated", "router")
 METHODS = ("timer", "attributed", "derived")
 
 SAMPLE_FIELDS = ("pages_used", "pages_total", "bytes_codes", "bytes_side", "bytes_tail",
-                 "bytes_bf16", "running", "queued", "rss_bytes", "pages_selected", "pages_visible")
+                 "bytes_bf16", "running", "queued", "rss_bytes", "pages_selected", "pages_visible",
+                 "tier_bytes", "tier_hit_pages", "tier_asked_pages")
 # Columns each version added. Version 2: sparse decode's pages per decode step and sparse
 # layer over the sample's interval, summed over the batch: `pages_selected` (the closed pages
 # the selection read) and `pages_visible` (the closed pages a dense step reads there); null
 # without sparse decode or without a decode step in the interval.
-ADDED_IN = {2: ("pages_selected", "pages_visible")}
+# Version 3: the page tier (--hack-page-tier). On samples, the tier's bytes on disk and, since
+# the server started, the uncached pages new requests asked it for and the pages it found
+# (`tier_hit_pages / tier_asked_pages` is its hit rate); null without a tier. On a request's
+# prefill `end` record, the prompt tokens it did not compute (`cached_tokens`) and, of those,
+# the tokens restored from the tier (`restored_tokens`).
+ADDED_IN = {2: ("pages_selected", "pages_visible"),
+            3: ("cached_tokens", "restored_tokens", "tier_bytes", "tier_hit_pages", "tier_asked_pages")}
 
 _FIELDS = [
     ("schema_version", pa.uint16(), False),
@@ -73,6 +80,8 @@ _FIELDS = [
     ("tokens", pa.int64(), True),      # arrival: prompt; finish/span decode: output tokens
     ("method", pa.string(), True),
     ("note", pa.string(), True),       # error message, attribution detail
+    ("cached_tokens", pa.int64(), True),    # prefill end: prompt tokens not computed (version 3)
+    ("restored_tokens", pa.int64(), True),  # prefill end: of those, restored from the page tier
 ] + [(name, pa.int64(), True) for name in SAMPLE_FIELDS if name != "bytes_bf16"]
 
 COLUMNS = tuple(name for name, _, _ in _FIELDS)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import plotly.graph_objects as go
 import pytest
 
 from dashboard import figures as F
@@ -113,3 +114,26 @@ def test_empty_run_gives_explanatory_figures(tmp_path):
                 F.latency_figure({"x": view}), F.average_breakdown_figure({"x": view}),
                 F.servers_figure(view)):
         assert fig.layout.annotations and "no " in fig.layout.annotations[0].text
+
+
+def test_tier_figure_shows_where_each_prompt_came_from(tmp_path):
+    """With a page tier (schema version 3): the tier's size and hit rate per server, and per request
+    its prompt split into tokens restored from the tier, taken from the pool and computed, summing
+    to the prompt. A run without a tier has no such chart."""
+    run = write_synthetic_run(SyntheticSpec(requests=30, seed=5, page_tier=True), root=tmp_path)
+    view = Source(str(run), "dir").view()
+    assert F.has_tier(view)
+    req = view.requests.dropna(subset=["cached_tokens"])
+    assert (req["restored_tokens"] > 0).any() and (req["restored_tokens"] <= req["cached_tokens"]).all()
+    fig = F.tier_figure(view)
+    bars = {t.name: np.asarray(t.y, dtype=float) for t in fig.data if isinstance(t, go.Bar)}
+    assert set(bars) == {name for _, name, _ in F.TIER_PARTS}
+    total = sum(bars.values())
+    assert total == pytest.approx(req["prompt_tokens"].to_numpy(np.float64))
+    assert bars["restored from the page tier"].sum() == req["restored_tokens"].sum()
+    rates = [np.asarray(t.y, dtype=float) for t in fig.data if t.name.endswith("hit rate (%)")]
+    assert rates and np.nanmax(rates[0]) <= 100
+    plain = write_synthetic_run(SyntheticSpec(requests=10, seed=5), root=tmp_path / "plain")
+    plain_view = Source(str(plain), "dir").view()
+    assert not F.has_tier(plain_view)
+    assert "no page tier" in F.tier_figure(plain_view).layout.annotations[0].text

@@ -32,6 +32,7 @@ class SyntheticSpec:
     step_records: int = 10         # the first n requests report every decode step
     sample_every_s: float = 0.5
     sparse_budget: int = 0         # > 0: the decode server runs sparse decode (pages read per step)
+    page_tier: bool = False        # the prefill server runs a page tier: shared prefixes come back from it
 
 
 def _wire_ratio(mode: str) -> float:
@@ -71,7 +72,8 @@ def write_synthetic_run(spec: SyntheticSpec, root: str | Path | None = None,
                  (a, "prefill", "start", i, {"phase": "queue"}),
                  (p_start, "prefill", "end", i, {"phase": "queue"}),
                  (p_start, "prefill", "start", i, {"phase": "prefill"}),
-                 (p_end, "prefill", "end", i, {"phase": "prefill", "tokens": int(prompt[i])})]
+                 (p_end, "prefill", "end", i, {"phase": "prefill", "tokens": int(prompt[i]),
+                                                **_prompt_sources(spec, i, int(prompt[i]))})]
         if spec.kv_mode != "bf16":
             q = p_dur * 0.03
             rows.append((p_end, "prefill", "span", i,
@@ -158,8 +160,27 @@ def _samples(spec: SyntheticSpec, prompt, outlen, arrive, rows, horizon) -> list
                 "bytes_side": int(full_tokens * BF16_BYTES_PER_TOKEN * ratio_side),
                 "bytes_tail": int(tail_tokens * BF16_BYTES_PER_TOKEN),
                 "bytes_bf16": bf16, "rss_bytes": 900_000_000 + bf16 // 4,
-                **_sparse_sample(spec, role, tokens)}))
+                **_sparse_sample(spec, role, tokens), **_tier_sample(spec, role, float(t), arrive, prompt)}))
     return out
+
+
+def _prompt_sources(spec: SyntheticSpec, i: int, prompt: int) -> dict:
+    """With a page tier: every third request shares a cached prefix of half its prompt (whole
+    pages), restored from the tier after the first few requests, else found in the pool."""
+    if not spec.page_tier:
+        return {}
+    cached = prompt // 2 // PAGE * PAGE if i % 3 == 0 else 0
+    return {"cached_tokens": cached, "restored_tokens": cached if i >= 6 else 0}
+
+
+def _tier_sample(spec: SyntheticSpec, role: str, t: float, arrive: np.ndarray, prompt: np.ndarray) -> dict:
+    """The prefill server's tier: every request so far wrote its pages; a third asked and found half."""
+    if not spec.page_tier or role != "prefill":
+        return {}
+    seen = arrive <= t
+    pages = prompt[seen] // PAGE
+    return {"tier_bytes": int(pages.sum()) * PAGE * BF16_BYTES_PER_TOKEN * 19 // 100,
+            "tier_asked_pages": int(pages.sum()), "tier_hit_pages": int(pages[::3].sum() // 2)}
 
 
 def _sparse_sample(spec: SyntheticSpec, role: str, tokens: np.ndarray) -> dict:
