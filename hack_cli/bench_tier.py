@@ -80,8 +80,10 @@ def run_method(method: str, model_path: str, work: dict, turns: int, answer_toke
     from disagg.replay import generate
     from engine.launcher import SGLangServer
 
+    # One pool for every layer: HACK needs it on a model with sliding-window layers (Gemma-3), and the
+    # BF16 baseline gets the same so both tiers store the same layers (a no-op on SmolLM2).
     args = [*METHODS[method], "--max-total-tokens", str(pool_tokens), "--chunked-prefill-size", "4096",
-            "--sleep-on-idle"]
+            "--disable-hybrid-swa-memory", "--sleep-on-idle"]
     if tier_dir is not None:
         args += ["--hack-page-tier", str(tier_dir)]
     server = SGLangServer(model_path, args)

@@ -142,8 +142,12 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Returning conversations (page tier)", (
         Source("docs/bench/restore-multiturn-smollm2.json",
-               lambda d: f"TTFT {_x(d['ratios']['ttft_returning_tier_vs_recompute'])} recompute's; "
+               lambda d: f"SmolLM2: TTFT {_x(d['ratios']['ttft_returning_tier_vs_recompute'])} recompute's, "
                          f"{_x(d['ratios']['tier_tokens_per_byte_hack_vs_bf16'])} the tokens of a BF16 tier per byte",
+               "docs/engine.md#the-page-tier", AMX),
+        Source("docs/bench/restore-multiturn-gemma3.json",
+               lambda d: f"Gemma-3: {_x(d['ratios']['ttft_returning_tier_vs_recompute'])}, "
+                         f"{_x(d['ratios']['tier_tokens_per_byte_hack_vs_bf16'])}",
                "docs/engine.md#the-page-tier", AMX),
     )),
     Row("Accuracy, SmolLM2-135M", (

@@ -106,8 +106,21 @@ def _scatter(payload: Tensor, targets: list[Tensor]) -> None:
         raise DamagedRecord(f"payload of {payload.numel()} bytes for {off} bytes of pages")
 
 
+class _RowPages:
+    """A page is a list of row views of the pool (`_rows`); its bytes are theirs, in order."""
+
+    def _rows(self, page: int) -> list[Tensor]:
+        raise NotImplementedError
+
+    def read_page(self, page: int) -> Tensor:
+        return _concat(self._rows(page))
+
+    def write_page(self, page: int, payload: Tensor) -> None:
+        _scatter(payload, self._rows(page))
+
+
 @dataclass
-class HackPages:
+class HackPages(_RowPages):
     """Pages of a HackKVPool's store (engine.pool)."""
 
     store: Any  # hack_ops.paged.store.HackKVStore
@@ -134,12 +147,6 @@ class HackPages:
     def _rows(self, page: int) -> list[Tensor]:
         return [b[page] for b in self.store.k_pages] + [b[page] for b in self.store.v_pages]
 
-    def read_page(self, page: int) -> Tensor:
-        return _concat(self._rows(page))
-
-    def write_page(self, page: int, payload: Tensor) -> None:
-        _scatter(payload, self._rows(page))
-
     def first_page(self, page: int) -> bool:
         return bool(self.store.num_sink_slots) and int(self.store.sink_map[page]) >= 0
 
@@ -155,7 +162,7 @@ class HackPages:
 
 
 @dataclass
-class TokenPages:
+class TokenPages(_RowPages):
     """Pages of SGLang's MHATokenToKVPool (the BF16 baseline): Π token rows of K and V per layer."""
 
     pool: Any
@@ -176,12 +183,6 @@ class TokenPages:
     def _rows(self, page: int) -> list[Tensor]:
         s = slice(page * self.page_size, (page + 1) * self.page_size)
         return [b[s] for b in self.pool.k_buffer] + [b[s] for b in self.pool.v_buffer]
-
-    def read_page(self, page: int) -> Tensor:
-        return _concat(self._rows(page))
-
-    def write_page(self, page: int, payload: Tensor) -> None:
-        _scatter(payload, self._rows(page))
 
     def first_page(self, page: int) -> bool:
         return False
