@@ -92,8 +92,10 @@ class PageTierLinker(UnifiedCacheLinker):
         self._verified: OrderedDict[str, tuple[torch.Tensor, Optional[torch.Tensor]]] = OrderedDict()
         self._verified_bytes = 0
         self._pending: dict[str, PoolTransfer] = {}
-        self._disk: tuple[int, int] = (0, 0)
-        self._disk_at = float("-inf")
+        self._disk: tuple[int, int] = (0, 0)  # files and bytes on disk at the last scan
+        self._disk_at = float("-inf")  # when it was taken
+        self._disk_gen = 0  # writes so far (the scan is reused only while none came since)
+        self._disk_seen = -1
         self._writes: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="hack-page-tier-writer")
@@ -175,6 +177,7 @@ class PageTierLinker(UnifiedCacheLinker):
         # evictor drops an entry whose file is already gone).
         try:
             os.remove(os.path.join(self.path, f"{self.storage._get_suffixed_key(key)}.bin"))
+            self._disk_gen += 1
         except FileNotFoundError:
             pass
         except OSError as exc:  # it stays refused at every lookup; serving goes on
@@ -261,6 +264,7 @@ class PageTierLinker(UnifiedCacheLinker):
             try:
                 for key, record in records:
                     if self.storage.set(key, record):
+                        self._disk_gen += 1  # the next report rescans (bumped before the counters move)
                         self.stats.bytes_written += record.numel()
                         if not key.endswith(SINK_SUFFIX):
                             self.stats.offloaded_pages += 1
@@ -271,7 +275,6 @@ class PageTierLinker(UnifiedCacheLinker):
                 ok = False
             if not ok:
                 self.stats.failed_offloads += 1
-            self._disk_at = float("-inf")  # files came (and the LRU cap may have removed some)
             self._results.put(ok)
             self._writes.task_done()
 
@@ -300,10 +303,9 @@ class PageTierLinker(UnifiedCacheLinker):
     def report(self) -> dict:
         """Counters and the store's size on disk, for /server_info and the metrics sampler (the
         directory is scanned after writes, else at most every few seconds)."""
-        now = time.monotonic()
-        if now - self._disk_at > _DISK_SCAN_S:
-            self._disk = self._scan()
-            self._disk_at = now
+        now, gen = time.monotonic(), self._disk_gen
+        if gen != self._disk_seen or now - self._disk_at > _DISK_SCAN_S:
+            self._disk, self._disk_at, self._disk_seen = self._scan(), now, gen
         files, size = self._disk
         asked = self.stats.asked_pages
         return {"path": self.path, "namespace": self.format.namespace, "page_size": self.page_size,
@@ -325,9 +327,8 @@ class PageTierLinker(UnifiedCacheLinker):
         return files, size
 
     def drain(self) -> None:
-        """Wait until every queued write is on disk (tests, benchmarks); the next report rescans."""
+        """Wait until every queued write is on disk (tests, benchmarks)."""
         self._writes.join()
-        self._disk_at = float("-inf")
 
     @staticmethod
     def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
