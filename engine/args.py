@@ -186,7 +186,8 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "from disk instead of being recomputed. Every page SGLang's radix cache inserts is written through "
              "SGLang's unified-cache linker and its file storage backend; records are verified (size and digest, "
              "a first page's sinks too) before a hit is reported, else recomputed. Any --kv-cache-dtype (HACK "
-             "pages, or BF16 pages as the baseline); not on a PD decode server or without the radix cache.")),
+             "pages, or BF16 pages as the baseline); not on a PD decode server, without the radix cache or with "
+             "--tp-size/--pp-size above 1.")),
     "hack_page_tier_size": ("--hack-page-tier-size", dict(
         metavar="SIZE",
         help="Cap of the page tier on disk (e.g. 4G, 512M; least recently used records go first). "

@@ -211,6 +211,8 @@ def test_bf16_token_pages_round_trip():
     (dict(enable_hierarchical_cache=True), "use one"),
     (dict(hack_page_tier_size="lots"), "expected a size"),
     (dict(hack_page_tier=None, hack_page_tier_size="4G"), "turn the tier on"),
+    (dict(tp_size=2), "--tp-size 2 is not supported"),
+    (dict(pp_size=2), "--pp-size 2 is not supported"),
 ])
 def test_the_option_is_refused_where_it_cannot_work(given, refusal):
     ns = SimpleNamespace(**{"hack_page_tier": "/tmp/t", "hack_page_tier_size": None, **given})

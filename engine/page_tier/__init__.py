@@ -46,6 +46,10 @@ def apply(ns: Any) -> None:
     if getattr(ns, "enable_unified_cache_external_linker", False):
         raise TierRefusal("--hack-page-tier sets SGLang's external cache linker; drop "
                           "--enable-unified-cache-external-linker")
+    for flag, dest in (("--tp-size", "tp_size"), ("--pp-size", "pp_size")):
+        if int(getattr(ns, dest, 1) or 1) > 1:
+            # every rank would write its own heads (or layers) under the same keys
+            raise TierRefusal(f"--hack-page-tier stores one rank's pages; {flag} {getattr(ns, dest)} is not supported yet")
     if getattr(ns, "speculative_algorithm", None):
         raise TierRefusal("--hack-page-tier does not support speculative decoding")
     if size is not None:
