@@ -62,6 +62,9 @@ class ClusterSpec:
     command: str | None = None  # the command line that started it, kept in run.json
     enable_metrics: bool = False  # SGLang's /metrics, with the hack:* metrics beside sglang:*
     router: RouterOptions = field(default_factory=RouterOptions)
+    # the prefill servers' page tier (--hack-page-tier): one directory they all share (a record's
+    # key is its token prefix, so a prefix one prefill wrote another restores); None: off
+    page_tier: str | None = None
 
     def validate(self) -> None:
         if self.kv not in METHODS:
@@ -164,7 +167,7 @@ def up(spec: ClusterSpec, log=print) -> dict:
     state = {"name": name, "run_dir": str(run_dir), "kv": spec.kv, "link_mbps": spec.link_mbps,
              "model_path": spec.model_path, "owner_pid": os.getpid(), "pids": [], "servers": [],
              "link": None, "router_url": None, "started": time.time(),
-             "command": spec.command, "enable_metrics": spec.enable_metrics}
+             "command": spec.command, "enable_metrics": spec.enable_metrics, "page_tier": spec.page_tier}
     state_path = state_dir() / f"{name}.json"
 
     def save() -> None:
@@ -195,6 +198,8 @@ def up(spec: ClusterSpec, log=print) -> dict:
                 port = free_port("127.0.0.1")
                 bport = free_port("127.0.0.1") if role == "prefill" else None
                 extra_args = list(spec.extra_server_args)
+                if spec.page_tier and role == "prefill":
+                    extra_args += ["--hack-page-tier", str(Path(spec.page_tier).resolve())]
                 if spec.enable_metrics and "--enable-metrics" not in extra_args:
                     extra_args.append("--enable-metrics")
                 cmd = server_command(role, spec.kv, spec.model_path, ip, port, bport,

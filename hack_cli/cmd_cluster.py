@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"the runs root, {RUNS_ROOT_HELP})")
     p.add_argument("--enable-metrics", action="store_true",
                    help="SGLang's Prometheus /metrics on every server, with the hack:* metrics")
+    p.add_argument("--page-tier", default=None, metavar="DIR",
+                   help="the prefill servers keep their radix cache's pages in DIR too (--hack-page-tier, shared "
+                        "by every prefill): a prefix evicted from a prefill's pool comes back from disk")
     add_router_args(p)
     p.add_argument("--foreground", action="store_true",
                    help="stay attached: stop everything on Ctrl-C or SIGTERM")
@@ -170,7 +173,7 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,
                                max_total_tokens=args.max_total_tokens, run_dir=args.run_dir,
                                command=shlex.join(["hack", *sys.argv[1:]]),
-                               enable_metrics=args.enable_metrics,
+                               enable_metrics=args.enable_metrics, page_tier=args.page_tier,
                                router=router_options_from_args(args))
 
 

@@ -3,7 +3,9 @@ pages written by one server come back, after that server stopped, into a second 
 directory (a disk that outlives the server's memory), and its greedy tokens equal the first server's
 from its own radix cache (a never-evicted run); SGLang reports the prefix as restored (its
 cached_tokens_details.host). A truncated record is refused, the rest of the prompt recomputed, the
-request served, and the record written again. In-process cases: tests/test_page_tier.py."""
+request served, and the record written again. A PD prefill server with the tier (`hack up
+--page-tier`) restores a flushed prefix and its decode server generates the same tokens. In-process
+cases: tests/test_page_tier.py."""
 from __future__ import annotations
 
 from array import array
@@ -112,3 +114,39 @@ def test_pages_outlive_the_server_and_a_truncated_record_is_recomputed(model_pat
     second.flush_cache()
     assert _generate(second.url, other)["meta_info"]["cached_tokens"] == len(other) // 64 * 64
     assert _tier(second)["refused_records"] == 1
+
+
+def test_a_pd_prefill_restores_from_the_tier_and_decode_gets_the_same_tokens(model_path, tmp_path, request):
+    """`hack up --page-tier DIR`: the prefill servers get the tier. After both servers flushed their
+    caches, the prompt's prefix comes back from disk on the prefill, travels to decode as usual, and
+    the greedy tokens equal the run whose prefix the prefill still held."""
+    from disagg import cluster
+    from disagg.replay import generate
+
+    spec = cluster.ClusterSpec(model_path=model_path, kv="hack", max_total_tokens=4096,
+                               page_tier=str(tmp_path / "tier"), health_timeout_s=900.0)
+    state = cluster.up(spec, log=lambda m: None)
+    request.addfinalizer(lambda: cluster.down(state))
+    prefill = next(s["url"] for s in state["servers"] if s["role"] == "prefill")
+    prompt = essay_ids(model_path, PROMPT, index=3)
+    pages = PROMPT // 64
+    assert generate(state["router_url"], prompt, N_NEW, stream=False).ok
+    cached = generate(state["router_url"], prompt, N_NEW, stream=False)  # the prefill's own radix cache
+    assert cached.ok and len(cached.output_ids) == N_NEW
+
+    def tier() -> dict:
+        return requests.get(prefill + "/server_info", timeout=30).json()["internal_states"][0]["hack_kv"]["page_tier"]
+
+    import time
+
+    for _ in range(100):
+        if tier()["offloaded_pages"] >= pages:
+            break
+        time.sleep(0.2)
+    for s in state["servers"]:
+        requests.post(s["url"] + "/flush_cache", timeout=30).raise_for_status()
+    back = generate(state["router_url"], prompt, N_NEW, stream=False)
+    assert back.ok and back.output_ids == cached.output_ids
+    t = tier()
+    assert t["loaded_pages"] == pages and t["refused_records"] == 0
+    cluster.down(state)
