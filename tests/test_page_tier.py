@@ -230,3 +230,24 @@ def test_the_option_sets_sglangs_linker():
     from sglang.srt.mem_cache.unified_cache.linker_config import UnifiedCacheLinkerConfig
 
     UnifiedCacheLinkerConfig.from_dict(cfg)  # SGLang's own check of the dynamic backend's config
+
+
+def test_a_capped_tier_forgets_the_oldest_pages_and_never_refuses_for_it(hack_env, tmp_path, monkeypatch):
+    """`--hack-page-tier-size`: SGLang's file evictor removes the least recently used records; a
+    prefix whose records went is a plain miss (recomputed), not a refusal."""
+    from engine.page_tier.page_bytes import sealed_size
+
+    pool = _pool()
+    record = sealed_size(sum(b.shape[1] for b in (*pool.store.k_pages, *pool.store.v_pages)))
+    linker = _linker(pool, tmp_path, monkeypatch, max_size=str(int(record * 3.5)))
+    r2t, *_ = _written_request(pool, 128, first_page=7)
+    chains = [[f"{c}{i}" * 32 for i in range(2)] for c in "pqrs"]  # four 2-page prefixes (no sinks: pages 8, 9)
+    for keys in chains:
+        slots = torch.arange(128) + 8 * 64
+        assert linker.offload(_kv(keys, slots))
+        linker.drain()
+    assert linker.report()["bytes_on_disk"] <= record * 3.5
+    assert linker.lookup("old", _kv(chains[0])) == []
+    assert linker.lookup("new", _kv(chains[-1])) == [1, 2]
+    assert linker.stats.refused_records == 0
+    linker.close()
