@@ -171,6 +171,20 @@ def load_schema(doc: dict[str, Any]) -> Any:
     return schemathesis.openapi.from_dict(doc)
 
 
+def same_api(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two servers' OpenAPI documents describe the same requests. FastAPI names a route
+    served for several methods after one of them, taken from a set, so `operationId` differs
+    between two processes of the same server; nothing else may."""
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k != "operationId"}
+        if isinstance(node, list):
+            return [strip(v) for v in node]
+        return node
+
+    return strip(a) == strip(b)
+
+
 def fetch_document(base_url: str, timeout: float = 30.0) -> dict[str, Any]:
     r = requests.get(base_url.rstrip("/") + "/openapi.json", timeout=timeout)
     r.raise_for_status()

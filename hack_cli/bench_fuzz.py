@@ -60,7 +60,7 @@ def _targets(text: str) -> list[Any]:
 def run_cli(args: argparse.Namespace) -> int:
     from disagg import cluster, procs
     from disagg.fuzz_run import COLOCATED_ARGS, Target, TargetRun, fuzz_target, router_problems, server_problems
-    from disagg.schema_fuzz import Budget, build_requests, fetch_document
+    from disagg.schema_fuzz import Budget, build_requests, fetch_document, same_api
     from engine.launcher import SGLangServer
 
     from .cmd_cluster import _model_path
@@ -82,7 +82,7 @@ def run_cli(args: argparse.Namespace) -> int:
             t0 = time.monotonic()
             state.update(doc=doc, requests=build_requests(doc, budget, paths, log=log))
             out["generation_s"] = round(time.monotonic() - t0, 1)
-        elif doc != state["doc"]:
+        elif not same_api(doc, state["doc"]):
             raise RuntimeError(f"{url}/openapi.json differs from the first server's: the same requests "
                                "cannot go to both")
         return state["requests"]

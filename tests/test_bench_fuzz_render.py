@@ -1,5 +1,6 @@
-"""hack bench fuzz's doc block: each problem cut to a readable length (the JSON keeps the whole
-failing body, which a replay needs), at most five listed."""
+"""hack bench fuzz: its doc block, each problem cut to a readable length (the JSON keeps the whole
+failing body, which a replay needs), at most five listed; and which OpenAPI documents count as the
+same API."""
 from __future__ import annotations
 
 from hack_cli.bench_fuzz import render
@@ -28,3 +29,17 @@ def test_short_problems_are_listed_whole():
     summary = _summary(render(_result(["500 for POST /v1/messages b'{}'"])))
     assert summary.endswith("1 problem(s): /v1/messages: 500 for POST /v1/messages b'{}'")
     assert "| hack | `/v1/messages` | 100 | 0 | 93 | 7 | 0 | 1.0 |" in render(_result([]))
+
+
+def test_two_processes_of_one_server_describe_the_same_api():
+    """FastAPI names a route served for GET and POST after one method taken from a set, so two
+    processes of the same server differ in operationId alone: `hack bench fuzz` sends the same
+    requests to both. Any other difference keeps them apart."""
+    from disagg.schema_fuzz import same_api
+
+    def doc(op_id: str, summary: str = "Generate") -> dict:
+        return {"paths": {"/generate": {"post": {"operationId": op_id, "summary": summary},
+                                        "put": {"operationId": op_id, "summary": summary}}}}
+
+    assert same_api(doc("generate_request_generate_put"), doc("generate_request_generate_post"))
+    assert not same_api(doc("a"), doc("a", summary="Other"))
