@@ -213,16 +213,20 @@ def test_bf16_token_pages_round_trip():
     (dict(hack_page_tier=None, hack_page_tier_size="4G"), "turn the tier on"),
     (dict(tp_size=2), "--tp-size 2 is not supported"),
     (dict(pp_size=2), "--pp-size 2 is not supported"),
+    (dict(hack_page_tier=""), "needs a directory"),
+    (dict(hack_page_tier="/proc/version/tier"), "--hack-page-tier /proc/version/tier: "),
 ])
-def test_the_option_is_refused_where_it_cannot_work(given, refusal):
-    ns = SimpleNamespace(**{"hack_page_tier": "/tmp/t", "hack_page_tier_size": None, **given})
+def test_the_option_is_refused_where_it_cannot_work(given, refusal, tmp_path):
+    ns = SimpleNamespace(**{"hack_page_tier": str(tmp_path / "t"), "hack_page_tier_size": None, **given})
     with pytest.raises(page_tier.TierRefusal, match=refusal):
         page_tier.apply(ns)
 
 
-def test_the_option_sets_sglangs_linker():
+def test_the_option_sets_sglangs_linker(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     ns = SimpleNamespace(hack_page_tier="tier", hack_page_tier_size="2G")
     page_tier.apply(ns)
+    assert (tmp_path / "tier").is_dir()
     assert ns.enable_unified_cache_external_linker and ns.unified_cache_external_linker_backend == "dynamic"
     cfg = ns.unified_cache_external_linker_config
     assert cfg["linker"] == "PageTierLinker" and cfg["linker_module_path"] == "engine.page_tier.linker"

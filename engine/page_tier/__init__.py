@@ -28,8 +28,6 @@ def linker_config(path: str, max_size: str | None) -> dict[str, Any]:
 
 def apply(ns: Any) -> None:
     """Turn `--hack-page-tier` into SGLang's linker options on the parsed namespace, or refuse."""
-    import os
-
     path = getattr(ns, "hack_page_tier", None)
     size = getattr(ns, "hack_page_tier_size", None)
     if path is None:
@@ -54,9 +52,26 @@ def apply(ns: Any) -> None:
         raise TierRefusal("--hack-page-tier does not support speculative decoding")
     if size is not None:
         _parse_size(size)  # as SGLang's file evictor reads it
+    path = _directory(path)
     ns.enable_unified_cache_external_linker = True
     ns.unified_cache_external_linker_backend = "dynamic"
-    ns.unified_cache_external_linker_config = linker_config(os.path.abspath(path), size)
+    ns.unified_cache_external_linker_config = linker_config(path, size)
+
+
+def _directory(path: str) -> str:
+    """The tier's directory, absolute, created if missing; refused when it cannot hold files."""
+    import os
+
+    if not str(path).strip():
+        raise TierRefusal("--hack-page-tier needs a directory")
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise TierRefusal(f"--hack-page-tier {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise TierRefusal(f"--hack-page-tier {path}: not writable")
+    return path
 
 
 def _parse_size(text: str) -> int:
