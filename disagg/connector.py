@@ -30,7 +30,7 @@ from engine.hooks import Hook, HookSet, Patch, Use, option_error, register_exten
 
 from . import checksum as cpu_checksum
 from . import faults, hack_wire, pd_state, transfer_codec, wire_meter
-from .request_guard import check_bootstrap_fields, check_input_embeds, note_radix_cache_flag
+from .request_guard import check_bootstrap_fields, check_input_embeds, check_parallel_sampling, note_radix_cache_flag
 
 logger = logging.getLogger(__name__)
 
@@ -197,6 +197,7 @@ class PdConnector:
     def guard_request(manager: Any, obj: Any, *a: Any, **kw: Any) -> None:
         check_bootstrap_fields(manager, obj)
         check_input_embeds(manager, obj)
+        check_parallel_sampling(manager, obj)
         return None
 
     # ---- the connector's rows of the hook table ------------------------------------------------
@@ -232,7 +233,8 @@ class PdConnector:
             Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
                  self.guard_request,
                  "PD: 400 for a request without bootstrap fields (it would crash the decode scheduler), and for "
-                 "input_embeds on a decode server whose prefill refuses them (the decode would wait for KV)"),
+                 "input_embeds on a decode server whose prefill refuses them (the decode would wait for KV), and "
+                 "for n > 1 (SGLang's samples share one bootstrap room: the transfer never pairs)"),
             Hook(f"{_ENGINE}.batch_transfer_sync", "AROUND", wire_meter.around_batch_transfer,
                  "PD: count bytes on the wire"),
             Hook(f"{_ENGINE}.transfer_sync", "AROUND", wire_meter.around_transfer, "PD: count bytes on the wire"),

@@ -11,6 +11,12 @@ prefill refused its leg, and the decode waited for KV that never came: the clien
 answer (through the Rust router) until the PD waiting timeout. A decode server now refuses it
 too unless it was launched with `--disable-radix-cache` (as the prefill then must be: `hack up`
 gives both servers the same flags).
+
+Parallel sampling (`n` > 1) on a prefill or decode server: SGLang 0.5.23 first sends a warm-up
+copy of the request (no new token) and then n copies, all under the one bootstrap room the router
+gave the request, so the two sides never pair their transfers and the request hangs (through the
+Rust router the client got no answer until it gave up; found by `hack bench fuzz --targets router`).
+Both servers refuse it with a 400 naming `n`, so the router answers at once.
 """
 from __future__ import annotations
 
@@ -45,6 +51,20 @@ def check_input_embeds(manager: Any, obj: Any, radix_asked_off: bool | None = No
     raise ValueError("input_embeds through prefill/decode disaggregation needs --disable-radix-cache on the "
                      "prefill and decode servers: a prefill with its radix cache on refuses it, and this decode "
                      "server would wait for KV that never comes")
+
+
+def check_parallel_sampling(manager: Any, obj: Any) -> None:
+    """ValueError for `n` > 1 on a prefill or decode server (see the module docstring)."""
+    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", "null")
+    if mode not in ("prefill", "decode"):
+        return
+    sp = getattr(obj, "sampling_params", None)
+    ns = [p.get("n") for p in (sp if isinstance(sp, list) else [sp]) if isinstance(p, dict)]
+    ns.append(getattr(obj, "parallel_sample_num", None))
+    if any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in ns):
+        raise ValueError("n > 1 (parallel sampling) is not supported through prefill/decode disaggregation: "
+                         "SGLang sends the samples under one bootstrap room and the transfer never pairs; send "
+                         "n separate requests")
 
 
 def check_bootstrap_fields(manager: Any, obj: Any) -> None:

@@ -114,6 +114,23 @@ def test_request_guard_refuses_missing_bootstrap_fields_only_on_pd_servers():
     check_bootstrap_fields(mode("decode"), SimpleNamespace(bootstrap_host="2.2.2.2", bootstrap_room=None))
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pd_servers_refuse_parallel_sampling(role):
+    """n > 1 through PD hung (SGLang sends a warm-up and the n samples under one bootstrap room, so
+    the transfers never pair): both servers answer 400 naming n; n = 1 and colocated servers serve."""
+    from disagg.request_guard import check_parallel_sampling
+
+    mode = lambda m: SimpleNamespace(disaggregation_mode=SimpleNamespace(value=m))  # noqa: E731
+    for obj in (SimpleNamespace(sampling_params={"n": 2}), SimpleNamespace(sampling_params=[{"n": 1}, {"n": 4}]),
+                SimpleNamespace(sampling_params={}, parallel_sample_num=3)):
+        with pytest.raises(ValueError, match=r"n > 1 \(parallel sampling\) is not supported"):
+            check_parallel_sampling(mode(role), obj)
+        check_parallel_sampling(mode("null"), obj)
+    for obj in (SimpleNamespace(sampling_params={"n": 1}), SimpleNamespace(sampling_params=None),
+                SimpleNamespace(sampling_params={"n": True}), SimpleNamespace(sampling_params={}, parallel_sample_num=1)):
+        check_parallel_sampling(mode(role), obj)
+
+
 def test_a_decode_server_refuses_input_embeds_its_prefill_would_refuse(monkeypatch):
     """SGLang refuses input_embeds where the radix cache is on, and turns it off on every decode
     server: without this check the decode leg waited for KV the refused prefill leg never sent."""

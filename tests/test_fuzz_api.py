@@ -314,6 +314,18 @@ class TestRouter:
         assert got == known, f"the router's documented answers changed: {got} (documented {known})"
         self._check_after(pd)
 
+    def test_parallel_sampling_is_refused_at_once(self, pd):
+        """n > 1 through the router hung until the client gave up (found by `hack bench fuzz --targets
+        router`); both PD servers now refuse it, so the router answers 400 at once, and nothing is left."""
+        url = pd["router_url"]
+        for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2, "n": 2}),
+                           ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "n": 3}}),
+                           ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2, "n": 2})):
+            r = requests.post(url + path, json=body, timeout=30)
+            assert r.status_code == 400 and "n > 1 (parallel sampling)" in r.text, (path, r.status_code, r.text[:300])
+        self._check_after(pd)
+
     @pytest.mark.parametrize("endpoint", list(Endpoint), ids=lambda e: e.name.lower())
     def test_fuzz_never_5xx(self, pd, endpoint):
         excused = _mini_lb_answers_itself if _router_kind(pd) == "mini-lb" else (lambda path, raw: False)
