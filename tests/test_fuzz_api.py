@@ -27,10 +27,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from disagg import cluster, procs
 from disagg.fuzz_bodies import request_bodies
 from disagg.fuzz_draws import module_independent
-from disagg.fuzz_run import COLOCATED_ARGS, Target, TargetRun, fuzz_target, server_problems
+from disagg.fuzz_run import COLOCATED_ARGS, Target, TargetRun, fuzz_target, router_problems, server_problems
 from disagg.fuzz_scope import CI_CORE, NOT_FUZZED, fuzzed_operations
 from disagg.malformed import ROUTER_ANSWERS, BadRequest, Endpoint, bad_requests, send
-from disagg.schema_fuzz import FAILURE_BODY_BYTES, Budget, FuzzRequest, build_requests, fetch_document
+from disagg.schema_fuzz import FAILURE_BODY_BYTES, Budget, FuzzRequest, build_requests, fetch_document, same_api
 from engine.launcher import SGLangServer
 from engine.request_checks import GENERATION_PATHS
 from engine.usage import is_idle
@@ -55,16 +55,6 @@ def schema_cache() -> dict:
     return {}
 
 
-def _without_operation_ids(node):
-    """The document less its operationIds: FastAPI names a route served for GET and POST after
-    whichever method its set yields first, which differs from one server process to the next."""
-    if isinstance(node, dict):
-        return {k: _without_operation_ids(v) for k, v in node.items() if k != "operationId"}
-    if isinstance(node, list):
-        return [_without_operation_ids(v) for v in node]
-    return node
-
-
 def _schema_requests(cache: dict, url: str, same_document: bool = True) -> dict[str, list[FuzzRequest]]:
     """The module's schema requests, built from the first server's document; a later colocated
     server must serve the same document (same_document). A PD server's differs from a colocated
@@ -73,8 +63,7 @@ def _schema_requests(cache: dict, url: str, same_document: bool = True) -> dict[
     doc = fetch_document(url)
     if "doc" in cache:
         if same_document:
-            assert _without_operation_ids(doc) == _without_operation_ids(cache["doc"]), \
-                "this server's OpenAPI document differs from the first one's"
+            assert same_api(doc, cache["doc"]), "this server's OpenAPI document differs from the first one's"
         return cache["requests"]
     paths = [p for p, _ in fuzzed_operations(doc)]
     reqs = {**build_requests(doc, SCHEMA_BUDGET, [p for p in paths if p in CI_CORE]),
@@ -312,6 +301,18 @@ class TestRouter:
         by_name = {r.name: r for r in bad_requests()}
         got = {name: send(url, by_name[name], timeout=REQUEST_TIMEOUT_S) for name in known}
         assert got == known, f"the router's documented answers changed: {got} (documented {known})"
+        self._check_after(pd)
+
+    def test_schema_fuzz_never_5xx(self, pd, schema_cache):
+        """The colocated servers' schema requests for the endpoints the router routes (CI_CORE, 500
+        each) through the Rust router: no 5xx, no drop, and neither worker marked unhealthy."""
+        servers = [s for s in pd["servers"] if s["role"] in ("prefill", "decode")]
+        reqs = {p: v for p, v in _schema_requests(schema_cache, servers[0]["url"], same_document=False).items()
+                if p in CI_CORE}
+        alive = lambda: all(procs.alive(int(s["pid"])) for s in pd["servers"])  # noqa: E731
+        run = fuzz_target(Target.ROUTER, pd["router_url"], reqs, alive)
+        run.problems += router_problems(pd["router_url"], len(servers))
+        _schema_run_holds(run, reqs)
         self._check_after(pd)
 
     def test_parallel_sampling_is_refused_at_once(self, pd):
