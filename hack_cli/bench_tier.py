@@ -28,6 +28,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 DEFAULT_OUT = "docs/bench/restore-multiturn-{model}.json"
@@ -107,6 +108,7 @@ def run_method(method: str, model_path: str, work: dict, turns: int, answer_toke
                                   "from_tier": r.cached_from_store or 0})
                 seen_docs.add(d)
             say(f"[{method}] turn {t + 1}/{turns} done")
+        time.sleep(1.2)  # the tier rescans its size on disk at most once a second after writes
         usage = server.kv_usage()
     finally:
         server.stop()

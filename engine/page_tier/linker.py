@@ -40,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 # Verified records kept between lookup and load (a request's hit is read once, not per match).
 _CACHE_BYTES = 256 << 20
-_DISK_SCAN_S = 5.0
+_DISK_SCAN_S = 5.0  # the directory is scanned at least this often (the LRU cap removes files)
+_DISK_RESCAN_S = 1.0  # and after writes, at most this often (a large tier is many files)
 
 
 @dataclass
@@ -302,9 +303,10 @@ class PageTierLinker(UnifiedCacheLinker):
 
     def report(self) -> dict:
         """Counters and the store's size on disk, for /server_info and the metrics sampler (the
-        directory is scanned after writes, else at most every few seconds)."""
+        directory is rescanned at most once a second after writes, else every few seconds)."""
         now, gen = time.monotonic(), self._disk_gen
-        if gen != self._disk_seen or now - self._disk_at > _DISK_SCAN_S:
+        age = now - self._disk_at
+        if (gen != self._disk_seen and age >= _DISK_RESCAN_S) or age > _DISK_SCAN_S:
             self._disk, self._disk_at, self._disk_seen = self._scan(), now, gen
         files, size = self._disk
         asked = self.stats.asked_pages
@@ -327,8 +329,9 @@ class PageTierLinker(UnifiedCacheLinker):
         return files, size
 
     def drain(self) -> None:
-        """Wait until every queued write is on disk (tests, benchmarks)."""
+        """Wait until every queued write is on disk (tests, benchmarks); the next report rescans."""
         self._writes.join()
+        self._disk_at = float("-inf")
 
     @staticmethod
     def _kv(transfers: list[PoolTransfer]) -> PoolTransfer:
