@@ -41,10 +41,14 @@ def note_radix_cache_flag(disable_radix_cache: bool) -> None:
     _radix_asked_off = bool(disable_radix_cache)
 
 
+def _pd_mode(manager: Any) -> str:
+    """The tokenizer manager's disaggregation mode: "prefill", "decode" or "null" (colocated)."""
+    return getattr(getattr(manager, "disaggregation_mode", None), "value", "null")
+
+
 def check_input_embeds(manager: Any, obj: Any, radix_asked_off: bool | None = None) -> None:
     """ValueError for `input_embeds` on a decode server launched with its radix cache on."""
-    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", "null")
-    if mode != "decode" or getattr(obj, "input_embeds", None) is None:
+    if _pd_mode(manager) != "decode" or getattr(obj, "input_embeds", None) is None:
         return
     if _radix_asked_off if radix_asked_off is None else radix_asked_off:
         return
@@ -55,8 +59,7 @@ def check_input_embeds(manager: Any, obj: Any, radix_asked_off: bool | None = No
 
 def check_parallel_sampling(manager: Any, obj: Any) -> None:
     """ValueError for `n` > 1 on a prefill or decode server (see the module docstring)."""
-    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", "null")
-    if mode not in ("prefill", "decode"):
+    if _pd_mode(manager) not in ("prefill", "decode"):
         return
     sp = getattr(obj, "sampling_params", None)
     ns = [p.get("n") for p in (sp if isinstance(sp, list) else [sp]) if isinstance(p, dict)]
@@ -68,7 +71,7 @@ def check_parallel_sampling(manager: Any, obj: Any) -> None:
 
 
 def check_bootstrap_fields(manager: Any, obj: Any) -> None:
-    mode = getattr(getattr(manager, "disaggregation_mode", None), "value", "null")
+    mode = _pd_mode(manager)
     if mode not in ("prefill", "decode"):
         return
     from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
