@@ -2,6 +2,8 @@
 always quotes the last run of its command (and the command itself)."""
 from __future__ import annotations
 
+import json
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -31,3 +33,26 @@ def replace_block(doc: Path, name: str, body: str, heading: str = "## Measured")
     else:
         text = text.rstrip() + f"\n\n{heading}\n\n{block}\n"
     doc.write_text(text)
+
+
+def cpu_name() -> str:
+    """This host's CPU model (/proc/cpuinfo's "model name"), for the tables that name their host."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def publish(doc: dict, body: str, out: str, model: str, block: str, to_doc: bool,
+            page: str = "engine.md", heading: str = "## Measured") -> None:
+    """A benchmark's result: the JSON at `out` (a template with {model}; '' = none) and, with
+    `to_doc`, `body` in docs/`page` between the `block` markers."""
+    if to_doc:
+        replace_block(DOCS / page, block, body, heading=heading)
+    if out:
+        path = Path(out.format(model=model))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n")

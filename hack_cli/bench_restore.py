@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -28,7 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.prefill_choice import cpu_has_amx_bf16
 from hack_ops.paged import offload
+
+from .bench_doc import cpu_name, publish
 
 DEFAULT_OUT = "docs/bench/restore-sources-{model}.json"
 
@@ -223,23 +224,6 @@ def hidden_bytes(layers: int, hidden_size: int) -> int:
     return layers * hidden_size * 2
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _amx() -> bool:
-    try:
-        return "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
 def table(doc: dict) -> str:
     lines = [f"`{doc['command']}` ({doc['date']}; {doc['cpu']}, AMX {'yes' if doc['amx'] else 'no'}, "
              f"{doc['threads']} threads; files read warm from the page cache; best of {doc['runs']})", "",
@@ -274,18 +258,11 @@ def run_cli(args: argparse.Namespace) -> int:
                       f"(x{s['vs_recompute']:.2f} recompute's speed), pages equal: {s['pages_equal']}", flush=True)
     doc = {"command": f"hack bench restore-sources --model {args.model} --tokens {args.tokens} --runs {args.runs}"
                       + (f" --threads {args.threads}" if args.threads else ""),
-           "date": datetime.date.today().isoformat(), "cpu": _cpu_name(), "amx": _amx(),
+           "date": datetime.date.today().isoformat(), "cpu": cpu_name(), "amx": cpu_has_amx_bf16(),
            "threads": torch.get_num_threads(), "runs": args.runs, "results": results}
     print(table(doc))
-    if getattr(args, "doc", False):
-        from hack_cli.bench_doc import DOCS, replace_block
-
-        replace_block(DOCS / "engine.md", f"restore-{args.model}", table(doc),
-                      heading="## Bringing an evicted context back")
-    if args.out:
-        out = Path(args.out.format(model=args.model))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+    publish(doc, table(doc), args.out, args.model, f"restore-{args.model}", getattr(args, "doc", False),
+            heading="## Bringing an evicted context back")
     bad = [(r["tokens"], k) for r in results for k, s in r["sources"].items() if not s["pages_equal"]]
     if bad:
         print(f"hack bench restore-sources: restored pages differ from recompute's at {bad}", file=sys.stderr)

@@ -23,13 +23,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from .bench_doc import cpu_name, publish
 
 DEFAULT_OUT = "docs/bench/restore-multiturn-{model}.json"
 METHODS = {
@@ -164,7 +165,7 @@ def table(doc: dict) -> str:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    from hack_cli.bench_restore import _amx, _cpu_name
+    from engine.prefill_choice import cpu_has_amx_bf16
     from hack_eval.models import prepare
 
     methods = [m for m in str(args.methods).split(",") if m]
@@ -192,19 +193,12 @@ def run_cli(args: argparse.Namespace) -> int:
     doc = {"command": "hack bench restore " + " ".join(
                f"--{k.replace('_', '-')} {getattr(args, k)}" for k in
                ("model", "docs", "conversations", "turns", "answer_tokens", "pool_tokens", "methods")),
-           "date": datetime.date.today().isoformat(), "cpu": _cpu_name(), "amx": _amx(), "docs": args.docs,
+           "date": datetime.date.today().isoformat(), "cpu": cpu_name(), "amx": cpu_has_amx_bf16(), "docs": args.docs,
            "conversations": args.conversations, "turns": args.turns, "pool_tokens": args.pool_tokens,
            "results": results, "ratios": ratios(results)}
     print(table(doc))
-    if args.doc:
-        from hack_cli.bench_doc import DOCS, replace_block
-
-        replace_block(DOCS / "engine.md", f"restore-multiturn-{args.model}", table(doc),
-                      heading="## Bringing an evicted context back")
-    if args.out:
-        out = Path(args.out.format(model=args.model))
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1) + "\n")
+    publish(doc, table(doc), args.out, args.model, f"restore-multiturn-{args.model}", args.doc,
+            heading="## Bringing an evicted context back")
     refused = [m for m, r in results.items() if (r.get("page_tier") or {}).get("refused_records")]
     if refused:
         print(f"hack bench restore: the tier refused records in {refused} (see the server logs)", file=sys.stderr)
