@@ -44,6 +44,11 @@ _DISK_SCAN_S = 5.0  # the directory is scanned at least this often (the LRU cap 
 _DISK_RESCAN_S = 1.0  # and after writes, at most this often (a large tier is many files)
 
 
+def _entry_bytes(entry: tuple[torch.Tensor, Optional[torch.Tensor]]) -> int:
+    page, sinks = entry
+    return page.numel() + (sinks.numel() if sinks is not None else 0)
+
+
 @dataclass
 class TierStats:
     """Counters of one server's page tier (reported in /server_info: internal_states[].hack_kv)."""
@@ -142,11 +147,15 @@ class PageTierLinker(UnifiedCacheLinker):
                 return self._refuse(key, "its sinks are missing or damaged")
         entry = (page, sinks)
         self._verified[key] = entry
-        self._verified_bytes += page.numel() + (sinks.numel() if sinks is not None else 0)
+        self._verified_bytes += _entry_bytes(entry)
         while self._verified_bytes > _CACHE_BYTES and len(self._verified) > 1:
-            _, (p, s) = self._verified.popitem(last=False)
-            self._verified_bytes -= p.numel() + (s.numel() if s is not None else 0)
+            self._forget(next(iter(self._verified)))  # the least recently verified
         return entry
+
+    def _forget(self, key: str) -> None:
+        entry = self._verified.pop(key, None)
+        if entry is not None:
+            self._verified_bytes -= _entry_bytes(entry)
 
     def _read(self, key: str, record_bytes: int, payload_bytes: int) -> tuple[Optional[torch.Tensor], int]:
         buf = torch.empty(record_bytes, dtype=torch.uint8)
@@ -227,8 +236,7 @@ class PageTierLinker(UnifiedCacheLinker):
             self.format.write_page(page, payload)
             if sinks is not None:
                 self.format.write_sinks(page, sinks)
-            self._verified.pop(key, None)
-            self._verified_bytes -= payload.numel() + (sinks.numel() if sinks is not None else 0)
+            self._forget(key)
         self.stats.loaded_pages += len(pages)
         self.stats.loaded_requests += 1
 
