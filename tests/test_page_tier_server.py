@@ -42,8 +42,9 @@ def _generate(url: str, ids: list[int]) -> dict:
     return r.json()
 
 
-def _tier(server: SGLangServer) -> dict:
-    return server.kv_usage()["page_tier"]
+def _tier(url: str) -> dict:
+    """The page tier's report in a server's /server_info."""
+    return requests.get(url + "/server_info", timeout=30).json()["internal_states"][0]["hack_kv"]["page_tier"]
 
 
 def _page_keys(ids: list[int]) -> list[str]:
@@ -55,13 +56,13 @@ def _page_keys(ids: list[int]) -> list[str]:
     return get_storage_hash_str(RadixKey(token_ids=array("q", ids[:n]), extra_key=None), None, page_size=64)
 
 
-def _wait_written(server: SGLangServer, pages: int, files: int | None = None) -> dict:
+def _wait_written(url: str, pages: int, files: int | None = None) -> dict:
     """The tier's report once it wrote `pages` pages (and, if given, counts `files` on disk: its
     size on disk is rescanned at most once a second)."""
     import time
 
     for _ in range(150):
-        tier = _tier(server)
+        tier = _tier(url)
         if tier["offloaded_pages"] >= pages and (files is None or tier["files"] == files):
             return tier
         time.sleep(0.2)
@@ -82,7 +83,7 @@ def test_pages_outlive_the_server_and_a_truncated_record_is_recomputed(model_pat
     assert cold["meta_info"]["cached_tokens"] == 0
     cached = _generate(first.url, prompt)  # from the pool: the never-evicted run
     assert cached["meta_info"]["cached_tokens"] == pages * 64
-    tier = _wait_written(first, pages, files=pages + 1)  # the first page's sinks beside it
+    tier = _wait_written(first.url, pages, files=pages + 1)  # the first page's sinks beside it
     assert tier["refused_records"] == 0
     first.stop()
     files = sorted(p.name.split("_")[0] for p in tier_dir.iterdir() if not p.name.startswith("."))
@@ -96,12 +97,12 @@ def test_pages_outlive_the_server_and_a_truncated_record_is_recomputed(model_pat
     assert back["meta_info"]["cached_tokens"] == pages * 64
     assert back["meta_info"]["cached_tokens_details"]["host"] == pages * 64
     assert back["output_ids"] == cached["output_ids"]
-    tier = _tier(second)
+    tier = _tier(second.url)
     assert tier["loaded_pages"] == pages and tier["restored_tokens"] == pages * 64 and tier["refused_records"] == 0
 
     # a record truncated on disk: the prompt's first two pages come back, the rest is computed
     assert len(_generate(second.url, other)["output_ids"]) == N_NEW
-    _wait_written(second, len(other) // 64)  # this server's own writes
+    _wait_written(second.url, len(other) // 64)  # this server's own writes
     second.flush_cache()
     other_keys = _page_keys(other)
     (victim,) = [p for p in tier_dir.iterdir() if p.name.startswith(other_keys[2] + "_")]
@@ -109,14 +110,14 @@ def test_pages_outlive_the_server_and_a_truncated_record_is_recomputed(model_pat
     again = _generate(second.url, other)
     assert len(again["output_ids"]) == N_NEW
     assert again["meta_info"]["cached_tokens"] == 128
-    tier = _tier(second)
+    tier = _tier(second.url)
     assert tier["refused_records"] == 1
     # recomputed, the page is offloaded again: whole, and restored on the next miss
-    _wait_written(second, len(other) // 64 + 1)
+    _wait_written(second.url, len(other) // 64 + 1)
     assert victim.exists() and victim.stat().st_size > 1000
     second.flush_cache()
     assert _generate(second.url, other)["meta_info"]["cached_tokens"] == len(other) // 64 * 64
-    assert _tier(second)["refused_records"] == 1
+    assert _tier(second.url)["refused_records"] == 1
 
 
 def test_a_pd_prefill_restores_from_the_tier_and_decode_gets_the_same_tokens(model_path, tmp_path, request):
@@ -137,19 +138,11 @@ def test_a_pd_prefill_restores_from_the_tier_and_decode_gets_the_same_tokens(mod
     cached = generate(state["router_url"], prompt, N_NEW, stream=False)  # the prefill's own radix cache
     assert cached.ok and len(cached.output_ids) == N_NEW
 
-    def tier() -> dict:
-        return requests.get(prefill + "/server_info", timeout=30).json()["internal_states"][0]["hack_kv"]["page_tier"]
-
-    import time
-
-    for _ in range(100):
-        if tier()["offloaded_pages"] >= pages:
-            break
-        time.sleep(0.2)
+    _wait_written(prefill, pages)
     for s in state["servers"]:
         requests.post(s["url"] + "/flush_cache", timeout=30).raise_for_status()
     back = generate(state["router_url"], prompt, N_NEW, stream=False)
     assert back.ok and back.output_ids == cached.output_ids
-    t = tier()
+    t = _tier(prefill)
     assert t["loaded_pages"] == pages and t["refused_records"] == 0
     cluster.down(state)
