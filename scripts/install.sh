@@ -33,6 +33,16 @@ if ! command -v tc >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then
     fi
 fi
 
+# Link faults on that link (`hack bench soak --faults partition:...,loss:...`, tests/test_soak_e2e.py)
+# are nftables rules on the veth pair's ingress (disagg/link_faults.py).
+if ! command -v nft >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nftables >/dev/null
+    else
+        echo "note: nftables is missing; link faults will not work (sudo apt-get install -y nftables)" >&2
+    fi
+fi
+
 # tcmalloc for the servers this project starts (engine/allocator.py): with glibc's malloc a
 # prefill server's resident memory creeps up under a long mixed load.
 if ! ldconfig -p 2>/dev/null | grep -q 'libtcmalloc_minimal.so.4'; then
