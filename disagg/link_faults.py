@@ -9,7 +9,10 @@ current fault; replacing or clearing it is one atomic nft transaction per end.
 
 Delay, jitter and reordering are tc netem's, and this project's hosts run a kernel without the
 netem qdisc (`tc qdisc add ... netem` answers "Specified qdisc kind is unknown"): those faults
-are refused with that sentence instead of being faked.
+are refused with that sentence instead of being faked. The other ways to hold packets back are
+missing too (checked 2026-11-27 on kernel 6.18): the fq and etf qdiscs that would honour
+per-packet departure times set by a BPF program are unknown as well, and nftables' `queue`
+statement (packets handed to a userspace delayer) is not built ("No such file or directory").
 """
 from __future__ import annotations
 

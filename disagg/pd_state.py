@@ -10,10 +10,11 @@ The tails ride SGLang's "live subrange of a per-request ring row" state componen
 valid token slots of the request's row are sent, never the unused rest of the FP16 row. The
 pool is described to that path with three attributes (kpool_use_compress, index_kpool = Π,
 tail_extra_slots = 0) that SGLang's get_dsa_tail_state_indices reads. The sinks ride the
-REQUEST_ROW component (one item per request row, sent row to row). Sinks live in a slot, not a
-row, so each side keeps a small per-row staging copy (`SinkStaging`): prefill copies the slot
-into the row just before the last chunk is sent; decode copies the row into a freshly assigned
-slot once the transfer has landed and before its first decode step.
+REQUEST_ROW component (one item per request row and tensor, sent row to row: all layers' K sinks
+in one buffer, all V sinks in another). Sinks live in a slot, not a row, so each side keeps a
+small per-row staging copy (`SinkStaging`): prefill copies the slot into the row just before the
+last chunk is sent; decode copies the row into a freshly assigned slot once the transfer has
+landed and before its first decode step.
 
 The format check rides the bootstrap exchange: the kv-cache dtype string both sides register
 (`kv_args.kv_cache_dtype_str`) becomes a fingerprint of the page layout, its version and the
@@ -35,22 +36,30 @@ from hack_ops.layout import describe_layouts
 logger = logging.getLogger(__name__)
 
 FINGERPRINT_PREFIX = "hack"
+# How the per-request state travels (bump when its buffers change: servers of different versions
+# then refuse to pair, by the layout hash). 2: all layers' K sinks in one buffer, V's in another.
+PD_STATE_VERSION = 2
 
 
 @dataclass
 class SinkStaging:
-    """Per-request-row FP16 copies of the sink tokens (K and V, every layer)."""
+    """Per-request-row FP16 copies of the sink tokens, every layer's K in one buffer and every
+    layer's V in another ([rows, layers, s, H, D] each), so that a request's sinks travel as two
+    items, not one per layer and tensor: each item is a round trip of the transfer engine, and a
+    lossy link stalls on round trips, not on bytes. Two, not one: SGLang's transfer of an MHA
+    pool's state splits its buffers into a K half and a V half. `k[l]` / `v[l]` are views."""
 
+    k_rows: torch.Tensor
+    v_rows: torch.Tensor
     k: list[torch.Tensor]
     v: list[torch.Tensor]
 
     @classmethod
     def for_store(cls, store: Any) -> "SinkStaging":
         s = store.config.sink_tokens
-        shape = (store.num_rows, max(s, 1), store.num_heads, store.head_dim)
-        mk = lambda: [torch.zeros(shape, dtype=torch.float16, device=store.device)  # noqa: E731
-                      for _ in range(store.num_layers)]
-        return cls(k=mk(), v=mk())
+        shape = (store.num_rows, store.num_layers, max(s, 1), store.num_heads, store.head_dim)
+        k_rows, v_rows = (torch.zeros(shape, dtype=torch.float16, device=store.device) for _ in range(2))
+        return cls(k_rows=k_rows, v_rows=v_rows, k=list(k_rows.unbind(1)), v=list(v_rows.unbind(1)))
 
 
 def is_hack_pool(pool: Any) -> bool:
@@ -82,7 +91,7 @@ def layout_fingerprint(pool: Any, model: str | None = None) -> str:
 
     Readable parts first, so a mismatch message shows which one differs; the hash covers
     every field of the page layout (bits, orientation, sinks, tails, byte sizes)."""
-    desc = describe_layouts(pool.store)
+    desc = {**describe_layouts(pool.store), "pd_state": PD_STATE_VERSION}
     digest = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=4).hexdigest()
     model = model if model is not None else model_identity()
     return (f"{FINGERPRINT_PREFIX}:v{desc['version']}:P{desc['partition_size']}:{digest}:"
@@ -116,7 +125,7 @@ def sink_buffers(pool: Any) -> list[torch.Tensor]:
     if not pool.store.config.sink_tokens:
         return []
     staging = pool.disagg_sink_staging
-    return list(staging.k) + list(staging.v)
+    return [staging.k_rows, staging.v_rows]
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,11 @@ are derived data: each is the sum of a head_dim group of the same page's codes
 (quant.group_code_sums, the store's own definition), so a receiver that has the codes can
 recompute them exactly (integer sums, no rounding). The wire form of a page is therefore its
 prefix up to the end of the scale section; the sums section (and the alignment padding after
-the scale section) is not sent. The receiver rebuilds the sums with `rebuild_derived`; the
-padding is never written by the store, so it is zero on both sides.
+the scale section) need not be sent. A run of pages contiguous on both sides travels as one
+block, so only its last page is cut to the wire form: the other pages' sums ride along (one
+transfer per run costs less than the bytes saved by one per page). The receiver rebuilds every
+received page's sums with `rebuild_derived`; the padding is never written by the store, so it is
+zero on both sides.
 
 The open partition's page (the last, partially filled page of a sequence) carries nothing a
 receiver reads when both K and V keep the open partition in FP16 tails (HackConfig.
@@ -83,14 +86,16 @@ def wire_page_bytes(layout: PageLayout) -> int:
 
 
 def request_bytes(layout: PageLayout, num_layers: int, tokens: int, hack_pages: bool = True) -> int:
-    """KV bytes a request of `tokens` tokens puts on the wire: its pages (in their wire form
-    without the unread open page with hack_pages, else every page as stored), the live FP16
-    tail slots of each tensor with a tail, and its FP16 sinks (disagg.pd_state), all layers."""
+    """KV bytes a request of `tokens` tokens puts on the wire: its pages (with hack_pages, in
+    one contiguous run without the unread open page, the run's last page in its wire form, as
+    disagg.hack_wire sends a run; else every page as stored), the live FP16 tail slots of each
+    tensor with a tail, and its FP16 sinks (disagg.pd_state), all layers. A request whose pages
+    are split into several runs sends each run's last page in its wire form."""
     p = layout.page_size
     fp16_token = layout.num_heads * layout.head_dim * 2
     if hack_pages:
         pages = tokens // p if open_page_unread(layout.config) else -(-tokens // p)
-        page_bytes = pages * wire_page_bytes(layout)
+        page_bytes = pages * layout.page_bytes - (derived_bytes(layout.k) + derived_bytes(layout.v) if pages else 0)
     else:
         page_bytes = -(-tokens // p) * layout.page_bytes
     tails = (tokens % p) * len(layout.tail_tensors) * fp16_token

@@ -185,7 +185,7 @@ def test_hack_wire_bytes_match_the_compressed_layout(hack_pd):
         HACK_WIRE[n] = recs[0]["bytes"]
         predicted = _predicted_hack_bytes(n)
         assert abs(HACK_WIRE[n] - predicted) <= WIRE_TOLERANCE * predicted, (n, HACK_WIRE[n], predicted)
-        # the transform's saving: at least the sums and the open page of every full-page send
+        # the transform's saving: at least the open page and the K sums of the run's last page
         full = _predicted_hack_bytes(n, full_pages=True)
         assert HACK_WIRE[n] < full - 0.9 * (full - predicted), (n, HACK_WIRE[n], full)
 

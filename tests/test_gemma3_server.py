@@ -1,9 +1,16 @@
 """A real Gemma-3-270M server (`hack model prepare gemma3`: 18 layers, 5 of 6 with a 512-token
 sliding window, one KV head, head_dim 256, query_pre_attn_scalar scaling) with
-`--kv-cache-dtype hack` and the defaults (`--hack-4bit-layers auto`: this model's full-attention
-layers 5,11,17 at 4 bits, the rest at 2) next to a BF16 server (torch_native, which applies the
-same inclusive window), same fixed KV budget, prompts longer than the window; and a third server
-with every layer at 2 bits (`--hack-4bit-layers none`, the default before `auto`).
+`--kv-cache-dtype hack` and the default format (`--hack-bits auto`: the shipped bit plan, some K
+and V tensors at 4 bits) next to a BF16 server (torch_native, which applies the same inclusive
+window), same fixed KV budget, prompts longer than the window; and a third server with every
+layer at 2 bits (`--hack-4bit-layers none`).
+
+The plan's server names its prefill (`--hack-prefill dense`, what `auto` picks on a CPU with
+AMX-BF16) so that its bars mean the same on every host; the 2-bit server runs `auto`, whose
+choice for this host is checked. On a CPU without AMX `auto` picks the homomorphic prefill,
+which loses the recall below: `hack eval recall --model gemma3 --served
+hack-dense-prefill,hack-homomorphic-prefill` on an AMD EPYC (no AMX, 2026-11-27) measured 0.90
+(dense) against 0.30 (homomorphic) of BF16's continuation (docs/accuracy.md).
 
 Radix-cache state is controlled: every server runs with --disable-radix-cache, so every request
 is a cold prefill (cached-prefix and cold prefill are numerically different paths on the CPU;
@@ -20,13 +27,12 @@ choice is decisive:
 - Recall prompts (hack_eval.workloads.recall_prompt, 824 tokens): an essay passage, 300 tokens of
   another essay, then the passage's first 128 tokens again; the continuation is the passage,
   ~700 tokens back, which only the 3 full-attention layers can read. Of 6 such prompts BF16
-  reproduced the passage for all 24 tokens in 4 (2026-11-25); the greedy bar GREEDY_MIN holds
-  on those 4 for the default server. Measured there (common prefix with BF16, of 24): every
-  layer at 2 bits 0, 5, 0, 0 (0.05 of the length: the 2-bit full layers lose the passage, which
-  is why `auto` raises them), full layers at 4 bits 0, 18, 24, 24 (0.69), 4 bits everywhere
-  16, 24, 24, 2 (0.69, not run here).
-The price is capacity: the default holds x4.74 BF16's tokens in the same budget (2026-11-26),
-under the >= 5x target, which only the all-2-bit server meets (x5.37); docs/engine.md says so.
+  reproduces the passage for all 24 tokens in 4; the greedy bar GREEDY_MIN holds on those 4 for
+  the plan's server. Measured there (common prefix with BF16, of 24): every layer at 2 bits 0, 5,
+  0, 0 (0.05 of the length: the 2-bit full layers lose the passage); the plan with the dense
+  prefill 16, 24, 22, 24 (0.90, 2026-11-27).
+The price is capacity: the plan holds fewer tokens than the all-2-bit server in the same budget
+(test_capacity_same_budget; docs/engine.md states the target it misses).
 """
 from __future__ import annotations
 
@@ -64,7 +70,8 @@ def servers(model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("gemma3")
     common = ["--hack-kv-budget-mb", BUDGET_MB, "--sleep-on-idle", "--random-seed", "0", "--disable-radix-cache"]
     started = {
-        "hack": SGLangServer(model_path, ["--kv-cache-dtype", "hack", *common], log_path=logs / "hack.log"),
+        "hack": SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-prefill", "dense", *common],
+                             log_path=logs / "hack.log"),
         "hack-2bit": SGLangServer(model_path, ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "none", *common],
                                   log_path=logs / "hack-2bit.log"),
         "bf16": SGLangServer(model_path, ["--attention-backend", "torch_native", *common], log_path=logs / "bf16.log"),
@@ -100,11 +107,11 @@ def test_capacity_same_budget(servers):
 
 
 def test_prefill_auto_is_resolved_at_startup(servers):
-    """The HACK server runs the default `--hack-prefill auto`; its log names the prefill chosen
+    """The 2-bit server runs the default `--hack-prefill auto`; its log names the prefill chosen
     for this host and why (engine.prefill_choice): dense only on a CPU with AMX-BF16."""
     from engine.prefill_choice import cpu_has_amx_bf16
 
-    log = servers["hack"].log_path.read_text(errors="replace")
+    log = servers["hack-2bit"].log_path.read_text(errors="replace")
     lines = [ln for ln in log.splitlines() if "HACK prefill attention path:" in ln]
     assert len(lines) == 1 and "[--hack-prefill auto: " in lines[0], lines or log[-2000:]
     if cpu_has_amx_bf16():
@@ -134,9 +141,9 @@ def test_teacher_forced_agreement_with_bf16_past_the_window(servers, model_path)
 
 
 def test_greedy_recall_past_the_window(servers, model_path):
-    """On the recall prompts where BF16 reproduces the passage, the default server (its
-    full-attention layers at 4 bits) agrees with BF16 for at least GREEDY_MIN of the length; the
-    all-2-bit server's agreement is measured and printed (0.05 when `auto` was chosen)."""
+    """On the recall prompts where BF16 reproduces the passage, the plan's server (dense
+    prefill) agrees with BF16 for at least GREEDY_MIN of the length; the all-2-bit server's
+    agreement is measured and printed (0.05)."""
     prompts = [recall_prompt(model_path, i, n_new=N_NEW) for i in range(N_RECALL)]
     assert all(len(p.ids) > 512 and p.distance > 512 for p in prompts)
     names = ("bf16", "hack", "hack-2bit")

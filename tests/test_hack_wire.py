@@ -147,10 +147,19 @@ def test_trim_only_the_last_chunk_with_an_open_page() -> None:
         assert kv.tolist() == [4, 5, 6] and sl == slice(2, 5)
 
 
-def test_whole_v_pages_go_as_contiguous_runs() -> None:
+def test_pages_contiguous_on_both_sides_go_as_one_block() -> None:
     w = _wire(_pool(HackConfig(partition_size=64)))
-    blocks = w.blocks([3, 4, 5, 9], [b.data_ptr() for b in w.pool.k_buffer + w.pool.v_buffer], [7, 8, 9, 1])
-    assert len(blocks) == LAYERS * 4 + LAYERS * 2  # K: one per page; V: runs [3-5 -> 7-9], [9 -> 1]
+    bufs = w.pool.k_buffer + w.pool.v_buffer
+    blocks = w.blocks([3, 4, 5, 9], [b.data_ptr() for b in bufs], [7, 8, 9, 1])
+    assert len(blocks) == 2 * LAYERS * 2  # runs [3-5 -> 7-9] and [9 -> 1], for K and V of every layer
+    k_item, k_wire, v_item = bufs[0][0].nbytes, w.wire_lens[0], bufs[LAYERS][0].nbytes
+    assert k_wire < k_item and w.wire_lens[LAYERS] == v_item
+    k0 = [b for b in blocks if b[0] in (bufs[0].data_ptr() + 3 * k_item, bufs[0].data_ptr() + 9 * k_item)]
+    # a K run ends at its last page's scale section (its sums stay home); the pages before it go whole
+    assert k0 == [(bufs[0].data_ptr() + 3 * k_item, bufs[0].data_ptr() + 7 * k_item, 2 * k_item + k_wire),
+                  (bufs[0].data_ptr() + 9 * k_item, bufs[0].data_ptr() + 1 * k_item, k_wire)]
+    v0 = [b for b in blocks if b[0] == bufs[LAYERS].data_ptr() + 3 * v_item]
+    assert v0 == [(bufs[LAYERS].data_ptr() + 3 * v_item, bufs[LAYERS].data_ptr() + 7 * v_item, 3 * v_item)]
 
 
 def _ns(**kw) -> argparse.Namespace:

@@ -99,17 +99,18 @@ def test_wire_bytes_of_smollm2_pages() -> None:
 
 
 def test_request_bytes_of_smollm2_requests() -> None:
-    """The numbers docs/disagg.md quotes: pages + FP16 tail slots (K and V) + one sink row."""
+    """The numbers docs/disagg.md quotes: pages + FP16 tail slots (K and V) + one sink row. With
+    hack_pages the pages travel as one run whose last page leaves its K sums (192 B) home."""
     lay = page_layout(HackConfig(), 3, 64)
     tail_sink = 30 * 2 * 384  # per token of FP16 K and V over 30 layers
     # 7,500 tokens: 117 full pages and a 12-token open partition
     assert request_bytes(lay, 30, 7500, hack_pages=False) == 118 * 30 * 7872 + 12 * tail_sink + tail_sink
-    assert request_bytes(lay, 30, 7500) == 117 * 30 * 7680 + 12 * tail_sink + tail_sink == 27_256_320
+    assert request_bytes(lay, 30, 7500) == 30 * (117 * 7872 - 192) + 12 * tail_sink + tail_sink == 27_924_480
     assert request_bytes(lay, 30, 7500, hack_pages=False) == 28_166_400
-    assert request_bytes(lay, 30, 2048) == 32 * 30 * 7680 + tail_sink  # no open page to leave out
-    # RQE off: the open page is read, so it travels (in its wire form)
+    assert request_bytes(lay, 30, 2048) == 30 * (32 * 7872 - 192) + tail_sink  # no open page to leave out
+    # RQE off: the open page is read, so it travels (it ends the run: its sums stay home)
     no_rqe = page_layout(HackConfig(requant_elimination=False), 3, 64)
-    assert request_bytes(no_rqe, 30, 100) - request_bytes(no_rqe, 30, 100, hack_pages=False) == -2 * 30 * 192
+    assert request_bytes(no_rqe, 30, 100) - request_bytes(no_rqe, 30, 100, hack_pages=False) == -30 * 192
     # no sinks, no sink bytes
     assert request_bytes(page_layout(HackConfig(sink_tokens=0), 3, 64), 30, 64) == 30 * 7680
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from disagg.pd_state import SinkStaging, install_received_sinks, stage_sinks_for_send, tail_buffers
+from disagg.pd_state import SinkStaging, install_received_sinks, sink_buffers, stage_sinks_for_send, tail_buffers
 from hack_ops import HackConfig
 from hack_ops.paged.attention import decode, extend
 from hack_ops.paged.store import HackKVStore
@@ -50,8 +50,8 @@ def _move(src, r2t_src, tails_and_sinks: bool):
         for a, b in zip(tail_buffers(src), tail_buffers(dst)):
             b[2, :live] = a[1, :live]
         assert stage_sinks_for_send(src, r2t_src, 1)
-        for a, b in zip(src.disagg_sink_staging.k + src.disagg_sink_staging.v,
-                        dst.disagg_sink_staging.k + dst.disagg_sink_staging.v):
+        assert len(sink_buffers(src)) == 2  # every layer's K sinks in one buffer, V's in the other
+        for a, b in zip(sink_buffers(src), sink_buffers(dst)):
             b[2] = a[1]  # the REQUEST_ROW component, row to row
     assert install_received_sinks(dst, r2t_dst, 2) >= 0
     return dst, r2t_dst
