@@ -22,7 +22,9 @@ Methods (same launcher, same model, same transfer path; only the KV cache differ
            the same BF16 KV cache, its pages sent coded with the lossless SplitZip codec
            (--hack-kv-codec splitzip; disagg.transfer_codec)
   fp8      SGLang's own FP8 KV cache (--kv-cache-dtype fp8_e4m3): half of BF16's bytes, lossy
-Every method uses page size 64 so the transfer engine moves the same number of items.
+Every method uses page size 64 so the transfer engine moves the same number of items. No method
+names the model's dtype: every server runs the checkpoint's (BF16), or float32 weights on a CPU
+without BF16 arithmetic (engine.cpu_dtype), the KV cache's dtype staying as above.
 """
 from __future__ import annotations
 
@@ -60,12 +62,12 @@ def method_flags(method: str) -> list[str]:
     if method == "dequant":
         return ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"]
     if method == "bf16":
-        return ["--kv-cache-dtype", "auto", "--dtype", "bfloat16", "--attention-backend",
+        return ["--kv-cache-dtype", "bfloat16", "--attention-backend",
                 "torch_native", "--page-size", str(PAGE_SIZE)]
     if method == "bf16-lossless":
         return [*method_flags("bf16"), "--hack-kv-codec", "splitzip"]
     if method == "fp8":
-        return ["--kv-cache-dtype", "fp8_e4m3", "--dtype", "bfloat16", "--attention-backend",
+        return ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend",
                 "torch_native", "--page-size", str(PAGE_SIZE)]
     raise ValueError(f"unknown KV method {method!r}; choose one of {', '.join(METHODS)}")
 

@@ -66,6 +66,8 @@ USES: tuple[Use, ...] = (
         "'hack' among the --attention-backend choices"),
     Use("sglang.srt.platforms.cpu.CpuSRTPlatform", "base class of engine.platform.HackCpuPlatform"),
     Use("sglang.srt.platforms.cuda.CudaSRTPlatform", "base class of engine.platform.HackCudaPlatform"),
+    Use("sglang.srt.platforms.interface.SRTPlatform.apply_server_args_defaults",
+        "overridden: float32 weights and a BF16 KV cache on a CPU without BF16 arithmetic (engine.cpu_dtype)"),
     Use("sglang.srt.platforms.cpu.CpuSRTPlatform.get_kv_pool_cls",
         "overridden: HackKVPool for MHA models under --kv-cache-dtype hack"),
     Use(_POOL, "base class of engine.pool.HackKVPool"),

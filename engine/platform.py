@@ -3,7 +3,8 @@
 activate() picks SGLang's CPU platform on a machine without a GPU (enabling the CPU engine and
 the sgl_kernel stand-in first) and its CUDA platform otherwise; in both cases the subclass
 returns engine.pool.HackKVPool for MHA models when the server runs `--kv-cache-dtype hack`,
-and SGLang's default pool otherwise. sglang.srt.mem_cache is imported lazily: importing it
+and SGLang's default pool otherwise. The CPU platform also defaults the model's dtype on a CPU
+without BF16 arithmetic (engine.cpu_dtype), for every server, HACK or not. sglang.srt.mem_cache is imported lazily: importing it
 while SGLang resolves its platform would be circular.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Optional
 from sglang.srt.platforms.cpu import CpuSRTPlatform
 from sglang.srt.platforms.cuda import CudaSRTPlatform
 
-from . import cpu_runtime
+from . import cpu_dtype, cpu_runtime
 from . import settings as settings_mod
 
 
@@ -29,7 +30,12 @@ class _HackPoolMixin:
 
 
 class HackCpuPlatform(_HackPoolMixin, CpuSRTPlatform):
-    """SGLang's CPU platform with the HACK pool."""
+    """SGLang's CPU platform with the HACK pool, and float32 weights where the CPU has no BF16
+    arithmetic (engine.cpu_dtype)."""
+
+    def apply_server_args_defaults(self, server_args) -> None:
+        super().apply_server_args_defaults(server_args)
+        cpu_dtype.apply_defaults(server_args)
 
 
 class HackCudaPlatform(_HackPoolMixin, CudaSRTPlatform):

@@ -12,8 +12,13 @@ attention's time, while storing the prompt with the Triton store kernel and atte
 took 1.2-4.7x (the store is most of that at 2K); the dense GPU prefill itself has not run on a GPU yet
 (its pieces have: the store kernel and SDPA, in that benchmark).
 
+On a CPU without AVX-512 VNNI (AVX2 only) the INT8 kernel runs as plain C loops: SmolLM2's 2K
+prefill ran at 24 tok/s homomorphic against 232 dense (float32 weights, engine.cpu_dtype; AMD
+EPYC Zen 3), so `auto` is dense there, whatever the dtype.
+
 The choice reads torch's own view of the CPU (torch.cpu.get_capabilities, what its kernels
-dispatch on), falling back to /proc/cpuinfo's flags.
+dispatch on), falling back to /proc/cpuinfo's flags, and asks the INT8 kernel's build whether
+it has its SIMD path.
 """
 from __future__ import annotations
 
@@ -43,12 +48,21 @@ def cpu_has_amx_bf16(capabilities: dict | None = None, cpuinfo: str | None = Non
     return any(line.startswith("flags") and "amx_bf16" in line.split() for line in cpuinfo.splitlines())
 
 
+def int8_kernel_simd() -> bool:
+    """Whether the homomorphic prefill's INT8 kernel was built with its AVX-512 VNNI path here."""
+    from hack_ops.paged import cpu_extend
+
+    return cpu_extend.simd()
+
+
 def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, device_type: str,
-                   model_dtype: torch.dtype, has_amx_bf16: bool | None = None) -> tuple[PrefillMode, str]:
+                   model_dtype: torch.dtype, has_amx_bf16: bool | None = None,
+                   has_int8_simd: bool | None = None) -> tuple[PrefillMode, str]:
     """The prefill the server runs, and why. An explicit mode is kept as asked (a GPU server
     refuses exact at startup, engine.gpu_attention); 'auto' is resolved from the
-    device, the model's dtype and the CPU's AMX-BF16. The strawman (`--hack-attention dequant`)
-    prefills its own way, so its prefill is homomorphic by definition."""
+    device, the model's dtype, the CPU's AMX-BF16 and whether the INT8 kernel has its SIMD path
+    on this CPU. The strawman (`--hack-attention dequant`) prefills its own way, so its prefill
+    is homomorphic by definition."""
     requested = prefill_mode(requested)
     if attention != AttentionMode.HACK:
         return PrefillMode.HOMOMORPHIC, f"--hack-attention {attention.value} prefills as the strawman"
@@ -57,6 +71,10 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
     if device_type != "cpu":
         return PrefillMode.DENSE, (f"--hack-prefill auto on {device_type}: the Triton store, then dense attention "
                                    "(the homomorphic Triton prefill measured 3-17x slower, docs/kernels.md)")
+    simd = int8_kernel_simd() if has_int8_simd is None else has_int8_simd
+    if not simd:
+        return PrefillMode.DENSE, ("--hack-prefill auto: the INT8 kernel has no SIMD path on this CPU (no "
+                                   "AVX-512 VNNI: plain C loops, ~10x slower than dense here)")
     amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
     if not amx:
         return PrefillMode.HOMOMORPHIC, ("--hack-prefill auto: this CPU has no AMX-BF16, so the INT8 kernel "

@@ -10,6 +10,7 @@ from engine.args import HackArgumentError, settings_from_options
 from engine.prefill_choice import choose_prefill, cpu_has_amx_bf16
 from hack_ops import AttentionMode, HackConfig, PrefillMode
 from hack_ops.paged import extend
+from hack_ops.paged.cpu_extend import simd as extend_simd
 from hack_ops.paged.store import HackKVStore
 
 SPR_FLAGS = "processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n"
@@ -37,14 +38,28 @@ def test_amx_bf16_from_torch_capabilities_or_cpuinfo():
     ("cuda", torch.bfloat16, True, PrefillMode.DENSE, "the Triton store, then dense attention"),
 ])
 def test_auto_resolves_by_host_and_dtype(device, dtype, amx, expected, why):
-    mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, device, dtype, has_amx_bf16=amx)
+    mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, device, dtype, has_amx_bf16=amx,
+                                  has_int8_simd=True)
     assert mode == expected and why in reason and "--hack-prefill auto" in reason
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_auto_is_dense_where_the_int8_kernel_has_no_simd(dtype):
+    """An AVX2-only CPU: the INT8 kernel is plain C loops there, so auto is dense for any dtype
+    and AMX answer; the answer for this host follows the kernel's own build."""
+    for amx in (True, False):
+        mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", dtype, has_amx_bf16=amx,
+                                      has_int8_simd=False)
+        assert mode == PrefillMode.DENSE and "no SIMD path" in reason
+    here, _ = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", torch.float32, has_amx_bf16=False)
+    assert here == (PrefillMode.HOMOMORPHIC if extend_simd() else PrefillMode.DENSE)
 
 
 @pytest.mark.parametrize("asked", [PrefillMode.HOMOMORPHIC, PrefillMode.EXACT, PrefillMode.DENSE])
 def test_an_explicit_mode_is_kept_on_every_host(asked):
     for device, amx in (("cpu", True), ("cpu", False), ("cuda", False)):
-        mode, reason = choose_prefill(asked.value, AttentionMode.HACK, device, torch.bfloat16, has_amx_bf16=amx)
+        mode, reason = choose_prefill(asked.value, AttentionMode.HACK, device, torch.bfloat16, has_amx_bf16=amx,
+                                      has_int8_simd=amx)
         assert mode == asked and reason == f"--hack-prefill {asked.value}"
 
 
