@@ -69,6 +69,8 @@ typedef struct {
     float *s;         /* [P][LN] scores, then numerators */
     float *pz, *pf;   /* [P][LN] numerators for the quantized and the FP16 P.V */
     uint8_t *qq;      /* [D/4][LN][4] Q codes */
+    float *qf;        /* [D][LN] Q codes as floats (plain-C build: lanes innermost, so loops vectorize) */
+    float *pf8;       /* [ng][P][LN] P codes as floats (plain-C build) */
     float *sq, *mq;   /* [ng][LN] */
     float *qm;        /* [LN] Q . m_K */
     uint8_t *pq;      /* [ng][P/4][LN][4] P codes */
@@ -154,6 +156,19 @@ static void unpack_codes(const uint8_t *row, int d, int bits, uint8_t *out) {
             _mm256_storeu_si256((__m256i *)(out + c), x);
         }
 #endif
+    /* the rest (all of it in the plain-C build): one packed byte -> its codes in one word */
+    if (bits == 2)
+        for (; c + 4 <= d; c += 4) {
+            uint32_t x = row[c / 4];
+            x = (x | (x << 6) | (x << 12) | (x << 18)) & 0x03030303u;
+            memcpy(out + c, &x, 4);
+        }
+    else if (bits == 4)
+        for (; c + 2 <= d; c += 2) {
+            uint16_t x = row[c / 2];
+            x = (uint16_t)((x | (x << 4)) & 0x0F0Fu);
+            memcpy(out + c, &x, 2);
+        }
     const int per = 8 / bits, mask = (1 << bits) - 1;
     for (; c < d; c++) out[c] = (row[c / per] >> (bits * (c % per))) & mask;
 }
@@ -243,29 +258,35 @@ static void quantize_q(const hack_extend_args *a, const float *qt, xscratch_t *w
         }
     }
 #else
-    for (int l = 0; l < LN; l++) {
-        float acc = 0.0f;
-        for (int c = 0; c < d; c++) acc += qt[c * LN + l] * w->mk[c];
-        w->qm[l] = acc;
-    }
-    for (int g = 0; g < ng; g++)
+    /* lanes innermost (contiguous in qt), so the compiler vectorizes over the 16 rows; the
+     * arithmetic per element is the SIMD build's, so the codes are the same */
+    float acc[LN] = {0}, mn[LN], mx[LN], sl[LN];
+    for (int c = 0; c < d; c++)
+        for (int l = 0; l < LN; l++) acc[l] += qt[c * LN + l] * w->mk[c];
+    memcpy(w->qm, acc, sizeof(acc));
+    for (int g = 0; g < ng; g++) {
+        for (int l = 0; l < LN; l++) mn[l] = INFINITY, mx[l] = -INFINITY;
+        for (int c = g * gd; c < (g + 1) * gd; c++)
+            for (int l = 0; l < LN; l++) {
+                const float x = qt[c * LN + l] * w->sk[c];
+                mn[l] = x < mn[l] ? x : mn[l];
+                mx[l] = x > mx[l] ? x : mx[l];
+            }
         for (int l = 0; l < LN; l++) {
-            float mn = INFINITY, mx = -INFINITY;
-            for (int c = g * gd; c < (g + 1) * gd; c++) {
-                float x = qt[c * LN + l] * w->sk[c];
-                mn = x < mn ? x : mn;
-                mx = x > mx ? x : mx;
-            }
-            float s = (mx - mn) / 255.0f;
-            if (!(s > 0.0f)) s = 1.0f;
-            w->sq[g * LN + l] = s;
-            w->mq[g * LN + l] = mn;
-            for (int c = g * gd; c < (g + 1) * gd; c++) {
-                float v = nearbyintf((qt[c * LN + l] * w->sk[c] - mn) / s);
-                v = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);
-                w->qq[((c / 4) * LN + l) * 4 + (c & 3)] = (uint8_t)v;
-            }
+            const float sc = (mx[l] - mn[l]) / 255.0f;
+            sl[l] = sc > 0.0f ? sc : 1.0f;
+            w->sq[g * LN + l] = sl[l];
+            w->mq[g * LN + l] = mn[l];
         }
+        for (int c = g * gd; c < (g + 1) * gd; c++) {
+            float *qf = w->qf + c * LN;
+            for (int l = 0; l < LN; l++) {
+                float v = nearbyintf((qt[c * LN + l] * w->sk[c] - mn[l]) / sl[l]);
+                qf[l] = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);
+            }
+            for (int l = 0; l < LN; l++) w->qq[((c / 4) * LN + l) * 4 + (c & 3)] = (uint8_t)qf[l];
+        }
+    }
 #endif
 }
 
@@ -293,19 +314,23 @@ static void scores_quant(const hack_extend_args *a, xscratch_t *w) {
         }
     }
 #else
+    /* integer dot products in float: codes are small integers (Q < 256, K < 16, a group at most
+     * 256 channels), so every partial sum is an integer below 2^24 and exact, as in vpdpbusd */
     for (int j = 0; j < P; j++) {
         const uint8_t *kc = w->kb + j * d;
-        for (int l = 0; l < LN; l++) {
-            float acc = w->qm[l];
-            for (int g = 0; g < ng; g++) {
-                int32_t dot = 0;
-                for (int c = g * gd; c < (g + 1) * gd; c++) dot += (int32_t)w->qq[((c / 4) * LN + l) * 4 + (c & 3)] * kc[c];
-                acc += w->sq[g * LN + l] * (float)dot + w->mq[g * LN + l] * w->ks[j * ng + g];
+        float acc[LN];
+        memcpy(acc, w->qm, sizeof(acc));
+        for (int g = 0; g < ng; g++) {
+            float dot[LN] = {0};
+            for (int c = g * gd; c < (g + 1) * gd; c++) {
+                const float kv = (float)kc[c], *qc = w->qf + c * LN;
+                for (int l = 0; l < LN; l++) dot[l] += qc[l] * kv;
             }
-            w->s[j * LN + l] = acc;
+            const float ksum = w->ks[j * ng + g];
+            for (int l = 0; l < LN; l++) acc[l] += w->sq[g * LN + l] * dot[l] + w->mq[g * LN + l] * ksum;
         }
+        memcpy(w->s + j * LN, acc, sizeof(acc));
     }
-    (void)dq;
 #endif
 }
 
@@ -363,22 +388,29 @@ static void quantize_p(const hack_extend_args *a, int nt, xscratch_t *w) {
             _mm512_storeu_si512(pq + j4 * LN * 4, quad);
         }
 #else
+        float mx[LN] = {0}, mt[LN] = {0}, sl[LN];
+        for (int j = 0; j < nt; j++) {
+            const float sv = w->sv[j * ng + g], mv = w->mv[j * ng + g];
+            for (int l = 0; l < LN; l++) {
+                const float p = w->pz[j * LN + l], x = p * sv;
+                mx[l] = x > mx[l] ? x : mx[l];
+                mt[l] += p * mv;
+            }
+        }
         for (int l = 0; l < LN; l++) {
-            float mx = 0.0f, mt = 0.0f;
-            for (int j = 0; j < nt; j++) {
-                const float p = w->pz[j * LN + l], x = p * w->sv[j * ng + g];
-                mx = x > mx ? x : mx;
-                mt += p * w->mv[j * ng + g];
+            const float sc = mx[l] / 255.0f;
+            sl[l] = sc > 0.0f ? sc : 1.0f;
+            w->sp[g * LN + l] = sl[l];
+            w->mt[g * LN + l] = mt[l];
+        }
+        float *pf8 = w->pf8 + (int64_t)g * P * LN;
+        for (int j = 0; j < nt4; j++) {
+            const float sv = j < nt ? w->sv[j * ng + g] : 0.0f;
+            for (int l = 0; l < LN; l++) {
+                float v = j < nt ? nearbyintf(w->pz[j * LN + l] * sv / sl[l]) : 0.0f;
+                pf8[j * LN + l] = v > 255.0f ? 255.0f : v;
             }
-            float s = mx / 255.0f;
-            if (!(s > 0.0f)) s = 1.0f;
-            w->sp[g * LN + l] = s;
-            w->mt[g * LN + l] = mt;
-            for (int j = 0; j < nt4; j++) {
-                float v = j < nt ? nearbyintf(w->pz[j * LN + l] * w->sv[j * ng + g] / s) : 0.0f;
-                v = v > 255.0f ? 255.0f : v;
-                pq[((j / 4) * LN + l) * 4 + (j & 3)] = (uint8_t)v;
-            }
+            for (int l = 0; l < LN; l++) pq[((j / 4) * LN + l) * 4 + (j & 3)] = (uint8_t)pf8[j * LN + l];
         }
 #endif
     }
@@ -407,15 +439,19 @@ static void pv_quant(const hack_extend_args *a, int nt, xscratch_t *w, float *o)
         }
     }
 #else
+    /* exact integer sums in float, as in scores_quant; V codes from the unpacked page w->vb
+     * (slots at or past nt hold code 0, their P codes are 0 too) */
     for (int c = 0; c < d; c++) {
         const int g = c / gd;
-        const uint8_t *pq = w->pq + (int64_t)g * (P / 4) * LN * 4;
-        for (int l = 0; l < LN; l++) {
-            int32_t dot = 0;
-            for (int j = 0; j < 4 * n4; j++) dot += (int32_t)pq[((j / 4) * LN + l) * 4 + (j & 3)] * w->vq[((j / 4) * d + c) * 4 + (j & 3)];
-            o[c * LN + l] += w->sp[g * LN + l] * (float)dot + w->mt[g * LN + l];
+        const float *pf8 = w->pf8 + (int64_t)g * P * LN;
+        float dot[LN] = {0};
+        for (int j = 0; j < 4 * n4; j++) {
+            const float vv = (float)w->vb[j * d + c], *pj = pf8 + j * LN;
+            for (int l = 0; l < LN; l++) dot[l] += pj[l] * vv;
         }
+        for (int l = 0; l < LN; l++) o[c * LN + l] += w->sp[g * LN + l] * dot[l] + w->mt[g * LN + l];
     }
+    (void)P;
 #endif
 }
 
@@ -687,6 +723,8 @@ int hack_extend(const hack_extend_args *a) {
         w.pz = xalloc(sizeof(float) * P * LN);
         w.pf = xalloc(sizeof(float) * P * LN);
         w.qq = xalloc((size_t)d * LN);
+        w.qf = xalloc(sizeof(float) * d * LN);
+        w.pf8 = xalloc(sizeof(float) * ng * P * LN);
         w.sq = xalloc(sizeof(float) * ng * LN);
         w.mq = xalloc(sizeof(float) * ng * LN);
         w.qm = xalloc(sizeof(float) * LN);
@@ -705,7 +743,7 @@ int hack_extend(const hack_extend_args *a) {
         w.vf = xalloc(sizeof(float) * P * d);
         w.snk = xalloc(sizeof(float) * S1 * d);
         w.snv = xalloc(sizeof(float) * S1 * d);
-        void *all[] = {w.qt, w.m, w.l, w.o, w.t, w.nc, w.orow, w.s, w.pz, w.pf, w.qq, w.sq, w.mq, w.qm, w.pq,
+        void *all[] = {w.qt, w.m, w.l, w.o, w.t, w.nc, w.orow, w.s, w.pz, w.pf, w.qq, w.qf, w.pf8, w.sq, w.mq, w.qm, w.pq,
                        w.sp, w.mt, w.kb, w.vb, w.vq, w.ks, w.sk, w.mk, w.sv, w.mv, w.kf, w.vf, w.snk, w.snv};
         const int n_all = (int)(sizeof(all) / sizeof(all[0]));
         for (int i = 0; i < n_all; i++) failed |= all[i] == NULL;
