@@ -63,3 +63,11 @@ def apply_defaults(server_args: Any, capabilities: dict | None = None) -> str | 
            "(torch's BF16 matmul is ~50x slower than float32 here; pass --dtype to choose)")
     logger.warning(why)
     return why
+
+
+def weights_dtype(capabilities: dict | None = None):
+    """The torch dtype a server on this CPU runs a BF16 checkpoint's weights in, for in-process
+    benchmarks that stand for a server (their KV is cast to BF16 where a server's would be)."""
+    import torch
+
+    return torch.bfloat16 if bf16_arithmetic(capabilities) else torch.float32

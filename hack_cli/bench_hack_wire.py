@@ -54,6 +54,8 @@ def _real_kv(folder: Path, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
     from hack_eval.texts import essay_files
 
+    from engine.cpu_dtype import weights_dtype
+
     from .codec_kv import _layers
 
     tok = AutoTokenizer.from_pretrained(str(folder))
@@ -64,10 +66,13 @@ def _real_kv(folder: Path, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             break
     if len(ids) < n:
         raise ValueError(f"the essays hold {len(ids)} tokens, fewer than --tokens {n}")
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).eval()
+    # the weights in the dtype a server here runs them in (float32 on a CPU without BF16
+    # arithmetic), the KV in BF16 as a server's cache holds it
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=weights_dtype()).eval()
     with torch.no_grad():
         cache = model(torch.tensor([ids[:n]]), use_cache=True).past_key_values
-    return [(k[0].transpose(0, 1).contiguous(), v[0].transpose(0, 1).contiguous()) for k, v in _layers(cache)]
+    return [(k[0].transpose(0, 1).to(torch.bfloat16).contiguous(), v[0].transpose(0, 1).to(torch.bfloat16).contiguous())
+            for k, v in _layers(cache)]
 
 
 def measure(model: str, n: int, runs: int) -> dict:
