@@ -21,7 +21,9 @@ import requests
 from .cpu_runtime import shared_host_env
 from .generate_stream import stream_chunks
 
-STARTUP_TIMEOUT_S = 240.0
+# Two servers starting together on a 2-core AVX2 host (AMD EPYC Zen 3) took over 240 s to come up:
+# six processes importing SGLang at once.
+STARTUP_TIMEOUT_S = 480.0
 
 
 # A server binds its port ~30 s after we pick it. A port from the kernel's ephemeral range can be

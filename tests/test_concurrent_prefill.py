@@ -57,8 +57,11 @@ def servers(model_path, tmp_path_factory):
         if name not in started:
             i = names.index(name)
             for n, flags in SERVERS[i - i % 2: i - i % 2 + 2]:
+                # a fixed KV budget, not a fraction of the host's memory: SGLang's profile counts the
+                # other server of the pair against the fraction (with float32 weights, on a CPU
+                # without BF16 arithmetic, 0.1 left the second server no KV memory)
                 started[n] = SGLangServer(model_path, ["--kv-cache-dtype", "hack", *flags, "--chunked-prefill-size",
-                                                       str(CHUNK), "--mem-fraction-static", "0.1", "--random-seed",
+                                                       str(CHUNK), "--hack-kv-budget-mb", "256", "--random-seed",
                                                        "0", "--sleep-on-idle"], log_path=logs / f"{n}.log").start()
         return started[name].wait_ready()
 
