@@ -4,8 +4,8 @@ activate() picks SGLang's CPU platform on a machine without a GPU (enabling the 
 the sgl_kernel stand-in first) and its CUDA platform otherwise; in both cases the subclass
 returns engine.pool.HackKVPool for MHA models when the server runs `--kv-cache-dtype hack`,
 and SGLang's default pool otherwise. The CPU platform also defaults the model's dtype on a CPU
-without BF16 arithmetic (engine.cpu_dtype), for every server, HACK or not. sglang.srt.mem_cache is imported lazily: importing it
-while SGLang resolves its platform would be circular.
+without BF16 arithmetic (engine.cpu_dtype), for every server, HACK or not. sglang.srt.mem_cache
+is imported lazily: importing it while SGLang resolves its platform would be circular.
 """
 from __future__ import annotations
 

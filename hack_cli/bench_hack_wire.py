@@ -52,9 +52,8 @@ def _real_kv(folder: Path, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """[(K, V)] per layer, [n, heads, dim] BF16, for the first n tokens of the essays."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hack_eval.texts import essay_files
-
     from engine.cpu_dtype import weights_dtype
+    from hack_eval.texts import essay_files
 
     from .codec_kv import _layers
 

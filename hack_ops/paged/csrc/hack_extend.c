@@ -69,8 +69,8 @@ typedef struct {
     float *s;         /* [P][LN] scores, then numerators */
     float *pz, *pf;   /* [P][LN] numerators for the quantized and the FP16 P.V */
     uint8_t *qq;      /* [D/4][LN][4] Q codes */
-    float *qf;        /* [D][LN] Q codes as floats (plain-C build: lanes innermost, so loops vectorize) */
-    float *pf8;       /* [ng][P][LN] P codes as floats (plain-C build) */
+    float *qf;        /* [D][LN] Q codes as floats (plain-C build, instead of qq: lanes innermost) */
+    float *pf8;       /* [ng][P][LN] P codes as floats (plain-C build, instead of pq) */
     float *sq, *mq;   /* [ng][LN] */
     float *qm;        /* [LN] Q . m_K */
     uint8_t *pq;      /* [ng][P/4][LN][4] P codes */
@@ -284,7 +284,6 @@ static void quantize_q(const hack_extend_args *a, const float *qt, xscratch_t *w
                 float v = nearbyintf((qt[c * LN + l] * w->sk[c] - mn[l]) / sl[l]);
                 qf[l] = v < 0.0f ? 0.0f : (v > 255.0f ? 255.0f : v);
             }
-            for (int l = 0; l < LN; l++) w->qq[((c / 4) * LN + l) * 4 + (c & 3)] = (uint8_t)qf[l];
         }
     }
 #endif
@@ -403,14 +402,14 @@ static void quantize_p(const hack_extend_args *a, int nt, xscratch_t *w) {
             w->sp[g * LN + l] = sl[l];
             w->mt[g * LN + l] = mt[l];
         }
-        float *pf8 = w->pf8 + (int64_t)g * P * LN;
+        float *pf8 = w->pf8 + (int64_t)g * P * LN; /* the byte codes (pq) serve the SIMD build only */
+        (void)pq;
         for (int j = 0; j < nt4; j++) {
             const float sv = j < nt ? w->sv[j * ng + g] : 0.0f;
             for (int l = 0; l < LN; l++) {
                 float v = j < nt ? nearbyintf(w->pz[j * LN + l] * sv / sl[l]) : 0.0f;
                 pf8[j * LN + l] = v > 255.0f ? 255.0f : v;
             }
-            for (int l = 0; l < LN; l++) pq[((j / 4) * LN + l) * 4 + (j & 3)] = (uint8_t)pf8[j * LN + l];
         }
 #endif
     }
