@@ -28,16 +28,14 @@ import torch
 
 from hack_ops.modes import AttentionMode, PrefillMode, prefill_mode
 
+from . import cpu_dtype
+
 
 def cpu_has_amx_bf16(capabilities: dict | None = None, cpuinfo: str | None = None) -> bool:
     """Whether this CPU (or the given torch capabilities / /proc/cpuinfo text) has AMX-BF16."""
     if capabilities is None and cpuinfo is None:
-        get = getattr(torch.cpu, "get_capabilities", None)
-        if get is not None:
-            try:
-                capabilities = get()
-            except RuntimeError:  # cpuinfo could not initialize: read the kernel's flags instead
-                capabilities = None
+        # torch's view; when it cannot say ({}), the kernel's flags below
+        capabilities = cpu_dtype.cpu_capabilities() or None
     if capabilities is not None:
         return bool(capabilities.get("amx_bf16", False))
     if cpuinfo is None:
