@@ -12,7 +12,9 @@ A server that names `--dtype` keeps it. CPUs with AVX-512 but no BF16 are left a
 not measured.
 
 Applied through SGLang's platform plugin interface (engine.platform, `apply_server_args_defaults`),
-so every server on such a host gets it, HACK or not.
+so every server on such a host gets it, HACK or not. A model not in BF16 also needs
+`embeds_in_model_dtype`: upstream hands a request's `input_embeds` to the model as BF16 whatever
+the model's dtype, and a float32 model died in its first linear layer.
 """
 from __future__ import annotations
 
@@ -71,3 +73,24 @@ def weights_dtype(capabilities: dict | None = None):
     import torch
 
     return torch.bfloat16 if bf16_arithmetic(capabilities) else torch.float32
+
+
+def embeds_in_model_dtype(kwargs: dict, forward_batch: Any, dtype: Any) -> dict:
+    """The model's forward kwargs with `input_embeds` in the model's dtype. Upstream
+    (ModelRunner._extend_forward_kwargs) casts a request's input_embeds to BF16 unconditionally,
+    so a float32 (or float16) model raised "expected m1 and m2 to have the same dtype" in its
+    first linear and the scheduler died. They are rebuilt from the request's float32 values (not
+    from the BF16 copy: no precision lost), with the token replacements upstream scattered in."""
+    emb = kwargs.get("input_embeds")
+    if emb is None or dtype is None or emb.dtype == dtype:
+        return kwargs
+    src = getattr(forward_batch, "input_embeds", None)
+    if src is None:  # the model's own embeddings with replacements: already the model's dtype
+        kwargs["input_embeds"] = emb.to(dtype)
+        return kwargs
+    fixed = src.to(dtype, copy=True)
+    positions, values = getattr(forward_batch, "replace_positions", None), getattr(forward_batch, "replace_embeds", None)
+    if positions is not None and values is not None:
+        fixed[positions] = values.to(dtype)
+    kwargs["input_embeds"] = fixed
+    return kwargs

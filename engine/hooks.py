@@ -303,6 +303,14 @@ def _after_process_batch_result_prebuilt(result: Any, self: Any, batch: Any, *ar
     _metrics_call(on_prebuilt, batch)
 
 
+def _around_extend_forward_kwargs(original: Callable, self: Any, forward_batch: Any, *args: Any,
+                                  **kwargs: Any) -> dict:
+    from .cpu_dtype import embeds_in_model_dtype
+
+    return embeds_in_model_dtype(original(self, forward_batch, *args, **kwargs), forward_batch,
+                                 getattr(self, "dtype", None))
+
+
 def _around_create_abort_task(original: Callable, self: Any, obj: Any) -> Any:
     from .stream_abort import skip_unread
 
@@ -365,6 +373,10 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
          "that is not a string, a return_hidden_states that is neither a boolean nor 'last' and "
          "input_embeds rows not as wide as the hidden size with a 400 (upstream crashes the "
          "scheduler on each)"),
+    Hook("sglang.srt.model_executor.model_runner.ModelRunner._extend_forward_kwargs", "AROUND",
+         _around_extend_forward_kwargs, "input_embeds in the model's dtype (upstream casts them to BF16: "
+         "a float32 model, the default on a CPU without BF16 arithmetic, died in its first linear; "
+         "engine.cpu_dtype)"),
     Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager.create_abort_task", "AROUND",
          _around_create_abort_task, "a streamed request refused before it was read has nothing to "
          "abort (upstream's task raised and the connection was closed; engine.stream_abort)"),

@@ -57,3 +57,29 @@ def test_the_cpu_platform_applies_it():
     HackCpuPlatform().apply_server_args_defaults(a)
     expected = ("auto", "auto") if cpu_dtype.bf16_arithmetic() else ("float32", "bfloat16")
     assert (a.dtype, a.kv_cache_dtype) == expected
+
+
+def _batch(embeds, positions=None, values=None):
+    return SimpleNamespace(input_embeds=embeds, replace_positions=positions, replace_embeds=values)
+
+
+def test_input_embeds_reach_a_float32_model_in_float32():
+    """Upstream casts input_embeds to BF16 for every model; a float32 model died in its first
+    linear. They are rebuilt from the request's float32 values, replacements included."""
+    import torch
+
+    src = torch.tensor([[0.1, 0.2], [0.3, 1.0 / 3.0], [0.5, 0.6]])
+    upstream = {"input_embeds": src.bfloat16(), "other": 1}
+    out = cpu_dtype.embeds_in_model_dtype(dict(upstream), _batch(src), torch.float32)
+    assert out["input_embeds"].dtype == torch.float32 and torch.equal(out["input_embeds"], src)
+    assert out["other"] == 1
+    pos, vals = torch.tensor([1]), torch.tensor([[7.0, 8.0]])
+    out = cpu_dtype.embeds_in_model_dtype(dict(upstream), _batch(src, pos, vals), torch.float32)
+    assert out["input_embeds"][1].tolist() == [7.0, 8.0] and torch.equal(out["input_embeds"][0], src[0])
+    assert torch.equal(src[1], torch.tensor([0.3, 1.0 / 3.0]))  # the batch's own tensor is not written
+    # a BF16 model, or no input_embeds: upstream's kwargs as they were
+    assert cpu_dtype.embeds_in_model_dtype(dict(upstream), _batch(src), torch.bfloat16)["input_embeds"].dtype == torch.bfloat16
+    assert cpu_dtype.embeds_in_model_dtype({"other": 1}, _batch(None), torch.float32) == {"other": 1}
+    # the model's own embeddings with replacements scattered in (no request embeds): cast
+    own = {"input_embeds": torch.zeros(2, 2, dtype=torch.bfloat16)}
+    assert cpu_dtype.embeds_in_model_dtype(own, _batch(None), torch.float32)["input_embeds"].dtype == torch.float32
