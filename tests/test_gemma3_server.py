@@ -108,13 +108,16 @@ def test_capacity_same_budget(servers):
 
 def test_prefill_auto_is_resolved_at_startup(servers):
     """The 2-bit server runs the default `--hack-prefill auto`; its log names the prefill chosen
-    for this host and why (engine.prefill_choice): dense only on a CPU with AMX-BF16."""
-    from engine.prefill_choice import cpu_has_amx_bf16
+    for this host and why (engine.prefill_choice): dense on a CPU with AMX-BF16 or without the
+    INT8 kernel's AVX-512 VNNI path."""
+    from engine.prefill_choice import cpu_has_amx_bf16, int8_kernel_simd
 
     log = servers["hack-2bit"].log_path.read_text(errors="replace")
     lines = [ln for ln in log.splitlines() if "HACK prefill attention path:" in ln]
     assert len(lines) == 1 and "[--hack-prefill auto: " in lines[0], lines or log[-2000:]
-    if cpu_has_amx_bf16():
+    if not int8_kernel_simd():
+        assert "path: dense (" in lines[0] and "no AVX-512 VNNI" in lines[0], lines[0]
+    elif cpu_has_amx_bf16():
         assert "path: dense (" in lines[0] or "which AMX-BF16 does not speed up" in lines[0], lines[0]
     else:
         assert "path: dense (" not in lines[0] and "this CPU has no AMX-BF16" in lines[0], lines[0]
