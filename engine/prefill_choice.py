@@ -12,9 +12,11 @@ attention's time, while storing the prompt with the Triton store kernel and atte
 took 1.2-4.7x (the store is most of that at 2K); the dense GPU prefill itself has not run on a GPU yet
 (its pieces have: the store kernel and SDPA, in that benchmark).
 
-On a CPU without AVX-512 VNNI (AVX2 only) the INT8 kernel runs as plain C loops: SmolLM2's 2K
-prefill ran at 24 tok/s homomorphic against 232 dense (float32 weights, engine.cpu_dtype; AMD
-EPYC Zen 3), so `auto` is dense there, whatever the dtype.
+On a CPU without AVX-512 VNNI (AVX2 only) the INT8 kernel runs its AVX2 build (vpmaddubsw; plain C
+loops before it, when SmolLM2's 2K server prefill ran at 24 tok/s homomorphic against 232 dense):
+one layer's homomorphic prefill, store included, took x0.64-0.99 of SDPA's speed (SmolLM2 and
+Gemma-3 at 2K and 8K, AMD EPYC Zen 3, docs/engine.md), so `auto` is dense there, whatever the
+dtype: no slower, and the more accurate.
 
 The choice reads torch's own view of the CPU (torch.cpu.get_capabilities, what its kernels
 dispatch on), falling back to /proc/cpuinfo's flags, and asks the INT8 kernel's build whether
@@ -47,7 +49,8 @@ def cpu_has_amx_bf16(capabilities: dict | None = None, cpuinfo: str | None = Non
 
 
 def int8_kernel_simd() -> bool:
-    """Whether the homomorphic prefill's INT8 kernel was built with its AVX-512 VNNI path here."""
+    """Whether the homomorphic prefill's INT8 kernel was built with its AVX-512 VNNI path here
+    (its AVX2 build does not outrun dense attention)."""
     from hack_ops.paged import cpu_extend
 
     return cpu_extend.simd()
@@ -71,8 +74,9 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
                                    "(the homomorphic Triton prefill measured 3-17x slower, docs/kernels.md)")
     simd = int8_kernel_simd() if has_int8_simd is None else has_int8_simd
     if not simd:
-        return PrefillMode.DENSE, ("--hack-prefill auto: the INT8 kernel has no SIMD path on this CPU (no "
-                                   "AVX-512 VNNI: plain C loops, ~10x slower than dense here)")
+        return PrefillMode.DENSE, ("--hack-prefill auto: the INT8 kernel has no AVX-512 VNNI path on this CPU "
+                                   "(its AVX2 or plain-C build prefills no faster than dense here, and dense "
+                                   "is the more accurate)")
     amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
     if not amx:
         return PrefillMode.HOMOMORPHIC, ("--hack-prefill auto: this CPU has no AMX-BF16, so the INT8 kernel "

@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     from hack_ops.paged import cpu_extend
 
     say(f"attention on {_machine()}, {torch.get_num_threads()} threads, {args.clock} clock; "
-        f"CPU kernel: {'AVX-512 VNNI' if cpu_kernel.simd() else ('plain C' if cpu_kernel.load() else 'unavailable')}")
+        f"CPU kernel: {'AVX-512 VNNI' if cpu_kernel.simd() else ('plain C' if cpu_kernel.load() else 'unavailable')}"
+        f"{' (extend: AVX2)' if cpu_extend.tiled_path() == cpu_extend.ExtendPath.AVX2 else ''}")
     roof = roofline(clock)
     say("roofline: " + ", ".join(f"{k} {v}" for k, v in roof.items()))
     extend_path = None

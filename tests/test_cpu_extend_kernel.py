@@ -41,7 +41,7 @@ def _run_mixed(cfg, head_dim: int, rep: int, seed: int, heads: int = 2) -> Case:
     p = cfg.partition_size
     prefix, new = _mixed(p)
     case = Case(cfg, lens=[a + b for a, b in zip(prefix, new)], heads=heads, rep=rep, head_dim=head_dim, seed=seed)
-    assert cpu_extend.choose(case.store, "hack")[0] in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE)
+    assert cpu_extend.choose(case.store, "hack")[0] in cpu_extend.TILED
     case.check(case.extend(prefix, backend="cpu"), "prefix chunk")
     case.check(case.extend([a + b for a, b in zip(prefix, new)], backend="cpu"), "second chunk")
     case.finish()
@@ -83,9 +83,7 @@ def test_every_tail_length(variant, monkeypatch):
     cfg = make_cfg(partition_size=p, sink_tokens=1)
     prefix = [p + i for i in range(p)]
     case = Case(cfg, lens=[n + 37 for n in prefix], heads=1, rep=2, seed=22)
-    want = cpu_extend.ExtendPath.PORTABLE if variant == "portable" else cpu_extend.ExtendPath.VNNI
-    if variant == "tiled" and not cpu_extend.simd():
-        want = cpu_extend.ExtendPath.PORTABLE
+    want = cpu_extend.ExtendPath.PORTABLE if variant == "portable" else cpu_extend.tiled_path()
     assert cpu_extend.choose(case.store, "hack")[0] == want
     case.check(case.extend(prefix, backend="cpu"), "prefix")
     case.check(case.extend([n + 37 for n in prefix], backend="cpu"), "chunk")
@@ -104,7 +102,8 @@ def _direct(case: Case, **kw) -> torch.Tensor:
 def test_blocks_threads_and_builds_agree():
     """Each query row is computed by one thread from the same operands in the same order, so
     the work split (block size, thread count) changes no bit; the plain-C build matches the
-    VNNI build to the flip tolerance (same codes, other float order)."""
+    VNNI build to the flip tolerance (same codes, other float order), and the AVX2 build bit for
+    bit (the plain-C operations in the same order, 8 lanes a register)."""
     cfg = make_cfg(partition_size=32, sink_tokens=2)
     case = Case(cfg, lens=[150, 61], heads=2, rep=3, seed=23)
     plan = case.store.plan(case.table, case.rows, case.lens, case.lens)
@@ -118,8 +117,11 @@ def test_blocks_threads_and_builds_agree():
         assert torch.equal(base, _direct(case))
     finally:
         torch.set_num_threads(threads)
-    err = (base - _direct(case, variant="portable")).abs().amax(-1)
+    plain = _direct(case, variant="portable")
+    err = (base - plain).abs().amax(-1)
     assert float(err.max()) <= FLIP_TOL and float((err <= 5e-5).float().mean()) >= 0.9
+    if cpu_extend.tiled_path() == cpu_extend.ExtendPath.AVX2:
+        assert torch.equal(base, plain)
     ref = torch.cat(case.ref)
     assert float((base - ref).abs().amax(-1).max()) <= FLIP_TOL
 
@@ -158,7 +160,7 @@ def test_path_choice_and_reasons(monkeypatch):
     cfg = make_cfg(partition_size=32)
     case = Case(cfg, lens=[40], seed=25)
     path, why = cpu_extend.choose(case.store, "hack")
-    assert path == (cpu_extend.ExtendPath.VNNI if cpu_extend.simd() else cpu_extend.ExtendPath.PORTABLE)
+    assert path == cpu_extend.tiled_path()
     assert why.endswith(cpu_extend.amx_note()) and "AMX" in cpu_extend.describe(case.store, "hack")
     assert cpu_extend.choose(case.store, "dequant")[0] == cpu_extend.ExtendPath.TORCH
     assert cpu_extend.choose(case.store, "hack", backend="torch")[0] == cpu_extend.ExtendPath.TORCH

@@ -24,7 +24,7 @@ from test_cpu_extend_kernel import assert_extend_paths_agree
 from test_paged_attention import FLIP_TOL, ROUNDOFF_TOL, Case, make_cfg
 
 P = 32
-TILED = (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE)
+TILED = cpu_extend.TILED
 
 
 @pytest.fixture(autouse=True)
@@ -119,6 +119,8 @@ def test_pages_before_the_window_are_not_read():
     case.check({0: before}, "before")
     err = (before_portable - before).abs().amax(-1)
     assert float(err.max()) <= FLIP_TOL
+    if cpu_extend.tiled_path() == cpu_extend.ExtendPath.AVX2:  # the plain-C operations, in registers
+        assert torch.equal(before, before_portable)
     store = case.store
     for pg in plan.page_table[0, :lo].tolist():
         store.k_pages[0][pg] = 255
@@ -157,7 +159,7 @@ def test_choose_takes_the_tiled_kernel_for_window_layers(monkeypatch):
     """A window or soft-cap layer now takes the tiled kernel (it used to go per-query)."""
     monkeypatch.delenv("HACK_EXTEND_KERNEL", raising=False)
     case = Case(make_cfg(partition_size=P), lens=[40], seed=36)
-    want = cpu_extend.ExtendPath.VNNI if cpu_extend.simd() else cpu_extend.ExtendPath.PORTABLE
+    want = cpu_extend.tiled_path()
     for kw in ({"window": 511}, {"window": 16, "logit_cap": 30.0}, {"logit_cap": 50.0}):
         path, why = cpu_extend.choose(case.store, "hack", **kw)
         assert path == want and "tiled" in why, (kw, why)

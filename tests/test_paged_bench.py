@@ -20,7 +20,7 @@ def test_bench_attention_json(capsys, tmp_path):
     assert all(r["shape"] == "smollm2" and r["context"] == 200 and r["median_ms"] > 0 for r in decode)
     prefill = {r["method"] for r in doc["results"] if r["phase"] == "prefill"}
     assert prefill == {"hack", "hack-exact", "hack-store", "hack-attn", "bf16", "fp32", "dequant"}
-    assert doc["extend_path"].split()[0] in ("vnni", "portable", "per-query", "torch")
+    assert doc["extend_path"].split()[0] in ("vnni", "avx2", "portable", "per-query", "torch")
     assert doc["roofline"]["copy_gb_s"] > 0 and doc["roofline"]["bf16_gops"] > 0
     pre = [r for r in doc["ratios"] if r["phase"] == "prefill"][0]
     base = {(r["method"]): r["median_ms"] for r in doc["results"] if r["phase"] == "prefill"}

@@ -50,7 +50,7 @@ def test_auto_is_dense_where_the_int8_kernel_has_no_simd(dtype):
     for amx in (True, False):
         mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", dtype, has_amx_bf16=amx,
                                       has_int8_simd=False)
-        assert mode == PrefillMode.DENSE and "no SIMD path" in reason
+        assert mode == PrefillMode.DENSE and "no AVX-512 VNNI path" in reason
     here, _ = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", torch.float32, has_amx_bf16=False)
     assert here == (PrefillMode.HOMOMORPHIC if extend_simd() else PrefillMode.DENSE)
 

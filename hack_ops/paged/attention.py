@@ -163,7 +163,7 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
 
     # A kernel that lacks a feature the call needs declines (cpu_extend.choose says why).
     path, why = cpu_extend.choose(store, mode, generator, backend, window, logit_cap, prefill)
-    if path in (cpu_extend.ExtendPath.VNNI, cpu_extend.ExtendPath.PORTABLE):
+    if path in cpu_extend.TILED:
         kw, vw, woff = _fp16_windows(store, plan, k, v, snaps)
         return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, exact, window=window,
                                  logit_cap=logit_cap).to(q.dtype)

@@ -54,10 +54,14 @@ _P = ctypes.c_void_p
 
 
 class ExtendPath(str, Enum):
-    VNNI = "vnni"
-    PORTABLE = "portable"
+    VNNI = "vnni"  # the tiled kernel, INT8 dot products with AVX-512 VNNI
+    AVX2 = "avx2"  # the tiled kernel, INT8 dot products with AVX2 (vpmaddubsw + vpmaddwd)
+    PORTABLE = "portable"  # the tiled kernel in plain C
     PER_QUERY = "per-query"
     TORCH = "torch"
+
+
+TILED = (ExtendPath.VNNI, ExtendPath.AVX2, ExtendPath.PORTABLE)  # the tiled kernel's builds
 
 
 class _XArgs(ctypes.Structure):
@@ -76,6 +80,7 @@ def _lib(variant: str) -> ctypes.CDLL | None:
     lib.hack_extend.argtypes = [ctypes.POINTER(_XArgs)]
     lib.hack_extend.restype = ctypes.c_int
     lib.hack_extend_simd.restype = ctypes.c_int
+    lib.hack_extend_isa.restype = ctypes.c_int
     return lib
 
 
@@ -108,9 +113,12 @@ def choose(store, mode: AttentionMode | str, generator=None, backend: str = "aut
         return ExtendPath.TORCH, "backend='torch' asked for"
     tiled = why_not(store, mode, generator, build_variant(), prefill)
     if tiled is None:
-        if simd(build_variant()):
-            return ExtendPath.VNNI, f"tiled INT8 kernel with AVX-512 VNNI; {amx_note()}"
-        return ExtendPath.PORTABLE, f"tiled kernel in plain C (no AVX-512 VNNI in this build); {amx_note()}"
+        path = tiled_path(build_variant())
+        if path == ExtendPath.VNNI:
+            return path, f"tiled INT8 kernel with AVX-512 VNNI; {amx_note()}"
+        if path == ExtendPath.AVX2:
+            return path, f"tiled INT8 kernel with AVX2 (no AVX-512 VNNI on this CPU); {amx_note()}"
+        return path, f"tiled kernel in plain C (no AVX2 or AVX-512 VNNI in this build); {amx_note()}"
     per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap,
                                    prefill=prefill)
     if per_query is None:
@@ -126,8 +134,17 @@ def describe(store, mode: AttentionMode | str, generator=None,
 
 
 def simd(variant: str = "native") -> bool:
+    """Whether the build has the AVX-512 VNNI path."""
     lib = _lib(variant)
     return bool(lib is not None and lib.hack_extend_simd())
+
+
+def tiled_path(variant: str = "native") -> ExtendPath:
+    """Which instructions the tiled kernel's INT8 dot products use in this build (PORTABLE when
+    the library cannot be loaded: why_not says why)."""
+    lib = _lib(variant)
+    isa = lib.hack_extend_isa() if lib is not None else 0
+    return {2: ExtendPath.VNNI, 1: ExtendPath.AVX2}.get(isa, ExtendPath.PORTABLE)
 
 
 def _i64(x) -> torch.Tensor:

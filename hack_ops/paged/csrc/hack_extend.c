@@ -49,6 +49,8 @@
 #define NO_WINDOW ((int64_t)1 << 48) /* a window no position reaches past: t - it < 0 */
 
 int hack_extend_simd(void) { return HACK_SIMD; }
+/* The instruction set of the INT8 dot products: 2 AVX-512 VNNI, 1 AVX2, 0 plain C. */
+int hack_extend_isa(void) { return HACK_SIMD ? 2 : (HACK_AVX2 ? 1 : 0); }
 
 /* The first page a query at position >= t0 can see: the one holding key t0-window (0 without
  * a window). Pages before it are not read. */
@@ -101,6 +103,42 @@ static inline __m512 xexp_neg16(__m512 x) {
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+#if HACK_AVX2
+/* acc (8 dwords) += the dot product of each dword's 4 unsigned bytes of u with s's 4 signed
+ * bytes: vpmaddubsw pairs (no saturation here: u <= 255, s <= 15, a pair <= 7,650), vpmaddwd
+ * with ones sums the pairs. Exact, as vpdpbusd. */
+static inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+
+/* hack_exp_neg on 8 lanes: the same operations in the same order (no FMA), so the same
+ * numerators as the plain-C build */
+static inline __m256 xexp_neg8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_add_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))), _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* max(x, 0) < 255 kept, rounded to nearest: the code a float quantizes to, 8 lanes at once */
+static inline __m256 round_codes(__m256 x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* s > 0 ? s : 1 (a range of zero quantizes with scale 1, as the reference) */
+static inline __m256 nonzero_scale(__m256 s) {
+    return _mm256_blendv_ps(_mm256_set1_ps(1.0f), s, _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ));
 }
 #endif
 
@@ -179,7 +217,7 @@ static void interleave4(const uint8_t *vb, int P, int d, uint8_t *vq) {
         const uint8_t *r0 = vb + (4 * j4) * d;
         uint8_t *dst = vq + (int64_t)j4 * d * 4;
         int c = 0;
-#if HACK_SIMD
+#if HACK_SIMD || HACK_AVX2
         for (; c + 16 <= d; c += 16) {
             __m128i a = _mm_loadu_si128((const __m128i *)(r0 + c)), b = _mm_loadu_si128((const __m128i *)(r0 + d + c));
             __m128i e = _mm_loadu_si128((const __m128i *)(r0 + 2 * d + c)), f = _mm_loadu_si128((const __m128i *)(r0 + 3 * d + c));
@@ -257,6 +295,37 @@ static void quantize_q(const hack_extend_args *a, const float *qt, xscratch_t *w
             _mm512_storeu_si512(w->qq + c4 * LN * 4, quad);
         }
     }
+#elif HACK_AVX2
+    /* the plain-C arithmetic below, 8 lanes a register (same operations, same order: the same
+     * codes), into the quad layout the INT8 dot products read */
+    for (int h = 0; h < 2; h++) {
+        const float *qh = qt + 8 * h;
+        __m256 qm = _mm256_setzero_ps();
+        for (int c = 0; c < d; c++) qm = _mm256_add_ps(qm, _mm256_mul_ps(_mm256_loadu_ps(qh + c * LN), _mm256_set1_ps(w->mk[c])));
+        _mm256_storeu_ps(w->qm + 8 * h, qm);
+        for (int g = 0; g < ng; g++) {
+            __m256 mn = _mm256_set1_ps(INFINITY), mx = _mm256_set1_ps(-INFINITY);
+            for (int c = g * gd; c < (g + 1) * gd; c++) {
+                const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh + c * LN), _mm256_set1_ps(w->sk[c]));
+                mn = _mm256_min_ps(mn, x);
+                mx = _mm256_max_ps(mx, x);
+            }
+            const __m256 s = nonzero_scale(_mm256_div_ps(_mm256_sub_ps(mx, mn), _mm256_set1_ps(255.0f)));
+            _mm256_storeu_ps(w->sq + g * LN + 8 * h, s);
+            _mm256_storeu_ps(w->mq + g * LN + 8 * h, mn);
+            for (int c4 = g * gd / 4; c4 < (g + 1) * gd / 4; c4++) {
+                __m256i quad = _mm256_setzero_si256();
+                for (int k = 0; k < 4; k++) {
+                    const int c = 4 * c4 + k;
+                    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(qh + c * LN), _mm256_set1_ps(w->sk[c]));
+                    __m256 v = round_codes(_mm256_div_ps(_mm256_sub_ps(x, mn), s));
+                    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_setzero_ps()), _mm256_set1_ps(255.0f));
+                    quad = _mm256_or_si256(quad, _mm256_slli_epi32(_mm256_cvtps_epi32(v), 8 * k));
+                }
+                _mm256_storeu_si256((__m256i *)(w->qq + c4 * LN * 4 + 32 * h), quad);
+            }
+        }
+    }
 #else
     /* lanes innermost (contiguous in qt), so the compiler vectorizes over the 16 rows; the
      * arithmetic per element is the SIMD build's, so the codes are the same */
@@ -312,6 +381,37 @@ static void scores_quant(const hack_extend_args *a, xscratch_t *w) {
             }
         }
     }
+#elif HACK_AVX2
+    /* 4 tokens x 16 rows (two registers) at a time; the float epilogue is the plain-C one (the
+     * running scores stay in w->s: held in registers across groups they pushed the integer
+     * accumulators out to the stack) */
+    const int32_t *kq = (const int32_t *)w->kb; /* [P][D/4] quads */
+    for (int j0 = 0; j0 < P; j0 += 4) {
+        for (int t = 0; t < 4; t++) memcpy(w->s + (j0 + t) * LN, w->qm, sizeof(float) * LN);
+        for (int g = 0; g < ng; g++) {
+            __m256i acc[4][2];
+            for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+            for (int c4 = g * gd / 4; c4 < (g + 1) * gd / 4; c4++) {
+                const __m256i q0 = _mm256_loadu_si256((const __m256i *)(w->qq + c4 * LN * 4));
+                const __m256i q1 = _mm256_loadu_si256((const __m256i *)(w->qq + c4 * LN * 4 + 32));
+                const int32_t *kc = kq + j0 * dq + c4;
+                for (int t = 0; t < 4; t++) {
+                    const __m256i kv = _mm256_set1_epi32(kc[t * dq]);
+                    acc[t][0] = dot4_acc(acc[t][0], q0, kv);
+                    acc[t][1] = dot4_acc(acc[t][1], q1, kv);
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const __m256 sq = _mm256_loadu_ps(w->sq + g * LN + 8 * h), mq = _mm256_loadu_ps(w->mq + g * LN + 8 * h);
+                for (int t = 0; t < 4; t++) {
+                    float *st = w->s + (j0 + t) * LN + 8 * h;
+                    const __m256 v = _mm256_add_ps(_mm256_mul_ps(sq, _mm256_cvtepi32_ps(acc[t][h])),
+                                                   _mm256_mul_ps(mq, _mm256_set1_ps(w->ks[(j0 + t) * ng + g])));
+                    _mm256_storeu_ps(st, _mm256_add_ps(_mm256_loadu_ps(st), v));
+                }
+            }
+        }
+    }
 #else
     /* integer dot products in float: codes are small integers (Q < 256, K < 16, a group at most
      * 256 channels), so every partial sum is an integer below 2^24 and exact, as in vpdpbusd */
@@ -345,6 +445,23 @@ static void scores_fp(const float *qt, const float *x, int n, int d, float *dst)
             for (int t = 0; t < 8; t++) acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(qv, _mm512_set1_ps(x[(j + t) * d + c])));
         }
         for (int t = 0; t < 8; t++) _mm512_storeu_ps(dst + (j + t) * LN, acc[t]);
+    }
+#elif HACK_AVX2
+    for (; j + 4 <= n; j += 4) { /* the loop below, 4 keys x 16 rows in registers */
+        __m256 acc[4][2];
+        for (int t = 0; t < 4; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        for (int c = 0; c < d; c++) {
+            const __m256 q0 = _mm256_loadu_ps(qt + c * LN), q1 = _mm256_loadu_ps(qt + c * LN + 8);
+            for (int t = 0; t < 4; t++) {
+                const __m256 xv = _mm256_set1_ps(x[(j + t) * d + c]);
+                acc[t][0] = _mm256_add_ps(acc[t][0], _mm256_mul_ps(q0, xv));
+                acc[t][1] = _mm256_add_ps(acc[t][1], _mm256_mul_ps(q1, xv));
+            }
+        }
+        for (int t = 0; t < 4; t++) {
+            _mm256_storeu_ps(dst + (j + t) * LN, acc[t][0]);
+            _mm256_storeu_ps(dst + (j + t) * LN + 8, acc[t][1]);
+        }
     }
 #endif
     for (; j < n; j++) {
@@ -385,6 +502,29 @@ static void quantize_p(const hack_extend_args *a, int nt, xscratch_t *w) {
                 quad = _mm512_or_si512(quad, _mm512_slli_epi32(_mm512_cvtps_epi32(v), 8 * k));
             }
             _mm512_storeu_si512(pq + j4 * LN * 4, quad);
+        }
+#elif HACK_AVX2
+        /* the plain-C arithmetic below, 8 lanes a register, into the quad layout */
+        for (int h = 0; h < 2; h++) {
+            __m256 mx = _mm256_setzero_ps(), mt = _mm256_setzero_ps();
+            for (int j = 0; j < nt; j++) {
+                const __m256 p = _mm256_loadu_ps(w->pz + j * LN + 8 * h);
+                mx = _mm256_max_ps(mx, _mm256_mul_ps(p, _mm256_set1_ps(w->sv[j * ng + g])));
+                mt = _mm256_add_ps(mt, _mm256_mul_ps(p, _mm256_set1_ps(w->mv[j * ng + g])));
+            }
+            const __m256 s = nonzero_scale(_mm256_div_ps(mx, _mm256_set1_ps(255.0f)));
+            _mm256_storeu_ps(w->sp + g * LN + 8 * h, s);
+            _mm256_storeu_ps(w->mt + g * LN + 8 * h, mt);
+            for (int j4 = 0; j4 < nt4 / 4; j4++) {
+                __m256i quad = _mm256_setzero_si256();
+                for (int k = 0; k < 4 && 4 * j4 + k < nt; k++) {
+                    const int j = 4 * j4 + k;
+                    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(w->pz + j * LN + 8 * h), _mm256_set1_ps(w->sv[j * ng + g]));
+                    v = _mm256_min_ps(round_codes(_mm256_div_ps(v, s)), _mm256_set1_ps(255.0f));
+                    quad = _mm256_or_si256(quad, _mm256_slli_epi32(_mm256_cvtps_epi32(v), 8 * k));
+                }
+                _mm256_storeu_si256((__m256i *)(pq + j4 * LN * 4 + 32 * h), quad);
+            }
         }
 #else
         float mx[LN] = {0}, mt[LN] = {0}, sl[LN];
@@ -437,6 +577,33 @@ static void pv_quant(const hack_extend_args *a, int nt, xscratch_t *w, float *o)
             _mm512_storeu_ps(oc, _mm512_add_ps(_mm512_fmadd_ps(sp, _mm512_cvtepi32_ps(acc[cc]), _mm512_loadu_ps(oc)), mt));
         }
     }
+#elif HACK_AVX2
+    /* 4 channels x 16 rows at a time; the float epilogue is the plain-C one */
+    const int32_t *vq = (const int32_t *)w->vq; /* [P/4][D] quads */
+    for (int c0 = 0; c0 < d; c0 += 4) {
+        const int g = c0 / gd; /* a group spans a multiple of 16 channels */
+        const uint8_t *pq = w->pq + (int64_t)g * (P / 4) * LN * 4;
+        __m256i acc[4][2];
+        for (int cc = 0; cc < 4; cc++) acc[cc][0] = acc[cc][1] = _mm256_setzero_si256();
+        for (int j4 = 0; j4 < n4; j4++) {
+            const __m256i p0 = _mm256_loadu_si256((const __m256i *)(pq + j4 * LN * 4));
+            const __m256i p1 = _mm256_loadu_si256((const __m256i *)(pq + j4 * LN * 4 + 32));
+            const int32_t *vc = vq + j4 * d + c0;
+            for (int cc = 0; cc < 4; cc++) {
+                const __m256i vv = _mm256_set1_epi32(vc[cc]);
+                acc[cc][0] = dot4_acc(acc[cc][0], p0, vv);
+                acc[cc][1] = dot4_acc(acc[cc][1], p1, vv);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            const __m256 sp = _mm256_loadu_ps(w->sp + g * LN + 8 * h), mt = _mm256_loadu_ps(w->mt + g * LN + 8 * h);
+            for (int cc = 0; cc < 4; cc++) {
+                float *oc = o + (c0 + cc) * LN + 8 * h;
+                const __m256 v = _mm256_add_ps(_mm256_mul_ps(sp, _mm256_cvtepi32_ps(acc[cc][h])), mt);
+                _mm256_storeu_ps(oc, _mm256_add_ps(_mm256_loadu_ps(oc), v));
+            }
+        }
+    }
 #else
     /* exact integer sums in float, as in scores_quant; V codes from the unpacked page w->vb
      * (slots at or past nt hold code 0, their P codes are 0 too) */
@@ -466,6 +633,23 @@ static void pv_fp(const float *p, const float *x, int n, int d, float *o) {
             for (int k = 0; k < 8; k++) acc[k] = _mm512_fmadd_ps(pj, _mm512_set1_ps(x[j * d + c + k]), acc[k]);
         }
         for (int k = 0; k < 8; k++) _mm512_storeu_ps(o + (c + k) * LN, acc[k]);
+    }
+#elif HACK_AVX2
+    for (; c + 4 <= d; c += 4) { /* the loop below, 4 channels x 16 rows in registers */
+        __m256 acc[4][2];
+        for (int k = 0; k < 4; k++) acc[k][0] = _mm256_loadu_ps(o + (c + k) * LN), acc[k][1] = _mm256_loadu_ps(o + (c + k) * LN + 8);
+        for (int j = 0; j < n; j++) {
+            const __m256 p0 = _mm256_loadu_ps(p + j * LN), p1 = _mm256_loadu_ps(p + j * LN + 8);
+            for (int k = 0; k < 4; k++) {
+                const __m256 xv = _mm256_set1_ps(x[j * d + c + k]);
+                acc[k][0] = _mm256_add_ps(acc[k][0], _mm256_mul_ps(p0, xv));
+                acc[k][1] = _mm256_add_ps(acc[k][1], _mm256_mul_ps(p1, xv));
+            }
+        }
+        for (int k = 0; k < 4; k++) {
+            _mm256_storeu_ps(o + (c + k) * LN, acc[k][0]);
+            _mm256_storeu_ps(o + (c + k) * LN + 8, acc[k][1]);
+        }
     }
 #endif
     for (; c < d; c++) {
@@ -572,6 +756,21 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
             m[l] = mn;
             add[l] = 0.0f;
         }
+#if HACK_AVX2
+        /* the loop below with the exp in registers (gcc leaves hack_exp_neg scalar there) */
+        for (int h = 0; h < 2; h++) {
+            const __m256 mh = _mm256_loadu_ps(m + 8 * h), ninf = _mm256_set1_ps(-INFINITY);
+            __m256 sum = _mm256_setzero_ps();
+            for (int j = 0; j < ns; j++) {
+                float *sj = w->s + j * LN + 8 * h;
+                const __m256 x = _mm256_loadu_ps(sj);
+                const __m256 e = _mm256_and_ps(xexp_neg8(_mm256_sub_ps(x, mh)), _mm256_cmp_ps(x, ninf, _CMP_NEQ_OQ));
+                _mm256_storeu_ps(sj, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            _mm256_storeu_ps(add + 8 * h, sum);
+        }
+#else
         for (int j = 0; j < ns; j++) {
             float *sj = w->s + j * LN;
             for (int l = 0; l < LN; l++) {
@@ -579,6 +778,7 @@ static void group_page(const hack_extend_args *a, xscratch_t *w, int gr, int64_t
                 add[l] += sj[l];
             }
         }
+#endif
         for (int l = 0; l < LN; l++) lsum[l] = lsum[l] * alpha[l] + add[l];
         for (int c = 0; c < d; c++)
             for (int l = 0; l < LN; l++) o[c * LN + l] *= alpha[l];

@@ -11,7 +11,14 @@
 #else
 #define HACK_SIMD 0
 #endif
-#if HACK_SIMD || defined(__F16C__)
+/* AVX2 without AVX-512 VNNI (AMD Zen 2/3, Intel Haswell..Comet Lake): the extend kernel's
+ * INT8 dot products run as vpmaddubsw + vpmaddwd on 8 lanes (exact integer sums, as vpdpbusd). */
+#if !HACK_SIMD && defined(__AVX2__)
+#define HACK_AVX2 1
+#else
+#define HACK_AVX2 0
+#endif
+#if HACK_SIMD || HACK_AVX2 || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -117,5 +124,6 @@ typedef struct {
 
 int hack_extend(const hack_extend_args *a);
 int hack_extend_simd(void);
+int hack_extend_isa(void);
 
 #endif
