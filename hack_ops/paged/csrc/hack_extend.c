@@ -34,6 +34,11 @@
  * the reference does, (x - min) / s: a reciprocal multiply was tried and flipped Q' codes often
  * enough to move rows past the tolerance. Tests state the resulting tolerances.
  *
+ * Builds: AVX-512 VNNI (HACK_SIMD, above); AVX2 without it (HACK_AVX2: the same tiles, 8 lanes a
+ * register, the INT8 dot products as vpmaddubsw + vpmaddwd, every float step the plain-C build's
+ * in the same order, so both give the same bits); plain C (lanes innermost, vectorized by the
+ * compiler where it can).
+ *
  * AMX-INT8 is not built: the machine this was written and tested on has no AMX, and a path
  * that cannot be run is not shipped.
  */
@@ -131,7 +136,7 @@ static inline __m256 xexp_neg8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* max(x, 0) < 255 kept, rounded to nearest: the code a float quantizes to, 8 lanes at once */
+/* x rounded to the nearest integer, ties to even (nearbyintf's rounding): a code before its clamp */
 static inline __m256 round_codes(__m256 x) {
     return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
