@@ -2,8 +2,10 @@
 property-based fuzzing (hypothesis, fixed seed, bounded cases) of /generate, /v1/completions and
 /v1/chat/completions, and schema fuzzing (schemathesis, from the server's own /openapi.json, of
 every generation endpoint it serves: disagg.schema_fuzz, disagg.fuzz_scope), first on one
-colocated HACK server (`--kv-cache-dtype hack`), then on a colocated BF16 server (schema fuzzing,
-the same requests), then through the router of a 1P1D HACK cluster on loopback (the catalogue
+colocated HACK server, then on a colocated BF16 server (schema fuzzing, the same requests): the
+shared test servers of tests/shared_servers.py (a server start costs this 2-core machine more than
+a fuzz class; the fuzz property does not depend on their prefill mode or KV budget, and
+`hack bench fuzz` fuzzes its own servers, disagg.fuzz_run.COLOCATED_ARGS), then through the router of a 1P1D HACK cluster on loopback (the catalogue
 and hypothesis; the schema requests through the router are `hack bench fuzz --targets router`:
 the Rust router answers some itself with a 501 or not at all, docs/reliability.md). The property:
 never a 5xx, never a dropped connection or a timeout (a 200 is fine: some generated bodies are
@@ -27,7 +29,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from disagg import cluster, procs
 from disagg.fuzz_bodies import request_bodies
 from disagg.fuzz_draws import module_independent
-from disagg.fuzz_run import COLOCATED_ARGS, Target, TargetRun, fuzz_target, router_problems, server_problems
+from disagg.fuzz_run import Target, TargetRun, fuzz_target, router_problems, server_problems
 from disagg.fuzz_scope import CI_CORE, NOT_FUZZED, fuzzed_operations
 from disagg.malformed import ROUTER_ANSWERS, BadRequest, Endpoint, bad_requests, send
 from disagg.schema_fuzz import FAILURE_BODY_BYTES, Budget, FuzzRequest, build_requests, fetch_document, same_api
@@ -160,34 +162,14 @@ def _still_generates(url: str) -> None:
 
 # ---------------------------------------------------------------- one colocated HACK server
 
-@pytest.fixture(scope="module")
-def colocated(model_path, tmp_path_factory) -> dict[Target, SGLangServer]:
-    """The fuzzed HACK and BF16 servers, started together (two starts overlap on two cores; the
-    BF16 one sleeps while the HACK one is fuzzed). Each class stops its server when it ends."""
-    logs = tmp_path_factory.mktemp("fuzz")
-    servers = {Target.HACK: SGLangServer(model_path, COLOCATED_ARGS[Target.HACK], log_path=logs / "hack.log"),
-               Target.BF16: SGLangServer(model_path, COLOCATED_ARGS[Target.BF16], log_path=logs / "bf16.log")}
-    try:
-        for srv in servers.values():
-            srv.start()
-        yield servers
-    finally:
-        for srv in servers.values():
-            srv.stop()
-
-
-def _class_server(srv: SGLangServer):
-    try:
-        yield srv.wait_ready()
-    finally:
-        srv.stop()  # before the cluster of a later class starts (memory)
-
-
 @pytest.fixture(scope="class")
-def server(colocated):
-    yield from _class_server(colocated[Target.HACK])
+def server(shared_servers) -> SGLangServer:
+    """The shared HACK server (the BF16 one starts with it: two starts overlap on two cores, and the
+    idle one sleeps)."""
+    return shared_servers.get("smollm2_hack", starting_with=("smollm2_bf16",))
 
 
+@pytest.mark.shared_servers("smollm2_hack", "smollm2_bf16")
 class TestColocated:
     def _check_after(self, srv: SGLangServer) -> None:
         _assert_serving_and_idle(srv.url, lambda: srv.proc.poll() is None, "the HACK server")
@@ -226,10 +208,11 @@ class TestColocated:
 # ---------------------------------------------------------------- one colocated BF16 server
 
 @pytest.fixture(scope="class")
-def bf16_server(colocated):
-    yield from _class_server(colocated[Target.BF16])
+def bf16_server(shared_servers) -> SGLangServer:
+    return shared_servers.get("smollm2_bf16")
 
 
+@pytest.mark.shared_servers("smollm2_bf16")
 class TestBf16:
     def test_schema_fuzz_never_5xx(self, bf16_server, schema_cache):
         srv = bf16_server
