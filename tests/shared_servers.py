@@ -21,7 +21,7 @@ SMOLLM2_BUDGET_MB = "256"
 # (--hack-prefill auto is dense on a CPU with AMX-BF16) so that the bars of the tests mean the same
 # on every host. Both record metrics, each into its own directory, as every `hack up` server does
 # (tests/test_engine_server.py reads the HACK server's; tests/test_engine_speed.py compares the
-# two servers' decode speed, so both pay the recording alike).
+# two servers' decode speed, so both pay the recording alike). tests/test_fuzz_api.py fuzzes both.
 COMMON = ["--hack-kv-budget-mb", SMOLLM2_BUDGET_MB, "--sleep-on-idle", "--random-seed", "0"]
 SPECS: dict[str, list[str]] = {
     "smollm2_hack": ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic", *COMMON],
