@@ -5,9 +5,10 @@ every generation endpoint it serves: disagg.schema_fuzz, disagg.fuzz_scope), fir
 colocated HACK server, then on a colocated BF16 server (schema fuzzing, the same requests): the
 shared test servers of tests/shared_servers.py (a server start costs this 2-core machine more than
 a fuzz class; the fuzz property does not depend on their prefill mode or KV budget, and
-`hack bench fuzz` fuzzes its own servers, disagg.fuzz_run.COLOCATED_ARGS), then through the router of a 1P1D HACK cluster on loopback (the catalogue
-and hypothesis; the schema requests through the router are `hack bench fuzz --targets router`:
-the Rust router answers some itself with a 501 or not at all, docs/reliability.md). The property:
+`hack bench fuzz` fuzzes its own servers, disagg.fuzz_run.COLOCATED_ARGS), then through the
+router of a 1P1D HACK cluster on loopback (the catalogue and hypothesis; the schema requests
+through the router are `hack bench fuzz --targets router`: the Rust router answers some itself
+with a 501 or not at all, docs/reliability.md). The property:
 never a 5xx, never a dropped connection or a timeout (a 200 is fine: some generated bodies are
 valid, and they are kept cheap); afterwards every server is alive, healthy, still generates, and
 its KV pool is back to idle, and the router still counts every worker healthy.
