@@ -79,7 +79,6 @@ def _lib(variant: str) -> ctypes.CDLL | None:
         return None
     lib.hack_extend.argtypes = [ctypes.POINTER(_XArgs)]
     lib.hack_extend.restype = ctypes.c_int
-    lib.hack_extend_simd.restype = ctypes.c_int
     lib.hack_extend_isa.restype = ctypes.c_int
     return lib
 
@@ -135,8 +134,7 @@ def describe(store, mode: AttentionMode | str, generator=None,
 
 def simd(variant: str = "native") -> bool:
     """Whether the build has the AVX-512 VNNI path."""
-    lib = _lib(variant)
-    return bool(lib is not None and lib.hack_extend_simd())
+    return tiled_path(variant) == ExtendPath.VNNI
 
 
 def tiled_path(variant: str = "native") -> ExtendPath:

@@ -53,7 +53,6 @@
 #define LN 16 /* query rows per lane group */
 #define NO_WINDOW ((int64_t)1 << 48) /* a window no position reaches past: t - it < 0 */
 
-int hack_extend_simd(void) { return HACK_SIMD; }
 /* The instruction set of the INT8 dot products: 2 AVX-512 VNNI, 1 AVX2, 0 plain C. */
 int hack_extend_isa(void) { return HACK_SIMD ? 2 : (HACK_AVX2 ? 1 : 0); }
 

@@ -123,7 +123,6 @@ typedef struct {
 } hack_extend_args;
 
 int hack_extend(const hack_extend_args *a);
-int hack_extend_simd(void);
 int hack_extend_isa(void);
 
 #endif
