@@ -114,28 +114,41 @@ def _text(driver) -> str:
     return driver.find_element(By.TAG_NAME, "body").text
 
 
+# The helpers below read the page in one script each, inside the browser: a page that re-renders
+# every second replaces its chart elements, and a check made of several WebDriver round trips
+# (find the charts, then read each title) meets replaced elements whenever a render takes about
+# as long as the refresh period (a slow or loaded host).
+_CHARTS_JS = """
+const charts = Array.from(document.querySelectorAll('[data-testid="stPlotlyChart"]'));
+const title = c => { const t = c.querySelector('.gtitle'); return t ? t.textContent : ''; };
+"""
+
+
 def _titles(driver) -> list[str]:
-    from selenium.webdriver.common.by import By
-    return [e.text for e in driver.find_elements(By.CSS_SELECTOR,
-                                                 '[data-testid="stPlotlyChart"] .gtitle')]
+    return driver.execute_script(_CHARTS_JS + "return charts.map(title);")
 
 
-def _chart(driver, title_start: str):
-    from selenium.webdriver.common.by import By
-    for chart in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stPlotlyChart"]'):
-        titles = chart.find_elements(By.CSS_SELECTOR, ".gtitle")
-        if titles and titles[0].text.startswith(title_start):
-            return chart
-    return None
+def _in_chart(driver, title_start: str, selector: str) -> list[str] | None:
+    """The text of each `selector` element of the first chart whose title starts with
+    `title_start`; None while no such chart is on the page."""
+    return driver.execute_script(_CHARTS_JS + """
+const c = charts.find(c => title(c).startsWith(arguments[0]));
+return c ? Array.from(c.querySelectorAll(arguments[1])).map(e => e.textContent) : null;""",
+                                 title_start, selector)
+
+
+def _count_in_chart(driver, title_start: str, selector: str) -> int:
+    return len(_in_chart(driver, title_start, selector) or ())
 
 
 def _metric(driver, label: str) -> str | None:
-    from selenium.webdriver.common.by import By
-    for m in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stMetric"]'):
-        lab = m.find_elements(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]')
-        if lab and lab[0].text.strip() == label:
-            return m.find_element(By.CSS_SELECTOR, '[data-testid="stMetricValue"]').text
-    return None
+    return driver.execute_script("""
+for (const m of document.querySelectorAll('[data-testid="stMetric"]')) {
+  const lab = m.querySelector('[data-testid="stMetricLabel"]');
+  const val = m.querySelector('[data-testid="stMetricValue"]');
+  if (lab && val && lab.textContent.trim() === arguments[0]) return val.textContent;
+}
+return null;""", label)
 
 
 def _no_crash(driver) -> None:
@@ -158,11 +171,9 @@ def test_run_page_shows_timeline_breakdown_and_memory(dashboard, runs, browser):
               "KV cache memory over time")
     _wait(browser, "the four main charts",
           lambda: all(any(t.startswith(n) for t in _titles(browser)) for n in needed))
-    timeline = _chart(browser, "Request timeline")
-    bars = timeline.find_elements(By.CSS_SELECTOR, ".barlayer .point")
-    assert len(bars) >= 3 * 147          # queue, prefill, transfer, decode, ... per request
-    memory = _chart(browser, "KV cache memory over time")
-    assert len(memory.find_elements(By.CSS_SELECTOR, ".scatterlayer .trace")) == 8
+    # queue, prefill, transfer, decode, ... per request
+    assert _count_in_chart(browser, "Request timeline", ".barlayer .point") >= 3 * 147
+    assert _count_in_chart(browser, "KV cache memory over time", ".scatterlayer .trace") == 8
     assert _metric(browser, "finished") == "147"
     assert "Synthetic run" in _text(browser)
     _no_crash(browser)
@@ -181,17 +192,15 @@ def test_damaged_run_warns_in_the_page(dashboard, runs, browser):
     text = _wait(browser, "warnings about both damaged streams", alerts)
     assert "truncated or corrupted" in text and "corrupted" in text
     _wait(browser, "the timeline of what could be read",
-          lambda: _chart(browser, "Request timeline"))
+          lambda: _in_chart(browser, "Request timeline", ".gtitle"))
     _no_crash(browser)
     _shot(browser, "dashboard-damaged.png")
 
 
 def test_compare_view_puts_two_runs_side_by_side(dashboard, runs, browser):
-    from selenium.webdriver.common.by import By
     browser.get(f"{dashboard}/?run={runs['hack'].name}&compare={runs['bf16'].name}")
-    avg = _wait(browser, "the comparison breakdown",
-                lambda: _chart(browser, "Average JCT breakdown"))
-    ticks = [t.text for t in avg.find_elements(By.CSS_SELECTOR, ".xtick text")]
+    ticks = _wait(browser, "the comparison breakdown",
+                  lambda: _in_chart(browser, "Average JCT breakdown", ".xtick text"))
     assert ticks == ["hack", "bf16"]
     _no_crash(browser)
     _shot(browser, "dashboard-compare.png")

@@ -25,7 +25,7 @@ from disagg.replay import generate
 from hack_metrics import rundir
 from hack_metrics.http_client import HttpRunLoader
 from hack_metrics.run_view import build_view
-from test_dashboard_browser import (ARTIFACTS, _chart, _free_port, _metric, _no_crash, _text,
+from test_dashboard_browser import (ARTIFACTS, _count_in_chart, _free_port, _metric, _no_crash, _text,
                                     _titles, _wait)
 from test_metrics_grafana import exposition_names, grafana_queries, metric_names
 
@@ -210,32 +210,20 @@ def _sigterm_stops(proc: subprocess.Popen) -> float:
 
 def _check_page(driver, shot: str) -> None:
     """The page of this run: charts, header, requests. The page re-renders every second while
-    the run is live, so each check is retried until it holds on one rendering."""
-    from selenium.common.exceptions import StaleElementReferenceException
-    from selenium.webdriver.common.by import By
-
-    def holds(check):
-        def run():
-            try:
-                return check()
-            except StaleElementReferenceException:
-                return None
-        return run
-
+    the run is live, so each check is retried until it holds on one rendering (each check reads
+    the page in one script: tests/test_dashboard_browser.py)."""
     needed = ("Request timeline", "Phase breakdown per request", "KV cache memory over time")
-    _wait(driver, "timeline, breakdown and memory charts", holds(
-        lambda: all(any(t.startswith(n) for t in _titles(driver)) for n in needed)))
+    _wait(driver, "timeline, breakdown and memory charts",
+          lambda: all(any(t.startswith(n) for t in _titles(driver)) for n in needed))
     _wait(driver, f"{N_REQUESTS}+ finished requests",
-          holds(lambda: int(_metric(driver, "finished") or 0) >= N_REQUESTS))
-    _wait(driver, "the header: method and link rate", holds(
-        lambda: "KV mode: hack" in _text(driver) and "link: 200mbit" in _text(driver)))
+          lambda: int(_metric(driver, "finished") or 0) >= N_REQUESTS)
+    _wait(driver, "the header: method and link rate",
+          lambda: "KV mode: hack" in _text(driver) and "link: 200mbit" in _text(driver))
     assert "Synthetic run" not in _text(driver)
-    _wait(driver, "a bar per phase of each request in the timeline", holds(
-        lambda: len(_chart(driver, "Request timeline").find_elements(
-            By.CSS_SELECTOR, ".barlayer .point")) >= 3 * N_REQUESTS))
-    _wait(driver, "memory series", holds(
-        lambda: _chart(driver, "KV cache memory over time").find_elements(
-            By.CSS_SELECTOR, ".scatterlayer .trace")))
+    _wait(driver, "a bar per phase of each request in the timeline",
+          lambda: _count_in_chart(driver, "Request timeline", ".barlayer .point") >= 3 * N_REQUESTS)
+    _wait(driver, "memory series",
+          lambda: _count_in_chart(driver, "KV cache memory over time", ".scatterlayer .trace"))
     _no_crash(driver)
     ARTIFACTS.mkdir(exist_ok=True)
     _screenshot(driver, ARTIFACTS / shot)
