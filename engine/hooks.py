@@ -323,6 +323,12 @@ async def _around_ollama_handler(original: Callable, self: Any, request: Any, ra
     return await answer_errors(original, self, request, raw_request)
 
 
+def _after_set_envs_and_config(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    from .process_start import apply
+
+    apply(server_args)
+
+
 def _before_setup_and_run_http_server(*args: Any, **kwargs: Any) -> None:
     from sglang.srt.entrypoints import http_server
 
@@ -396,6 +402,9 @@ HOOKS: tuple[Hook, ...] = (  # the engine's own hooks
     Hook("sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor."
          "process_batch_result_prebuilt", "AFTER", _after_process_batch_result_prebuilt,
          "metrics, PD decode: finish of a request whose only token came from prefill"),
+    Hook("sglang.srt.entrypoints.engine._set_envs_and_config", "AFTER", _after_set_envs_and_config,
+         "a CPU server forks its scheduler and detokenizer (upstream spawns them: each imported SGLang "
+         "again, about 20 CPU-seconds; engine.process_start checks that fork is safe first)"),
     Hook("sglang.srt.entrypoints.http_server._setup_and_run_http_server", "BEFORE",
          _before_setup_and_run_http_server,
          "live metrics: add /hack/streams, /hack/events, /hack/run to the server's FastAPI app; "
