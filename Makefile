@@ -5,8 +5,12 @@ PYTEST := $(VENV)/bin/python -m pytest
 
 .PHONY: install test test-fast demo bench images images-check clean
 
+# A fresh clone takes the pinned dependencies another checkout on this machine installed
+# (scripts/venv_cache.sh), then the recipe confirms them and installs this checkout.
 install:
+	@bash scripts/venv_cache.sh restore
 	@bash scripts/install.sh
+	@bash scripts/venv_cache.sh save
 
 # The whole suite, slow real-model and real-server tests included (that is what CI runs).
 test: install

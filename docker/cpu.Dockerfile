@@ -38,6 +38,10 @@ RUN --mount=type=secret,id=pip_ca \
 
 COPY . .
 
+# No copy of the venv for later clones (scripts/venv_cache.sh): a hard link to a file of the layer
+# above would copy the file into this one.
+ENV HACK_VENV_CACHE=""
+
 # `make demo` = `make install` (scripts/install.sh: apt packages, .venv with every pin) then
 # `.venv/bin/hack demo`. The install runs here, as root, exactly as on a fresh machine (what
 # the layer above installed is found in place); the demo runs as an unprivileged user with a
