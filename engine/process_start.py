@@ -22,6 +22,7 @@ import enum
 import logging
 import multiprocessing as mp
 import os
+import sys
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -88,11 +89,28 @@ def choose(device: str | None, want: StartMethod, probe=fork_probe) -> tuple[Sta
     return StartMethod.FORK, f"{how}: the children inherit the launcher's imported modules"
 
 
+def prometheus_follows_environment() -> bool:
+    """Let metrics created from now on use the storage PROMETHEUS_MULTIPROC_DIR asks for.
+
+    prometheus_client picks in-memory or multiprocess storage when it is first imported, and SGLang
+    sets the directory (--enable-metrics) after the launcher imported it (through the PD
+    connector's modules). A spawned child imports it afresh and writes its metrics into the
+    directory, where the launcher's /metrics reads them; a forked child inherits the launcher's
+    choice, so its `sglang:` metrics would stay in its own memory and never reach /metrics.
+    True when the storage was switched."""
+    values = sys.modules.get("prometheus_client.values")
+    if values is None or not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return False
+    values.ValueClass = values.get_value_class()
+    return True
+
+
 def apply(server_args: Any) -> StartMethod:
     """After SGLang chose spawn (sglang.srt.entrypoints.engine._set_envs_and_config): fork on a
     CPU server where the probe passes."""
     method, why = choose(getattr(server_args, "device", None), requested())
     if method is StartMethod.FORK:
+        prometheus_follows_environment()
         mp.set_start_method("fork", force=True)
     logger.info("sglang-hack: scheduler and detokenizer start by %s (%s)", method.value, why)
     return method

@@ -64,3 +64,24 @@ def test_probe_passes_in_a_process_that_ran_no_threaded_op():
 def test_probe_catches_the_openmp_team_that_would_hang_a_forked_child():
     why = _probe_in_fresh_interpreter(warm=True)
     assert "did not finish in 5 s" in why and "OpenMP" in why, why
+
+
+PROMETHEUS_SCRIPT = """
+import os, sys
+import prometheus_client
+from engine.process_start import prometheus_follows_environment
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]      # set after the import, as SGLang does
+assert prometheus_follows_environment()
+prometheus_client.Counter("probe_total", "a counter").inc()
+print("FILES:", sorted(os.listdir(sys.argv[1])))
+"""
+
+
+def test_metrics_created_after_the_switch_reach_the_multiprocess_directory(tmp_path):
+    # A forked scheduler inherits prometheus_client as the launcher imported it, before SGLang set
+    # PROMETHEUS_MULTIPROC_DIR: without the switch its metrics stay in memory, off /metrics.
+    out = subprocess.run([sys.executable, "-c", PROMETHEUS_SCRIPT, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = out.stdout.split("FILES:", 1)[1]
+    assert "counter_" in files, files
