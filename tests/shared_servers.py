@@ -1,6 +1,6 @@
 """SGLang servers shared by the test modules that only send requests to them.
 
-A server start costs 20-40 s of this 2-core machine (three processes importing SGLang), more than
+A server start costs 30-45 s of a 2-core machine (mostly the launcher importing SGLang), more than
 most of the tests that use it. Modules whose servers would be started with the same flags take
 them from here instead: each server is started the first time a test asks for it (those that
 start together, in parallel) and stopped right after the last test of the session that uses it
