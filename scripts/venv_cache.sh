@@ -33,7 +33,7 @@ restore)
     from=$(cat "$CACHED/origin")
     # Scripts, activate files and pyvenv.cfg name the venv's path. sed -i writes new files, so the
     # cached copy (and the checkout it came from) keep theirs.
-    grep -rlsI --fixed-strings "$from" "$VENV/bin" "$VENV/pyvenv.cfg" | while read -r f; do
+    { grep -rlsI --fixed-strings "$from" "$VENV/bin" "$VENV/pyvenv.cfg" || true; } | while read -r f; do
         sed -i "s|$from|$HERE|g" "$f"
     done
     ;;
