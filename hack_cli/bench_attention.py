@@ -217,24 +217,47 @@ def _row(phase: str, shape: str, batch: int, ctx: int, cell: dict, base: str = "
             f"hack vs {base} x{cell[base] / cell['hack']:.2f}, vs dequant x{cell['dequant'] / cell['hack']:.2f}{extra}")
 
 
+ROOFLINE_SIZES = (512, 1024, 2048)
+ROOFLINE_BUDGET_S = 0.5
+
+
 def roofline(clock=time.perf_counter, repeats: int = 3) -> dict:
     """This machine's copy bandwidth (GB/s, read + write of a 256 MiB tensor) and GEMM peaks
-    (GOPS of 2048^3 matmuls: torch._int_mm for INT8 when it runs on this CPU, else None)."""
+    (GOPS of n^3 matmuls, n growing up to 2048 while one product takes under ROOFLINE_BUDGET_S;
+    torch._int_mm for INT8 when it runs on this CPU, else None). A dtype without a fast path
+    stops at a small n: on an AVX2-only EPYC a 2048^3 BF16 matmul ran at 0.3 GOPS, about a minute
+    a product, and the fixed 2048 made this measurement 5 minutes long."""
     def best(fn) -> float:
         fn()
         return min(_timed(fn, clock) for _ in range(repeats))
 
+    def gops(product) -> float:
+        rate = 0.0
+        for n in ROOFLINE_SIZES:
+            t = best(product(n))
+            rate = 2 * n ** 3 / t / 1e9
+            if t > ROOFLINE_BUDGET_S:
+                break
+        return round(rate, 1)
+
     src = torch.empty(64 * 2 ** 20, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
     out = {"copy_gb_s": round(2 * src.numel() * 4 / best(lambda: dst.copy_(src)) / 1e9, 2)}
-    n = 2048
-    a = torch.randn(n, n)
-    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        x = a.to(dt)
-        out[f"{name}_gops"] = round(2 * n ** 3 / best(lambda: x @ x) / 1e9, 1)
-    try:
+
+    def matmul(dt):
+        def product(n):
+            x = torch.randn(n, n).to(dt)
+            return lambda: x @ x
+        return product
+
+    def int_mm(n):
         x8 = torch.randint(-64, 64, (n, n), dtype=torch.int8)
-        out["int8_gops"] = round(2 * n ** 3 / best(lambda: torch._int_mm(x8, x8)) / 1e9, 1)
+        return lambda: torch._int_mm(x8, x8)
+
+    for name, dt in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        out[f"{name}_gops"] = gops(matmul(dt))
+    try:
+        out["int8_gops"] = gops(int_mm)
     except RuntimeError:
         out["int8_gops"] = None  # torch._int_mm has no CPU kernel in this build
     return out
