@@ -165,7 +165,6 @@ def _shot(driver, name: str) -> Path:
 
 
 def test_run_page_shows_timeline_breakdown_and_memory(dashboard, runs, browser):
-    from selenium.webdriver.common.by import By
     browser.get(f"{dashboard}/?run={runs['hack'].name}")
     needed = ("Request timeline", "Phase breakdown per request", "Average JCT breakdown",
               "KV cache memory over time")
