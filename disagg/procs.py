@@ -7,9 +7,19 @@ import subprocess
 import time
 from pathlib import Path
 
+from engine import server_zygote
+
 
 def spawn(cmd: list[str], env: dict, log_path: Path, netns: str | None = None) -> int:
-    """Start `cmd` (inside `netns` if given) in its own process group; output to log_path. Returns pid."""
+    """Start `cmd` (inside `netns` if given) in its own process group; output to log_path. Returns pid.
+    A server command outside a namespace is forked from the server zygote when one is set
+    (engine/server_zygote.py); then the server is the zygote's child, not ours."""
+    if not netns and os.environ.get(server_zygote.ENV) and server_zygote.is_server_command(cmd):
+        pid, why_not = server_zygote.spawn_or_none(cmd, env, log_path)
+        if pid is not None:
+            return pid
+        with open(log_path, "a") as log:
+            log.write(f"sglang-hack: started without the server zygote: {why_not}\n")
     if netns:
         cmd = ["ip", "netns", "exec", netns, *cmd]  # exec's the command: same pid
     log = open(log_path, "ab")
@@ -41,26 +51,17 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def _leader_alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
+    except ChildProcessError:
+        pass
+    return alive(pid)
+
+
 def stop(pid: int, grace_s: float = 10.0) -> bool:
-    """SIGTERM the process group led by `pid`, SIGKILL after `grace_s`. True if it was running."""
-    was = alive(pid) or _group_alive(pid)
-    if not was:
-        return False
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.time() + wait
-        while time.time() < deadline and _group_alive(pid):
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            time.sleep(0.2)
-        if not _group_alive(pid):
-            break
-    return True
+    """Stop the process group led by `pid` (stop_all). True if it was running."""
+    return bool(stop_all([pid], grace_s))
 
 
 def kill_hard(pid: int) -> None:
@@ -72,24 +73,28 @@ def kill_hard(pid: int) -> None:
 
 
 def stop_all(pids: list[int], grace_s: float = 8.0) -> list[int]:
-    """SIGTERM the process groups of all `pids` at once, SIGKILL the survivors after `grace_s`.
-    Returns the pids that were running. One shared grace period (not one per process) keeps
-    `hack down` and a stopped `hack up` within seconds however many servers there are."""
+    """Stop the process groups of all `pids` at once: SIGTERM each leader, which stops its own
+    children (an SGLang server's launcher drains and ends its scheduler and detokenizer), then
+    SIGKILL what is left of each group once its leader is gone or after `grace_s`. Returns the
+    pids that were running. One shared grace period (not one per process) keeps `hack down` and a
+    stopped `hack up` within seconds however many servers there are. (SIGTERM to a whole server
+    group made the children exit first; the launcher took that for a crash and spent 5 s on crash
+    diagnostics before it exited.)"""
     running = [p for p in pids if alive(p) or _group_alive(p)]
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        for p in running:
-            try:
-                os.killpg(p, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + wait
-        while time.time() < deadline and any(_group_alive(p) for p in running):
-            for p in running:
-                try:
-                    os.waitpid(p, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-            time.sleep(0.2)
-        if not any(_group_alive(p) for p in running):
-            break
+    for p in running:
+        try:
+            os.kill(p, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline and any(_leader_alive(p) for p in running):
+        time.sleep(0.2)
+    for p in running:
+        try:
+            os.killpg(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 5.0
+    while time.time() < deadline and any(_group_alive(p) or _leader_alive(p) for p in running):
+        time.sleep(0.2)
     return running

@@ -18,7 +18,8 @@ from typing import Any
 
 import requests
 
-from .cpu_runtime import shared_host_env
+from . import server_zygote
+from .cpu_runtime import CPU_ENGINE_ENV, shared_host_env
 from .generate_stream import stream_chunks
 
 # Two servers starting together on a 2-core AVX2 host (AMD EPYC Zen 3) took over 240 s to come up:
@@ -98,9 +99,19 @@ class SGLangServer:
         env = shared_host_env({**os.environ, **self.env})
         # Settings are per server: never inherit another server's published HACK options.
         env.pop("SGLANG_HACK_ENGINE", None)
-        self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        # A CPU server (--device cpu): SGLang's CPU engine from the first import, as `hack up`'s
+        # servers get it (disagg.cluster.server_env); the plugin would switch it on later anyway.
+        env.setdefault(CPU_ENGINE_ENV, "1")
+        Path(self.log_path).write_bytes(b"")
+        pid, why_not = server_zygote.spawn_or_none(self.command(), env, self.log_path)
+        if pid is not None:
+            self.proc = server_zygote.ZygoteChild(pid, os.environ[server_zygote.ENV])
+            return self
+        if os.environ.get(server_zygote.ENV):  # asked for, refused: say why where it is read
+            Path(self.log_path).write_text(f"sglang-hack: started without the server zygote: {why_not}\n")
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
         return self
 
     def log_tail(self, n: int = 40) -> str:
@@ -135,27 +146,27 @@ class SGLangServer:
             raise
 
     def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM the server's launcher, which stops its children itself (about 2.6 s for a
+        SmolLM2 server); what is left of its process group after that, or after `timeout`, is
+        killed. SIGTERM to the whole group made each child exit first and the launcher took it
+        for a crash (5 s of crash diagnostics per stop)."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.kill(self.proc.pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=timeout)
-        else:  # the leader is gone; children left in its group must go too
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
                 pass
-        self._log.close()
+        try:  # the children left in its group (all of them when the launcher did not exit)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.proc.poll() is None:
+            self.proc.wait(timeout=timeout)
 
     # ---- requests ------------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int, timeout: float = 900.0,

@@ -103,6 +103,60 @@ def shared_servers(tmp_path_factory):
         _SHARED = None
 
 
+# The environment as the session began (after collection: test modules set SGLANG_USE_CPU_ENGINE
+# when imported). Each test gets it back afterwards, whatever the test or the code it ran set
+# (engine.cpu_runtime.prepare() sets SGLANG_USE_CPU_ENGINE and PYTHONPATH, torch's inductor its
+# cache directory): every server a test starts sees the same environment wherever the test runs
+# in the suite, and the server zygote below, started with it, can serve them all.
+_SESSION_ENV: dict[str, str] = {}
+_PYTEST_OWNED = "PYTEST_CURRENT_TEST"
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_the_session_began(server_zygote):
+    yield
+    for key in set(os.environ) - set(_SESSION_ENV) - {_PYTEST_OWNED}:
+        del os.environ[key]
+    for key, value in _SESSION_ENV.items():
+        if key != _PYTEST_OWNED and os.environ.get(key) != value:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_zygote(request, tmp_path_factory):
+    """Servers started by the tests fork from one process that imported SGLang once
+    (engine/server_zygote.py: 10-20 s less per start on a 2-core host, and the suite starts about
+    fifty). Started in the background when the run has slow or integration tests, unless
+    HACK_SERVER_ZYGOTE is set (a socket: use that one; "off": none). Until it listens, and for a
+    server whose environment differs from this session's, servers start as usual."""
+    from engine import server_zygote as zyg
+    from hack_ops.kernel_device import KernelDevice
+
+    wanted = os.environ.get(zyg.ENV)
+    slow = any(item.get_closest_marker("slow") or item.get_closest_marker("integration")
+               for item in request.session.items)
+    zygote = None
+    if wanted == "off":
+        del os.environ[zyg.ENV]
+    elif not wanted and slow and KERNEL_DEVICE is not KernelDevice.CUDA:
+        from engine.cpu_runtime import CPU_ENGINE_ENV, shared_host_env
+
+        root = tmp_path_factory.mktemp("zygote")
+        # what engine.launcher and disagg.cluster start servers with
+        env = shared_host_env({CPU_ENGINE_ENV: "1", **os.environ})
+        env.pop("SGLANG_HACK_ENGINE", None)
+        zygote = zyg.start_zygote(str(root / "zygote.sock"), env, root / "zygote.log", wait=False)
+        os.environ[zyg.ENV] = zygote.sock_path
+    _SESSION_ENV.clear()
+    _SESSION_ENV.update(os.environ)
+    try:
+        yield zygote
+    finally:
+        if zygote is not None:
+            os.environ.pop(zyg.ENV, None)
+            zygote.stop()
+
+
 def pytest_runtest_logreport(report) -> None:
     """With HACK_FAILURE_LOG=FILE, each failure's traceback is appended to FILE as it happens
     (scripts/gpu_check.sh): a run stopped at a time limit still says which tests failed and why,
