@@ -12,10 +12,10 @@ from engine import server_zygote
 
 def spawn(cmd: list[str], env: dict, log_path: Path, netns: str | None = None) -> int:
     """Start `cmd` (inside `netns` if given) in its own process group; output to log_path. Returns pid.
-    A server command outside a namespace is forked from the server zygote when one is set
-    (engine/server_zygote.py); then the server is the zygote's child, not ours."""
-    if not netns and os.environ.get(server_zygote.ENV) and server_zygote.is_server_command(cmd):
-        pid, why_not = server_zygote.spawn_or_none(cmd, env, log_path)
+    A server command is forked from the server zygote when one is set (engine/server_zygote.py,
+    which joins `netns` itself); then the server is the zygote's child, not ours."""
+    if os.environ.get(server_zygote.ENV) and server_zygote.is_server_command(cmd):
+        pid, why_not = server_zygote.spawn_or_none(cmd, env, log_path, netns=netns)
         if pid is not None:
             return pid
         with open(log_path, "a") as log:

@@ -12,7 +12,8 @@ start").
 A fork is only the same server as a fresh process when nothing the imports read differs, so a
 request is served only if its environment equals the zygote's own starting environment except
 for variables read after the imports (LAZY_KEYS, LAZY_PREFIXES); its command must be this
-interpreter running `-m sglang.launch_server` (or the module the zygote preloaded). Anything
+interpreter running `-m sglang.launch_server` (or the module the zygote preloaded); a request may
+name a network namespace, which the child joins as `ip netns exec` would (enter_netns). Anything
 else gets a refusal with the reason, and the caller starts the process itself (spawn_or_none
 returns None). The zygote must be single-threaded when it forks and must not have started an
 OpenMP team (engine/process_start.py): it only imports, and it checks for Python threads before
@@ -115,8 +116,9 @@ class _Zygote:
         parsed = module_of(request["cmd"])
         if parsed is None or parsed[0] not in (self.preload, SERVER_MODULE):
             return {"refused": f"not `{sys.executable} -m {self.preload}`"}
-        if request.get("netns"):
-            return {"refused": "a network namespace (`ip netns exec` starts it)"}
+        netns = request.get("netns")
+        if netns and not (NETNS_RUN / netns).exists():
+            return {"refused": f"no network namespace {netns!r} (no {NETNS_RUN / netns})"}
         differ = env_difference(self.start_env, request["env"])
         if differ:
             return {"refused": "the environment differs in " + ", ".join(differ[:8])}
@@ -131,7 +133,7 @@ class _Zygote:
                 listener.close()
                 conn.close()
                 code = _become(parsed[0], parsed[1], child_env(dict(os.environ), request["env"]),
-                               request["cwd"], request["log"])
+                               request["cwd"], request["log"], netns)
             except BaseException:  # noqa: BLE001 - the child reports and exits whatever happened
                 import traceback
 
@@ -166,8 +168,50 @@ class _Zygote:
                     pass
 
 
-def _become(module: str, args: list[str], env: dict[str, str], cwd: str, log: str) -> int:
-    """In the forked child: the process `python -m module args` would be. Returns its exit code."""
+NETNS_RUN = Path("/run/netns")   # where `ip netns add` pins its namespaces
+NETNS_ETC = Path("/etc/netns")   # files `ip netns exec` mounts over /etc in a namespace
+_CLONE_NEWNS, _CLONE_NEWNET = 0x00020000, 0x40000000
+_MS_RDONLY, _MS_BIND, _MS_REC, _MS_SLAVE, _MNT_DETACH = 1, 4096, 16384, 1 << 19, 2
+
+
+def enter_netns(name: str) -> None:
+    """Join network namespace `name` as `ip netns exec` does before it execs: the namespace, a
+    private mount namespace whose mounts do not propagate back, /sys describing the namespace's
+    devices, and /etc/netns/<name>/* over /etc (a shaped link's resolv.conf: disagg/netns.py).
+    For a single-threaded process (a zygote's child right after fork). Raises OSError."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret: int, what: str) -> None:
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
+    fd = os.open(NETNS_RUN / name, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        check(libc.setns(fd, _CLONE_NEWNET), f"setns {name}")
+    finally:
+        os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS), "unshare mount namespace")
+    check(libc.mount(b"", b"/", b"none", _MS_SLAVE | _MS_REC, None), "make / a slave mount")
+    flags = 0
+    if libc.umount2(b"/sys", _MNT_DETACH) != 0 and os.statvfs("/sys").f_flag & os.ST_RDONLY:
+        flags = _MS_RDONLY  # not unmountable here: overlaid, and a read-only one only read-only
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", flags, None), "mount the namespace's /sys")
+    etc = NETNS_ETC / name
+    if etc.is_dir():
+        for entry in sorted(etc.iterdir()):
+            target = Path("/etc") / entry.name
+            if libc.mount(str(entry).encode(), str(target).encode(), b"none", _MS_BIND, None) != 0:
+                print(f"sglang-hack: bind {entry} -> {target} failed: {os.strerror(ctypes.get_errno())}",
+                      file=sys.stderr, flush=True)  # `ip netns exec` warns and goes on too
+
+
+def _become(module: str, args: list[str], env: dict[str, str], cwd: str, log: str,
+            netns: str | None = None) -> int:
+    """In the forked child: the process `python -m module args` would be (inside `netns`, as
+    `ip netns exec netns python -m ...` would). Returns its exit code."""
     import atexit
     import runpy
 
@@ -184,7 +228,9 @@ def _become(module: str, args: list[str], env: dict[str, str], cwd: str, log: st
     os.dup2(null, 0)
     os.close(null)
     print(f"sglang-hack: forked from the server zygote (pid {os.getppid()}), which imported "
-          f"{module} once", file=sys.stderr, flush=True)
+          f"{module} once" + (f"; in network namespace {netns}" if netns else ""), file=sys.stderr, flush=True)
+    if netns:
+        enter_netns(netns)
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

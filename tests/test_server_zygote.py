@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from disagg import procs
+from disagg import netns, procs
 from engine import server_zygote as zyg
-from engine.cpu_runtime import shared_host_env
+from engine.cpu_runtime import CPU_ENGINE_ENV, shared_host_env
 from engine.launcher import SGLangServer
 
 TESTS = str(Path(__file__).resolve().parent)
@@ -50,7 +51,8 @@ def test_commands_it_can_fork():
 def probe_zygote(tmp_path_factory):
     root = tmp_path_factory.mktemp("probe-zygote")
     # the environment engine.launcher gives every server, with the probe importable
-    env = shared_host_env({**os.environ, "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
+    env = shared_host_env({CPU_ENGINE_ENV: "1", **os.environ,
+                           "PYTHONPATH": os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")])})
     env.pop(zyg.ENV, None)
     env.pop("SGLANG_HACK_ENGINE", None)
     z = zyg.start_zygote(str(root / "z.sock"), env, root / "z.log", preload="zygote_probe", timeout=120)
@@ -83,14 +85,39 @@ def test_a_request_that_would_import_differently_is_refused(probe_zygote, tmp_pa
     z, env, _ = probe_zygote
     pid, why = zyg.spawn_or_none(_cmd(0), {**env, "OMP_NUM_THREADS": "1"}, tmp_path / "a.log", sock_path=z.sock_path)
     assert pid is None and why == "the environment differs in OMP_NUM_THREADS"
-    pid, why = zyg.spawn_or_none(_cmd(0), env, tmp_path / "b.log", netns="hackpd-x", sock_path=z.sock_path)
-    assert pid is None and "network namespace" in why
     pid, why = zyg.spawn_or_none([sys.executable, "-m", "json.tool"], env, tmp_path / "c.log", sock_path=z.sock_path)
     assert pid is None and "not `" in why
     # a malformed request gets an error, and the zygote goes on serving
     assert "error" in zyg._request(z.sock_path, {"op": "spawn"})
     pid, why = zyg.spawn_or_none(_cmd(0), env, tmp_path / "d.log", sock_path=z.sock_path)
     assert pid is not None and zyg.ZygoteChild(pid, z.sock_path).wait(timeout=30) == 0
+
+
+@pytest.mark.skipif(not netns.can_shape()[0], reason=netns.can_shape()[1])
+def test_a_child_joins_a_network_namespace_as_ip_netns_exec_would(probe_zygote, tmp_path):
+    """The prefill servers of a shaped link run in its namespace: the child joins it, sees its
+    devices in /sys, and its /etc/netns files over /etc (the link's resolv.conf)."""
+    z, env, _ = probe_zygote
+    name = f"hackzt-{os.getpid()}"
+    etc = netns.NETNS_ETC / name
+    subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
+    try:
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text("# zygote test\nnameserver 127.0.0.1\n")
+        log = tmp_path / "ns.log"
+        pid, why = zyg.spawn_or_none(_cmd(0), env, log, netns=name, sock_path=z.sock_path)
+        assert pid is not None, why
+        assert zyg.ZygoteChild(pid, z.sock_path).wait(timeout=30) == 0, log.read_text()
+        seen = json.loads(log.read_text().splitlines()[-1])
+        assert seen["netns_inode"] == os.stat(f"/run/netns/{name}").st_ino != os.stat("/proc/self/ns/net").st_ino
+        assert seen["devices"] == ["lo"]  # a fresh namespace's only device
+        assert seen["resolv"] == "# zygote test\nnameserver 127.0.0.1\n"
+        assert Path("/etc/resolv.conf").read_text() != seen["resolv"]  # the host's is untouched
+    finally:
+        subprocess.run(["ip", "netns", "del", name], timeout=30)
+        shutil.rmtree(etc, ignore_errors=True)
+    pid, why = zyg.spawn_or_none(_cmd(0), env, tmp_path / "gone.log", netns=name, sock_path=z.sock_path)
+    assert pid is None and f"no network namespace {name!r}" in why
 
 
 def _group(pgid: int) -> list[int]:
