@@ -146,6 +146,7 @@ class _Zygote:
     def serve(self) -> None:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o600)  # whoever may connect may start processes as this user
         listener.listen(16)
         print(json.dumps({"ready": os.getpid()}), flush=True)
         os.dup2(2, 1)  # a waiting caller stops reading stdout once ready: later output goes to the log
