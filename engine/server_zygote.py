@@ -43,8 +43,9 @@ ENV = "HACK_SERVER_ZYGOTE"
 SERVER_MODULE = "sglang.launch_server"
 # Read by the plugin and SGLang at run time, never at import: they may differ per server.
 LAZY_PREFIXES = ("HACK_", "SGLANG_DISAGGREGATION_")  # the latter: envs.*.get() in the PD connections
-# PYTEST_CURRENT_TEST: pytest's name of the running test, different for each (nothing reads it).
-LAZY_KEYS = frozenset({"SGLANG_HOST_IP", "PWD", "OLDPWD", "_", "SHLVL", "PYTEST_CURRENT_TEST"})
+# PYTEST_CURRENT_TEST: pytest's name of the running test, different for each (nothing reads it);
+# COLUMNS and LINES: a terminal's size, which tools set for their children and are read when printing.
+LAZY_KEYS = frozenset({"SGLANG_HOST_IP", "PWD", "OLDPWD", "_", "SHLVL", "PYTEST_CURRENT_TEST", "COLUMNS", "LINES"})
 READY_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 60.0
 
