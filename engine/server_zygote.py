@@ -233,6 +233,12 @@ def _become(module: str, args: list[str], env: dict[str, str], cwd: str, log: st
           f"{module} once" + (f"; in network namespace {netns}" if netns else ""), file=sys.stderr, flush=True)
     if netns:
         enter_netns(netns)
+    try:  # `ps` shows the server's command, not the zygote's (setproctitle: an SGLang dependency)
+        import setproctitle
+
+        setproctitle.setproctitle(" ".join([sys.executable, "-m", module, *args]))
+    except ImportError:
+        pass
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)

@@ -76,6 +76,7 @@ def test_a_child_is_the_process_python_m_would_be(probe_zygote, tmp_path):
     seen = json.loads(log.read_text().splitlines()[-1])
     assert seen["pid"] == pid and seen["sid"] == pid and seen["pgid"] == pid  # own session and group
     assert seen["cwd"] == str(tmp_path) and seen["argv"][1:] == ["3"] and seen["main"] == "__main__"
+    assert seen["cmdline"] == f"{sys.executable} -m zygote_probe 3"  # what `ps` shows
     assert seen["probe"] == "per-server" and seen["zygote_env"] is None
     assert "found in sys.modules" not in log.read_text()  # run from source, as python -m does
     assert zyg.returncode(pid, z.sock_path) == 3
