@@ -60,6 +60,8 @@ class HookSet:
 _POOL = "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool"
 
 USES: tuple[Use, ...] = (
+    Use("sglang.launch_server", "engine.server_zygote imports it once and runs it as __main__ in each server it "
+        "forks, as `python -m sglang.launch_server` does"),
     Use("sglang.srt.layers.attention.attention_registry.register_attention_backend",
         "register the 'hack' attention backend"),
     Use("sglang.srt.arg_groups.choices.add_attention_backend_choices",
