@@ -1,13 +1,13 @@
 """Start CPU servers by fork from one process that imported SGLang once (a zygote).
 
-`python -m sglang.launch_server` spends its first ~17 s importing SGLang, torch and transformers
-(2-core AMD EPYC Zen 3) before it reads an argument. Where many servers start on one host (the
+`python -m sglang.launch_server` spends its first 10 s (idle) to 17-20 s (busy) importing SGLang,
+torch and transformers on a 2-core AMD EPYC Zen 3 before it reads an argument. Where many servers start on one host (the
 test suite starts about fifty; `hack bench serve` several), a zygote pays that once: it imports
 `sglang.launch_server` and waits on a Unix socket; each request forks a child that becomes the
 server (own session and process group, log file as stdout/stderr, the request's working
 directory, arguments and environment) and runs `sglang.launch_server` as `__main__`, as
-`python -m` would. A SmolLM2 server was ready in about half the time (docs/engine.md, "Server
-start").
+`python -m` would. A SmolLM2 server was ready after 22 s instead of 31-32 (docs/engine.md,
+"Server start").
 
 A fork is only the same server as a fresh process when nothing the imports read differs, so a
 request is served only if its environment equals the zygote's own starting environment except
@@ -15,7 +15,7 @@ for variables read after the imports (LAZY_KEYS, LAZY_PREFIXES); its command mus
 interpreter running `-m sglang.launch_server` (or the module the zygote preloaded); a request may
 name a network namespace, which the child joins as `ip netns exec` would (enter_netns). Anything
 else gets a refusal with the reason, and the caller starts the process itself (spawn_or_none
-returns None). The zygote must be single-threaded when it forks and must not have started an
+returns None). The zygote must have no other Python thread when it forks and must not have started an
 OpenMP team (engine/process_start.py): it only imports, and it checks for Python threads before
 each fork. The imports do start native threads: numpy's and scipy's OpenBLAS thread servers, idle,
 which stop and restart themselves around a fork (pthread_atfork), as they do when a launcher
