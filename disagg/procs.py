@@ -36,11 +36,7 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:  # a zombie child of ours counts as gone
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    return server_zygote.running(pid)  # a zombie child of ours (or of the zygote) counts as gone
 
 
 def _group_alive(pgid: int) -> bool:

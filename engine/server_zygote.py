@@ -291,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     start_env = dict(os.environ)
     start_env.pop(ENV, None)
-    if hasattr(signal, "SIGTERM"):
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         import importlib
 
@@ -344,15 +343,16 @@ def returncode(pid: int, sock_path: str) -> int | None:
     try:
         reply = _request(sock_path, {"op": "poll", "pid": pid})
     except (OSError, ValueError):
-        return None if _running(pid) else -1
+        return None if running(pid) else -1
     if reply.get("returncode") is not None:
         return int(reply["returncode"])
-    if not reply.get("known") and not _running(pid):
+    if not reply.get("known") and not running(pid):
         return -1
     return None
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """`pid` exists and is not a zombie (an exited child its parent has not reaped yet)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ", 1)[1].split()[0] != "Z"
@@ -369,7 +369,7 @@ class ZygoteChild:
     returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _running(self.pid):
+        if self.returncode is None and not running(self.pid):
             self.returncode = returncode(self.pid, self.sock_path)
         return self.returncode
 
