@@ -9,6 +9,9 @@ Methods (same launcher, same model, same transfer path; only the KV cache differ
            the same with --hack-prefill homomorphic on every host
   hack-full-pages
            the same with every page sent as stored (--hack-kv-codec none): the transform off
+  hack-int8-prefill
+           the same with --hack-prefill int8: the homomorphic kernel reading a prompt's own
+           tokens from 6-bit codes (hack_ops.paged.chunk_codes)
   hack-exact-prefill
            the same with --hack-prefill exact: a prompt's own tokens attend to each other in
            full precision (on CPU, where INT8 buys prefill nothing, the faster prefill)
@@ -30,7 +33,8 @@ from __future__ import annotations
 
 import sys
 
-METHODS = ("hack", "dequant", "bf16", "hack-homomorphic-prefill", "hack-exact-prefill", "hack-dense-prefill",
+METHODS = ("hack", "dequant", "bf16", "hack-homomorphic-prefill", "hack-int8-prefill", "hack-exact-prefill",
+           "hack-dense-prefill",
            "bf16-lossless", "fp8", "hack-full-pages")
 # HACK's pages on the wire: lossless, fewer bytes with identical tokens (docs/disagg.md), so on
 # for the HACK methods; the strawman (dequant) sends its pages as stored.
@@ -57,7 +61,7 @@ def method_flags(method: str) -> list[str]:
         return ["--kv-cache-dtype", "hack", *HACK_WIRE_FLAGS]
     if method == "hack-full-pages":
         return ["--kv-cache-dtype", "hack", "--hack-kv-codec", "none"]
-    if method in ("hack-homomorphic-prefill", "hack-exact-prefill", "hack-dense-prefill"):
+    if method in ("hack-homomorphic-prefill", "hack-int8-prefill", "hack-exact-prefill", "hack-dense-prefill"):
         return ["--kv-cache-dtype", "hack", "--hack-prefill", method.split("-")[1], *HACK_WIRE_FLAGS]
     if method == "dequant":
         return ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"]

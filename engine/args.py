@@ -90,11 +90,12 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_prefill": ("--hack-prefill", dict(
         choices=[m.value for m in PrefillMode],
         help="Extend (prefill) attention: auto (default: dense on a CPU with AMX-BF16 serving a BF16 "
-             "model and on a GPU, homomorphic elsewhere; the server log says which and why), "
-             "homomorphic (the chunk's own tokens through the codes, as decode reads them), exact (the "
-             "chunk's own tokens in FP16, a cached prefix through the codes) or dense (the chunk in FP16 "
-             "and a cached prefix dequantized once, both by SDPA: the fastest prefill on a CPU with AMX and "
-             "on a GPU; on a CPU without AMX homomorphic is faster; a GPU refuses exact). "
+             "model, on a CPU without AVX-512 VNNI and on a GPU; int8 elsewhere; the server log says which "
+             "and why), homomorphic (the chunk's own tokens through the 2-bit codes, as decode reads "
+             "them), int8 (the same INT8 kernel reading the chunk's own tokens from 6-bit codes: the "
+             "homomorphic prefill's speed, about dense's fidelity; CPU only), exact (the chunk's own "
+             "tokens in FP16, a cached prefix through the codes; CPU only) or dense (the chunk in FP16 "
+             "and a cached prefix dequantized once, both by SDPA; float32 on a CPU without AMX-BF16). "
              "Decode reads the codes in every mode.")),
     "hack_orientation": ("--hack-orientation", dict(
         choices=list(ORIENTATIONS),
@@ -345,6 +346,10 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
     refusal = sparse_refusal(settings)
     if refusal:
         raise HackArgumentError(refusal)
+    if settings.prefill == PrefillMode.INT8 and cfg.orientation != "channel_k":
+        raise HackArgumentError(f"--hack-prefill int8 reads K per channel and V per token (the default layout); "
+                                f"--hack-orientation {cfg.orientation} lays pages out otherwise. Use --hack-prefill "
+                                "homomorphic, exact or dense, or drop --hack-orientation")
     out: dict[str, Any] = {}
     page = getattr(ns, "page_size", None)
     if page is None:

@@ -47,7 +47,7 @@ from hack_ops.rotation import Rotation, restore_output, rotate_qkv
 
 from . import fused_phases
 from .pool import HackKVPool
-from .prefill_choice import choose_prefill
+from .prefill_choice import choose_prefill, dense_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -87,8 +87,10 @@ class HackAttnBackend(AttentionBackend):
         # device and the model's dtype are known); the strawman prefills with extend_strawman
         # (its chunk in full precision, a cached prefix dequantized), which is also what
         # --hack-prefill dense runs.
-        self.prefill, why_prefill = choose_prefill(settings.prefill, settings.attention, self.device.type,
-                                                   getattr(model_runner, "dtype", torch.float32))
+        model_dtype = getattr(model_runner, "dtype", torch.float32)
+        self.prefill, why_prefill = choose_prefill(settings.prefill, settings.attention, self.device.type, model_dtype,
+                                                   orientation=settings.config.orientation)
+        self.dense_dtype = dense_dtype(self.device.type, model_dtype)  # dense and strawman prefills
         self.rotation: Rotation = settings.config.rotation
         self.generator: Optional[torch.Generator] = None
         if settings.config.rounding == "stochastic":
@@ -119,9 +121,10 @@ class HackAttnBackend(AttentionBackend):
             path = ("GPU: Triton store, then dense attention (chunk in full precision, cached prefix dequantized, "
                     "torch SDPA)" if self.prefill == PrefillMode.DENSE else "GPU: Triton homomorphic prefill")
         elif self.mode == AttentionMode.DEQUANT:
-            path = "strawman (chunk in full precision, cached prefix dequantized, torch SDPA)"
+            path = f"strawman (chunk in full precision, cached prefix dequantized, torch SDPA{self._sdpa_note()})"
         elif self.prefill == PrefillMode.DENSE:
-            path = "dense (chunk in full precision, cached prefix dequantized once per chunk, torch SDPA)"
+            path = ("dense (chunk in full precision, cached prefix dequantized once per chunk, torch "
+                    f"SDPA{self._sdpa_note()})")
         else:
             path = describe_extend_path(self.store, self.mode, self.generator, self.prefill)
         logger.info("HACK prefill attention path: %s [%s]", path, why_prefill)
@@ -183,6 +186,10 @@ class HackAttnBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata was not called for this forward pass")
         return self.pool.local_layer(layer.layer_id)
 
+    def _sdpa_note(self) -> str:
+        return (" in float32: this CPU has no AMX-BF16, where BF16 SDPA runs at about half float32's rate"
+                if self.dense_dtype == torch.float32 else "")
+
     def forward_extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
                        forward_batch: "ForwardBatch", save_kv_cache: bool = True, **kwargs: Any) -> torch.Tensor:
         lid = self._check_layer(layer, save_kv_cache, k)
@@ -196,11 +203,12 @@ class HackAttnBackend(AttentionBackend):
                 # The strawman's prefill as dequantizing systems (KIVI, CacheGen) run it: the new
                 # tokens in full precision, a cached prefix dequantized; quantized for storage only.
                 o = extend_strawman(self.store, lid, self.forward_metadata, q3, k3, v3, scale=layer.scaling,
-                                    generator=self.generator, window=window, logit_cap=cap)
+                                    generator=self.generator, window=window, logit_cap=cap,
+                                    dtype=self.dense_dtype or torch.bfloat16)
             else:
                 o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
                                  prefill=self.prefill, scale=layer.scaling, generator=self.generator,
-                                 window=window, logit_cap=cap)
+                                 window=window, logit_cap=cap, dense_dtype=self.dense_dtype)
         return restore_output(o.reshape(q3.shape), self.rotation).reshape(q3.shape[0], -1)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",

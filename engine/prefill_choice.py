@@ -1,12 +1,15 @@
 """`--hack-prefill auto`: which prefill a server runs when none is asked for, chosen at startup.
 
-The two CPU prefills trade places with the hardware (docs/engine.md, "Prefill: which mode on
-which CPU"): on a CPU with AMX-BF16, torch's BF16 SDPA (oneDNN on AMX tiles) is several times
-faster than the homomorphic INT8 kernel's per-page work, so `dense` prefills faster (SmolLM2 at
-2K: x0.84 of BF16 against x0.64); on AVX-512 without AMX the BF16 SDPA costs what float32 does
-and `homomorphic` is the faster (x1.34 against x0.93). Dense is also the more accurate of the
-two (a chunk's own tokens in FP16), so choosing it never trades accuracy for speed. Decode
-reads the codes in either. On a GPU, `auto` is dense too: on an H200 (docs/kernels.md,
+The CPU prefills trade places with the hardware (docs/engine.md, "Prefill: which mode on which
+CPU"): on a CPU with AMX-BF16, torch's BF16 SDPA (oneDNN on AMX tiles) is several times faster
+than the INT8 kernel's per-page work, so `dense` prefills faster (SmolLM2 at 2K: x0.84 of BF16
+against x0.64); on AVX-512 VNNI without AMX the INT8 kernel is as fast as SDPA or faster (x1.34
+against x0.93 on an AMD EPYC; about even on an Intel Xeon without AMX, where dense now attends in
+float32). There `auto` is `int8`: the INT8 kernel reading a chunk's own tokens from 6-bit codes
+(hack_ops.paged.chunk_codes) instead of the 2-bit pages the homomorphic prefill reads, which is
+where that prefill lost its fidelity: within a few percent of the homomorphic prefill's speed, and
+dense's outputs. So no choice trades accuracy for speed. Decode reads the 2-bit codes in every
+mode. On a GPU, `auto` is dense too: on an H200 (docs/kernels.md,
 "Measured on a GPU") the homomorphic Triton prefill of a fresh prompt took 14-20x BF16 flash
 attention's time, while storing the prompt with the Triton store kernel and attending densely
 took 1.2-4.7x (the store is most of that at 2K); the dense GPU prefill itself has not run on a GPU yet
@@ -59,12 +62,14 @@ def int8_kernel_simd() -> bool:
 
 def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, device_type: str,
                    model_dtype: torch.dtype, has_amx_bf16: bool | None = None,
-                   has_int8_simd: bool | None = None) -> tuple[PrefillMode, str]:
+                   has_int8_simd: bool | None = None, orientation: str = "channel_k") -> tuple[PrefillMode, str]:
     """The prefill the server runs, and why. An explicit mode is kept as asked (a GPU server
     refuses exact at startup, engine.gpu_attention); 'auto' is resolved from the
     device, the model's dtype, the CPU's AMX-BF16 and whether the INT8 kernel has its SIMD path
-    on this CPU. The strawman (`--hack-attention dequant`) prefills its own way, so its prefill
-    is homomorphic by definition."""
+    on this CPU. Where it picks the INT8 kernel, that is PrefillMode.INT8 (a chunk's own tokens
+    read from 6-bit codes) for the default per-channel-K layout, homomorphic for the others
+    (`orientation`), which INT8 does not read. The strawman (`--hack-attention dequant`) prefills
+    its own way, so its prefill is homomorphic by definition."""
     requested = prefill_mode(requested)
     if attention != AttentionMode.HACK:
         return PrefillMode.HOMOMORPHIC, f"--hack-attention {attention.value} prefills as the strawman"
@@ -79,10 +84,25 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
                                    "(its AVX2 or plain-C build prefills no faster than dense here, and dense "
                                    "is the more accurate)")
     amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
+    kernel = PrefillMode.INT8 if orientation == "channel_k" else PrefillMode.HOMOMORPHIC
+    how = ("the INT8 kernel, a chunk's own tokens read from 6-bit codes (the homomorphic prefill's speed, "
+           "dense's fidelity)" if kernel == PrefillMode.INT8 else
+           f"the homomorphic INT8 kernel (--hack-orientation {orientation} has no 6-bit chunk codes)")
     if not amx:
-        return PrefillMode.HOMOMORPHIC, ("--hack-prefill auto: this CPU has no AMX-BF16, so the INT8 kernel "
-                                         "outruns BF16 SDPA")
+        return kernel, f"--hack-prefill auto: this CPU has no AMX-BF16, so {how}"
     if model_dtype != torch.bfloat16:
-        return PrefillMode.HOMOMORPHIC, (f"--hack-prefill auto: the model runs in {str(model_dtype).removeprefix('torch.')}, "
-                                         "which AMX-BF16 does not speed up")
+        return kernel, (f"--hack-prefill auto: the model runs in {str(model_dtype).removeprefix('torch.')}, "
+                        f"which AMX-BF16 does not speed up, so {how}")
     return PrefillMode.DENSE, "--hack-prefill auto: this CPU has AMX-BF16 and the model runs in BF16"
+
+
+def dense_dtype(device_type: str, model_dtype: torch.dtype, has_amx_bf16: bool | None = None) -> torch.dtype | None:
+    """What a dense prefill (and the strawman's) attends in: float32 for a BF16 model on a CPU
+    without AMX-BF16, where torch's BF16 SDPA runs at about half float32's rate (Intel Xeon
+    without AMX, one layer's SmolLM2 2K prefill: BF16 86 ms, float32 53 ms; docs/engine.md), and
+    float32 is the more exact; None (the model's BF16, through oneDNN's AMX tiles or the GPU's
+    tensor cores) everywhere else."""
+    if device_type != "cpu" or model_dtype != torch.bfloat16:
+        return None
+    amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
+    return None if amx else torch.float32

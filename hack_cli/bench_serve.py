@@ -11,6 +11,8 @@ and the measurements alternate between them, so load drifts hit every method ali
            model without a plan)
   hack-homomorphic-prefill  hack with --hack-prefill homomorphic on every host
   dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
+  hack-int8-prefill  hack with --hack-prefill int8 (the homomorphic kernel reading a chunk's own
+           tokens from 6-bit codes instead of the pool's 2-bit ones)
   hack-exact-prefill  hack with --hack-prefill exact (a chunk's own tokens in FP16; the name
            `hack bench disagg` uses for the same server)
   hack-dense-prefill  hack with --hack-prefill dense (a chunk in FP16 and its cached prefix

@@ -15,6 +15,7 @@ METHODS = {
     "hack-2bit": ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "none"],  # every layer at 2 bits (no plan)
     "dequant": ["--kv-cache-dtype", "hack", "--hack-attention", "dequant"],
     "hack-homomorphic-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "homomorphic"],
+    "hack-int8-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "int8"],
     "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
     "hack-dense-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "dense"],
     "hack-4bit-layers": ["--kv-cache-dtype", "hack"],  # + --hack-4bit-layers (method_args)

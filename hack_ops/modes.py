@@ -9,9 +9,14 @@ AttentionMode: how attention reads K and V.
 
 PrefillMode: how extend (prefill) attention reads the chunk's own new tokens (`--hack-prefill`).
   auto         the server's default, resolved once at startup (engine.prefill_choice): dense on
-               a CPU with AMX-BF16 serving a BF16 model, homomorphic everywhere else. Only the
-               server resolves it; the kernels take one of the three below
+               a CPU with AMX-BF16 serving a BF16 model, on a CPU without AVX-512 VNNI and on a
+               GPU; int8 on the other CPUs (homomorphic for layouts int8 does not read). Only the
+               server resolves it; the kernels take one of the four below
   homomorphic  as decode will see them later: through the quantized cache (decode-time visibility)
+  int8         as homomorphic (the same INT8 kernel and visibility), but the pages from the
+               prefix's open page on are read from 6-bit codes of the FP16 tokens
+               (hack_ops.paged.chunk_codes) instead of the pool's 2-bit ones: the chunk's own
+               tokens nearly at full precision, the cached prefix as decode reads it
   exact        at full precision (FP16 as stored); the cached prefix is still read by the
                AttentionMode, so only the chunk's own tokens differ
   dense        at full precision, and the cached prefix dequantized once for the chunk: both by
@@ -32,6 +37,7 @@ class AttentionMode(StrEnum):
 class PrefillMode(StrEnum):
     AUTO = "auto"
     HOMOMORPHIC = "homomorphic"
+    INT8 = "int8"
     EXACT = "exact"
     DENSE = "dense"
 
@@ -39,7 +45,7 @@ class PrefillMode(StrEnum):
 # The modes a server runs and the paged decode/extend take (exact needs no cache at all).
 SERVING_MODES = (AttentionMode.HACK, AttentionMode.DEQUANT)
 # The prefill modes an extend runs: 'auto' is a server setting, resolved before any extend.
-EXTEND_PREFILL_MODES = (PrefillMode.HOMOMORPHIC, PrefillMode.EXACT, PrefillMode.DENSE)
+EXTEND_PREFILL_MODES = (PrefillMode.HOMOMORPHIC, PrefillMode.INT8, PrefillMode.EXACT, PrefillMode.DENSE)
 
 
 def _member(enum: type[StrEnum], mode: object, allowed: tuple, what: str):

@@ -33,6 +33,7 @@ IDLE_TIMEOUT_S = 60.0
 # dense one. --enable-mixed-chunk puts running requests' decode steps into the prefill batches.
 SERVERS = [
     ("homomorphic", ["--hack-prefill", "homomorphic"]),
+    ("int8", ["--hack-prefill", "int8"]),
     ("exact", ["--hack-prefill", "exact"]),
     ("dense-mixed-chunk", ["--hack-prefill", "dense", "--enable-mixed-chunk"]),
     ("dequant", ["--hack-attention", "dequant"]),

@@ -109,7 +109,7 @@ def test_capacity_same_budget(servers):
 def test_prefill_auto_is_resolved_at_startup(servers):
     """The 2-bit server runs the default `--hack-prefill auto`; its log names the prefill chosen
     for this host and why (engine.prefill_choice): dense on a CPU with AMX-BF16 or without the
-    INT8 kernel's AVX-512 VNNI path."""
+    INT8 kernel's AVX-512 VNNI path, int8 elsewhere."""
     from engine.prefill_choice import cpu_has_amx_bf16, int8_kernel_simd
 
     log = servers["hack-2bit"].log_path.read_text(errors="replace")
@@ -121,6 +121,7 @@ def test_prefill_auto_is_resolved_at_startup(servers):
         assert "path: dense (" in lines[0] or "which AMX-BF16 does not speed up" in lines[0], lines[0]
     else:
         assert "path: dense (" not in lines[0] and "this CPU has no AMX-BF16" in lines[0], lines[0]
+        assert "6-bit codes" in lines[0], lines[0]  # PrefillMode.INT8, the default layout's
 
 
 def test_teacher_forced_agreement_with_bf16_past_the_window(servers, model_path):

@@ -7,7 +7,7 @@ import torch
 
 from engine import settings as settings_mod
 from engine.args import HackArgumentError, settings_from_options
-from engine.prefill_choice import choose_prefill, cpu_has_amx_bf16
+from engine.prefill_choice import choose_prefill, cpu_has_amx_bf16, dense_dtype
 from hack_ops import AttentionMode, HackConfig, PrefillMode
 from hack_ops.paged import extend
 from hack_ops.paged.cpu_extend import simd as extend_simd
@@ -32,9 +32,9 @@ def test_amx_bf16_from_torch_capabilities_or_cpuinfo():
 
 @pytest.mark.parametrize("device, dtype, amx, expected, why", [
     ("cpu", torch.bfloat16, True, PrefillMode.DENSE, "has AMX-BF16 and the model runs in BF16"),
-    ("cpu", torch.bfloat16, False, PrefillMode.HOMOMORPHIC, "no AMX-BF16"),
-    ("cpu", torch.float32, True, PrefillMode.HOMOMORPHIC, "runs in float32"),
-    ("cpu", torch.float16, True, PrefillMode.HOMOMORPHIC, "runs in float16"),
+    ("cpu", torch.bfloat16, False, PrefillMode.INT8, "no AMX-BF16"),
+    ("cpu", torch.float32, True, PrefillMode.INT8, "runs in float32"),
+    ("cpu", torch.float16, True, PrefillMode.INT8, "runs in float16"),
     ("cuda", torch.bfloat16, True, PrefillMode.DENSE, "the Triton store, then dense attention"),
 ])
 def test_auto_resolves_by_host_and_dtype(device, dtype, amx, expected, why):
@@ -52,10 +52,18 @@ def test_auto_is_dense_where_the_int8_kernel_has_no_simd(dtype):
                                       has_int8_simd=False)
         assert mode == PrefillMode.DENSE and "no AVX-512 VNNI path" in reason
     here, _ = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", torch.float32, has_amx_bf16=False)
-    assert here == (PrefillMode.HOMOMORPHIC if extend_simd() else PrefillMode.DENSE)
+    assert here == (PrefillMode.INT8 if extend_simd() else PrefillMode.DENSE)
 
 
-@pytest.mark.parametrize("asked", [PrefillMode.HOMOMORPHIC, PrefillMode.EXACT, PrefillMode.DENSE])
+def test_auto_takes_the_homomorphic_kernel_where_int8_cannot_read_the_layout():
+    """PrefillMode.INT8's chunk codes are the default layout's (per-channel K): a server with
+    another --hack-orientation gets the homomorphic prefill from auto, and says why."""
+    mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", torch.bfloat16, has_amx_bf16=False,
+                                  has_int8_simd=True, orientation="token_k")
+    assert mode == PrefillMode.HOMOMORPHIC and "--hack-orientation token_k" in reason
+
+
+@pytest.mark.parametrize("asked", [PrefillMode.HOMOMORPHIC, PrefillMode.INT8, PrefillMode.EXACT, PrefillMode.DENSE])
 def test_an_explicit_mode_is_kept_on_every_host(asked):
     for device, amx in (("cpu", True), ("cpu", False), ("cuda", False)):
         mode, reason = choose_prefill(asked.value, AttentionMode.HACK, device, torch.bfloat16, has_amx_bf16=amx,
@@ -89,3 +97,27 @@ def test_the_kernels_refuse_auto():
     x = torch.zeros(16, 1, 64)
     with pytest.raises(ValueError, match="extend prefill must be one of .*got <PrefillMode.AUTO"):
         extend(store, 0, plan, x, x, x, prefill=PrefillMode.AUTO)
+
+
+def test_dense_attends_in_float32_without_amx_bf16():
+    """A BF16 model's dense prefill attends in float32 on a CPU without AMX-BF16 (BF16 SDPA runs
+    at about half float32's rate there), in the model's BF16 with AMX or on a GPU; float32
+    models are float32 anyway. The float32 attention of BF16 inputs is the closer to exact."""
+    assert dense_dtype("cpu", torch.bfloat16, has_amx_bf16=False) == torch.float32
+    assert dense_dtype("cpu", torch.bfloat16, has_amx_bf16=True) is None
+    assert dense_dtype("cuda", torch.bfloat16, has_amx_bf16=False) is None
+    assert dense_dtype("cpu", torch.float32, has_amx_bf16=False) is None
+    cfg = HackConfig()
+    outs = {}
+    for name, dt in (("bf16", None), ("fp32", torch.float32)):
+        store = HackKVStore(cfg, num_layers=1, num_heads=2, head_dim=64, num_pages=8, num_rows=1)
+        plan = store.plan(torch.arange(512)[None], [0], [300], [300])
+        q, k, v = (torch.randn(300, n, 64, generator=torch.Generator().manual_seed(i)).bfloat16()
+                   for i, n in ((1, 4), (2, 2), (3, 2)))
+        outs[name] = extend(store, 0, plan, q, k, v, prefill=PrefillMode.DENSE, dense_dtype=dt)
+        assert outs[name].dtype == torch.bfloat16
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], k.float().transpose(0, 1)[None], v.float().transpose(0, 1)[None],
+        is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    err = {n: float((o.float() - exact).abs().mean()) for n, o in outs.items()}
+    assert err["fp32"] < err["bf16"] and err["fp32"] < 2e-3, err

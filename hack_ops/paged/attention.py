@@ -29,7 +29,8 @@ from torch import Tensor
 
 from . import clock
 from .dequant import dense_kv, dequant_decode
-from .pages import request_pages
+from .chunk_codes import ChunkCodes, quantize_chunks
+from .pages import RequestPages, TensorPages, request_pages
 from .plan import ForwardPlan
 from .sparse import PageSelection, SparseDecode
 from ..attention import check_logit_cap, check_window
@@ -135,18 +136,21 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
 def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
            mode: AttentionMode | str = AttentionMode.HACK, scale: float | None = None,
            generator: torch.Generator | None = None, backend: str = "auto", window: int | None = None,
-           logit_cap: float = 0.0, prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC) -> Tensor:
+           logit_cap: float = 0.0, prefill: PrefillMode | str = PrefillMode.HOMOMORPHIC,
+           dense_dtype: torch.dtype | None = None) -> Tensor:
     """Extend (prefill) attention with causal masking; stores k/v. Returns [N, Hq, D] in q's
     dtype. mode / prefill: the AttentionMode and PrefillMode; window / logit_cap: the layer's
-    sliding window and soft-cap (module docstring)."""
+    sliding window and soft-cap (module docstring). dense_dtype: what PrefillMode.DENSE attends
+    in (None: BF16 for BF16 q, else float32; a server picks float32 on a CPU without AMX-BF16,
+    engine.prefill_choice.dense_dtype)."""
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)
     mode = attention_mode(mode, SERVING_MODES, "extend mode")
     prefill = prefill_mode(prefill, EXTEND_PREFILL_MODES, "extend prefill")  # 'auto' is resolved by the server
     exact = prefill == PrefillMode.EXACT
     if backend not in ("auto", "torch", "cpu"):
         raise ValueError(f"backend must be 'auto', 'torch' or 'cpu', got {backend!r}")
-    if prefill == PrefillMode.DENSE:  # the dequantizing prefill; BF16 SDPA for a BF16 model
-        dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    if prefill == PrefillMode.DENSE:  # the dequantizing prefill; BF16 SDPA for a BF16 model by default
+        dtype = dense_dtype or (torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
         return extend_strawman(store, layer, plan, q, k, v, scale, generator, dtype, window, logit_cap)
     store._check_layer(layer)
     n_new = plan.num_new_tokens
@@ -165,13 +169,18 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
     path, why = cpu_extend.choose(store, mode, generator, backend, window, logit_cap, prefill)
     if path in cpu_extend.TILED:
         kw, vw, woff = _fp16_windows(store, plan, k, v, snaps)
+        chunk = (_chunk_codes(store, layer, plan, kw, vw, woff, cpu_extend.chunk_codes)
+                 if prefill == PrefillMode.INT8 else None)
         return cpu_extend.attend(store, layer, plan, q, scale, kw, vw, woff, exact, window=window,
-                                 logit_cap=logit_cap).to(q.dtype)
+                                 logit_cap=logit_cap, chunk=chunk).to(q.dtype)
     if path == cpu_extend.ExtendPath.PER_QUERY:
         return _extend_kernel(store, layer, plan, q, k, v, snaps, exact, scale, window, logit_cap).to(q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {why}")
     new = {"k": k.to(torch.float16).float(), "v": v.to(torch.float16).float()}
+    chunk = None
+    if prefill == PrefillMode.INT8:
+        chunk = _chunk_codes(store, layer, plan, *_fp16_windows(store, plan, k, v, snaps))
     out = torch.empty(n_new, h * rep, d, dtype=torch.float32)
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
@@ -179,6 +188,8 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
         pg0 = first_page(pre, window, p)  # the first new token's window: earlier pages are not gathered
         rp = request_pages(store.layout_for(layer), store.k_pages[layer], store.v_pages[layer],
                            plan.page_table[b, pg0:npg].to(store.device))
+        if chunk is not None:  # pages from the window's first on: the chunk's finer codes
+            rp = _with_chunk_pages(rp, chunk, b, pre // p - pg0)
         sk, sv = _sinks(store, layer, plan, b, seq_len)
         ranges = {name: [(pre, x[lo:hi])] for name, x in new.items()}  # the new tokens in FP16
         for name, snap in snaps.items():  # tensors with a tail: the prefix's open page too
@@ -192,6 +203,34 @@ def extend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
                            window=window, logit_cap=logit_cap, page0=pg0)
         out[lo:hi] = o.reshape(hi - lo, h * rep, d)
     return out.to(q.dtype)
+
+
+def _chunk_codes(store: HackKVStore, layer: int, plan: ForwardPlan, kw: Tensor, vw: Tensor,
+                 woff: Tensor, make=quantize_chunks) -> ChunkCodes:
+    """PrefillMode.INT8's codes of each request's FP16 window (hack_ops.paged.chunk_codes;
+    make: its reference, or the compiled cpu_extend.chunk_codes)."""
+    cfg = store.config_for(layer)
+    if cfg.k_per_token or not cfg.v_per_token:
+        raise ValueError("--hack-prefill int8 reads K per channel and V per token (the default layout); this "
+                         "layer's layout is another")
+    with clock.phase("quantization"):
+        return make(kw, vw, woff, plan.prefix_list, plan.seq_list, store.page_size, cfg.head_group(store.head_dim),
+                    cfg.sink_tokens)
+
+
+def _with_chunk_pages(rp: RequestPages, chunk: ChunkCodes, b: int, at: int) -> RequestPages:
+    """rp (one request's pages) with its pages from index `at` on replaced by the chunk's codes
+    of the same pages (at < 0: the window starts before rp's first page)."""
+    fine = chunk.request_pages(b, max(0, -at))
+    at = max(0, at)
+
+    def join(old: TensorPages, new: TensorPages) -> TensorPages:
+        parts = [None if x is None else torch.cat([x[:, :at], y], 1)
+                 for x, y in zip((old.codes, old.scale, old.minimum, old.sums), (new.codes, new.scale, new.minimum,
+                                                                                new.sums))]
+        return TensorPages(*parts)
+
+    return RequestPages(join(rp.k, fine.k), join(rp.v, fine.v))
 
 
 def extend_strawman(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
@@ -223,12 +262,12 @@ def dense_attend(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k
     returns [N, Hq, D] in q's dtype."""
     scale = 1.0 / math.sqrt(store.head_dim) if scale is None else float(scale)
     if not plan.has_prefix:
-        return _exact_cold(plan, q, k, v, scale, window, logit_cap).to(q.dtype)
+        return _exact_cold(plan, q, k, v, scale, window, logit_cap, dtype).to(q.dtype)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b, (seq_len, pre) in enumerate(zip(plan.seq_list, plan.prefix_list)):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
         if pre == 0:  # a cold prompt batched with chunks over a prefix: nothing to dequantize
-            out[lo:hi] = _cold_request(q[lo:hi], k[lo:hi], v[lo:hi], scale, window, logit_cap)
+            out[lo:hi] = _cold_request(q[lo:hi], k[lo:hi], v[lo:hi], scale, window, logit_cap, dtype)
             continue
         with clock.phase("dequantization"):  # the dense copy only, not the attention
             dense = dense_kv(store, layer, plan, b, pre, {n: t[b] for n, t in snaps.items()}, dtype)
@@ -320,19 +359,19 @@ def keep_open_tokens(store: HackKVStore, layer: int, plan: ForwardPlan) -> dict[
 
 
 def _exact_cold(plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor, scale: float,
-                window: int | None = None, logit_cap: float = 0.0) -> Tensor:
+                window: int | None = None, logit_cap: float = 0.0, dtype: torch.dtype | None = None) -> Tensor:
     """PrefillMode.EXACT extend of requests without a cached prefix: every key is one of the chunk's own
     tokens, in FP16 as stored, so this is causal attention over them (torch SDPA, blocked and
     fast on CPU) instead of a per-token pass over pages. Returns float32 [N, Hq, D]."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b in range(plan.batch_size):
         lo, hi = int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])
-        out[lo:hi] = _cold_request(q[lo:hi], k[lo:hi], v[lo:hi], scale, window, logit_cap)
+        out[lo:hi] = _cold_request(q[lo:hi], k[lo:hi], v[lo:hi], scale, window, logit_cap, dtype)
     return out
 
 
 def _cold_request(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | None = None,
-                  logit_cap: float = 0.0) -> Tensor:
+                  logit_cap: float = 0.0, dtype: torch.dtype | None = None) -> Tensor:
     """One request without a cached prefix (q [n, Hq, D], its own k/v [n, H, D]): causal
     attention over its own tokens in FP16 as stored; float32 [n, Hq, D]. A dense prefill that
     batches such a request with chunks over a prefix attends it here too, exactly as alone.
@@ -340,8 +379,10 @@ def _cold_request(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int | N
     BF16 q/k/v (what a BF16 model serves) take SDPA in BF16 on the stored FP16 values rounded to
     BF16, which gives back the model's own BF16 K/V wherever FP16 holds them exactly (|x| in
     FP16's normal range): the attention SGLang's BF16 backend computes, on AMX where the CPU has
-    it (~3x float32 SDPA at 2K-8K tokens, docs/engine.md). Other dtypes take float32."""
-    work = torch.bfloat16 if q.dtype == k.dtype == v.dtype == torch.bfloat16 else torch.float32
+    it (~3x float32 SDPA at 2K-8K tokens, docs/engine.md). Other dtypes take float32, and so does
+    any call that names dtype float32 (a dense prefill on a CPU without AMX-BF16, where BF16 SDPA
+    runs at about half float32's speed)."""
+    work = dtype or (torch.bfloat16 if q.dtype == k.dtype == v.dtype == torch.bfloat16 else torch.float32)
     qb = q.to(work).transpose(0, 1)[None]
     kb, vb = (x.to(torch.float16).to(work).transpose(0, 1)[None] for x in (k, v))
     gqa = qb.shape[1] != kb.shape[1]

@@ -106,6 +106,8 @@ class PrefillCase:
             "hack": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode=AttentionMode.HACK),
             "hack-exact": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode=AttentionMode.HACK,
                                          prefill=PrefillMode.EXACT),
+            "hack-int8": lambda: extend(self.store, 0, self.plan, self.q, self.k, self.v, mode=AttentionMode.HACK,
+                                        prefill=PrefillMode.INT8),
             "hack-store": lambda: self.store.write(0, self.plan, self.k, self.v),  # quantization alone
             "hack-attn": self._attention_only,  # the homomorphic attention alone
             "bf16": self._sdpa,

@@ -23,6 +23,7 @@ import torch
 
 from ..modes import AttentionMode, PrefillMode
 from . import cpu_kernel
+from .chunk_codes import ChunkCodes
 
 logger = logging.getLogger(__name__)
 
@@ -70,15 +71,26 @@ class _XArgs(ctypes.Structure):
         *cpu_kernel.PAGE_FIELDS, "block_tokens", "window")] + [
         ("logit_cap", ctypes.c_double)] + [
         (n, _P) for n in ("prefix_lens", "seq_lens", "q_start", "page_table", "sink_slots", "win_off",
-                          "k_pages", "v_pages", "k_win", "v_win", "sink_k", "sink_v", "q", "out")]
+                          "k_pages", "v_pages", "k_win", "v_win", "sink_k", "sink_v", "q", "out",
+                          "chunk_page0", "ck_codes", "cv_codes", "ck_scale", "ck_min", "ck_sums", "cv_scale",
+                          "cv_min")]
+
+
+class _CArgs(ctypes.Structure):
+    _fields_ = [(n, _I64) for n in ("batch", "heads", "head_dim", "page_size", "group", "sink_tokens", "levels",
+                                     "nthreads")] + [
+        (n, _P) for n in ("win_start", "seq_lens", "win_off", "page0", "k_win", "v_win", "k_codes", "v_codes",
+                          "k_scale", "k_min", "k_sums", "v_scale", "v_min")]
 
 
 def _lib(variant: str) -> ctypes.CDLL | None:
     lib = cpu_kernel.load(variant)
-    if lib is None or not hasattr(lib, "hack_extend"):
+    if lib is None or not hasattr(lib, "hack_extend") or not hasattr(lib, "hack_chunk_codes"):
         return None
     lib.hack_extend.argtypes = [ctypes.POINTER(_XArgs)]
     lib.hack_extend.restype = ctypes.c_int
+    lib.hack_chunk_codes.argtypes = [ctypes.POINTER(_CArgs)]
+    lib.hack_chunk_codes.restype = ctypes.c_int
     lib.hack_extend_isa.restype = ctypes.c_int
     return lib
 
@@ -118,6 +130,8 @@ def choose(store, mode: AttentionMode | str, generator=None, backend: str = "aut
         if path == ExtendPath.AVX2:
             return path, f"tiled INT8 kernel with AVX2 (no AVX-512 VNNI on this CPU); {amx_note()}"
         return path, f"tiled kernel in plain C (no AVX2 or AVX-512 VNNI in this build); {amx_note()}"
+    if PrefillMode(prefill) == PrefillMode.INT8:  # the per-query kernel has no chunk codes
+        return ExtendPath.TORCH, f"PyTorch, because the tiled kernel does not apply: {tiled}"
     per_query = cpu_kernel.why_not(store, mode, generator, phase="extend", window=window, logit_cap=logit_cap,
                                    prefill=prefill)
     if per_query is None:
@@ -151,14 +165,15 @@ def _i64(x) -> torch.Tensor:
 
 def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.Tensor, v_win: torch.Tensor,
            win_off, exact: bool, variant: str | None = None, block_tokens: int = 0, window: int | None = None,
-           logit_cap: float = 0.0) -> torch.Tensor:
+           logit_cap: float = 0.0, chunk: ChunkCodes | None = None) -> torch.Tensor:
     """Extend attention of the plan's new tokens q [N, Hq, D] (stored already; exact: the
     PrefillMode is 'exact', the new tokens read in FP16 from the windows): request b's
     FP16 window starts at position (prefix // Π) * Π, element offset win_off[b] of k_win/v_win
     (fp16 [.., H, D]). window (keys t-window..t; None: all; pages before the first query's
     window are not read) and logit_cap (0: none) are the layer's. Returns float32 [N, Hq, D].
     block_tokens > 0 sets the query positions per work item (results do not depend on it, nor
-    on the thread count)."""
+    on the thread count). chunk: PrefillMode.INT8's codes of the windows (chunk_codes), read
+    instead of the pool's pages from each request's window on."""
     variant = variant or build_variant()
     lib = _lib(variant)
     if lib is None:
@@ -183,9 +198,57 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
         k_win=k_win.data_ptr(), v_win=v_win.data_ptr(), sink_k=store.sink_k[layer].data_ptr(),
         sink_v=store.sink_v[layer].data_ptr(), q=qs.data_ptr(), out=out.data_ptr(),
     )
+    if chunk is not None:
+        if exact:
+            raise ValueError("the chunk's own codes are PrefillMode.INT8's; 'exact' reads the chunk in FP16")
+        parts = (chunk.page0, chunk.k_codes, chunk.v_codes, chunk.k_scale, chunk.k_min, chunk.k_sums,
+                 chunk.v_scale, chunk.v_min)
+        cpu_kernel.check_contiguous(*parts)
+        for name, x in zip(("chunk_page0", "ck_codes", "cv_codes", "ck_scale", "ck_min", "ck_sums", "cv_scale",
+                            "cv_min"), parts):
+            setattr(a, name, x.data_ptr())
     rc = lib.hack_extend(ctypes.byref(a))
     if rc == -1:
         raise RuntimeError("the tiled extend kernel rejected the geometry")
     if rc != 0:
         raise MemoryError("the tiled extend kernel could not allocate its scratch memory")
     return out
+
+
+def chunk_codes(k_win: torch.Tensor, v_win: torch.Tensor, win_off: torch.Tensor, prefix_lens: list[int],
+                seq_lens: list[int], page_size: int, group: int, sink_tokens: int,
+                variant: str | None = None) -> ChunkCodes:
+    """hack_ops.paged.chunk_codes.quantize_chunks (the reference, same arguments) compiled: the
+    same codes and side tables, made in C beside the kernel that reads them."""
+    from .chunk_codes import LEVELS
+
+    lib = _lib(variant or build_variant())
+    if lib is None:
+        raise RuntimeError(cpu_kernel._errors.get(variant or build_variant(), "the CPU kernel is not available"))
+    cpu_kernel.check_contiguous(k_win, v_win)
+    if k_win.dtype != torch.float16 or v_win.dtype != torch.float16:
+        raise RuntimeError("the FP16 windows must be float16")
+    p = page_size
+    h, d = k_win.shape[1], k_win.shape[2]
+    starts = [(pre // p) * p for pre in prefix_lens]
+    counts = [-(-(seq - st) // p) for st, seq in zip(starts, seq_lens)]
+    page0 = [sum(counts[:b]) for b in range(len(counts))]
+    n, ng = sum(counts), d // group
+    cc = ChunkCodes(page0=_i64(page0), count=_i64(counts),
+                    k_codes=torch.empty(n, h, p, d, dtype=torch.uint8), k_scale=torch.empty(n, h, d),
+                    k_min=torch.empty(n, h, d), k_sums=torch.empty(n, h, p, ng),
+                    v_codes=torch.empty(n, h, p, d, dtype=torch.uint8), v_scale=torch.empty(n, h, p, ng),
+                    v_min=torch.empty(n, h, p, ng))
+    keep = [_i64(x) for x in (starts, seq_lens, win_off)]
+    a = _CArgs(batch=len(seq_lens), heads=h, head_dim=d, page_size=p, group=group, sink_tokens=sink_tokens,
+               levels=LEVELS, nthreads=torch.get_num_threads(),
+               win_start=keep[0].data_ptr(), seq_lens=keep[1].data_ptr(), win_off=keep[2].data_ptr(),
+               page0=cc.page0.data_ptr(), k_win=k_win.data_ptr(), v_win=v_win.data_ptr(),
+               **{name: getattr(cc, name).data_ptr() for name in ("k_codes", "v_codes", "k_scale", "k_min", "k_sums",
+                                                                  "v_scale", "v_min")})
+    rc = lib.hack_chunk_codes(ctypes.byref(a))
+    if rc == -1:
+        raise RuntimeError("the chunk-code kernel rejected the geometry")
+    if rc != 0:
+        raise MemoryError("the chunk-code kernel could not allocate its scratch memory")
+    return cc

@@ -266,6 +266,28 @@ static void load_v_page(const hack_extend_args *a, int64_t h, int64_t page_id, i
     for (int i = nt * ng; i < P * ng; i++) w->sv[i] = w->mv[i] = 0.0f;
 }
 
+/* PrefillMode.INT8: page p of request b (p >= prefix/P) from the chunk's finer codes, laid out
+ * as load_k_page / load_v_page leave the pool's. */
+static void load_k_chunk(const hack_extend_args *a, int64_t b, int64_t h, int64_t p, xscratch_t *w) {
+    const int64_t d = a->head_dim, P = a->page_size, ng = d / a->group, H = a->heads;
+    const int64_t idx = (a->chunk_page0[b] + p - a->prefix_lens[b] / P) * H + h;
+    memcpy(w->kb, a->ck_codes + idx * P * d, (size_t)(P * d));
+    memcpy(w->sk, a->ck_scale + idx * d, sizeof(float) * (size_t)d);
+    memcpy(w->mk, a->ck_min + idx * d, sizeof(float) * (size_t)d);
+    memcpy(w->ks, a->ck_sums + idx * P * ng, sizeof(float) * (size_t)(P * ng));
+}
+
+static void load_v_chunk(const hack_extend_args *a, int64_t b, int64_t h, int64_t p, int nt, xscratch_t *w) {
+    const int64_t d = a->head_dim, P = a->page_size, ng = d / a->group, H = a->heads;
+    const int64_t idx = (a->chunk_page0[b] + p - a->prefix_lens[b] / P) * H + h;
+    memcpy(w->vb, a->cv_codes + idx * P * d, (size_t)(nt * d));
+    memset(w->vb + nt * d, 0, (size_t)((P - nt) * d));
+    interleave4(w->vb, (int)P, (int)d, w->vq);
+    memcpy(w->sv, a->cv_scale + idx * P * ng, sizeof(float) * (size_t)(nt * ng));
+    memcpy(w->mv, a->cv_min + idx * P * ng, sizeof(float) * (size_t)(nt * ng));
+    for (int64_t i = nt * ng; i < P * ng; i++) w->sv[i] = w->mv[i] = 0.0f;
+}
+
 /* ---- per lane group ------------------------------------------------------------------- */
 
 /* Q' = Q * s_K quantized per (row, group): codes into w->qq (quad layout), sq, mq, qm. */
@@ -844,8 +866,15 @@ static void run_xitem(const hack_extend_args *a, const xitem_t *it, xscratch_t *
         const int have_q = p < nc_max; /* some row reads this page from its codes */
         const int have_f = p >= nc_min; /* some row reads it in FP16 */
         int nt_v = (int)(seq - p * P < P ? seq - p * P : P);
-        if (have_q) load_k_page(a, h, page_id, w);
-        if (have_q || (have_f && a->v_open_quantized)) load_v_page(a, h, page_id, nt_v, w);
+        const int chunk = a->chunk_page0 != NULL && p >= pre / P; /* PrefillMode.INT8's own pages */
+        if (have_q) {
+            if (chunk) load_k_chunk(a, b, h, p, w);
+            else load_k_page(a, h, page_id, w);
+        }
+        if (have_q || (have_f && a->v_open_quantized)) {
+            if (chunk) load_v_chunk(a, b, h, p, nt_v, w);
+            else load_v_page(a, h, page_id, nt_v, w);
+        }
         int n_f = 0;
         if (have_f) {
             n_f = (int)(tmax - p * P + 1 < P ? tmax - p * P + 1 : P);
@@ -956,5 +985,88 @@ int hack_extend(const hack_extend_args *a) {
         for (int i = 0; i < n_all; i++) free(all[i]);
     }
     free(items);
+    return failed ? -2 : 0;
+}
+
+/* ---- PrefillMode.INT8: the chunk's codes (the reference: hack_ops/paged/chunk_codes.py) ---- */
+
+/* One range of n values x[i * stride] (valid[i] says which set the range) -> codes, scale,
+ * minimum, with the reference's float operations in its order: (max - min) / L, then
+ * round-half-even((x - min) / scale) clamped to 0..L; a flat or empty range gets scale 1. */
+static void chunk_range(const float *x, const uint8_t *valid, int n, int64_t stride, float levels,
+                        uint8_t *codes, float *scale, float *minimum) {
+    float mn = INFINITY, mx = -INFINITY;
+    int any = 0;
+    for (int i = 0; i < n; i++)
+        if (valid[i]) {
+            const float v = x[i * stride];
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+            any = 1;
+        }
+    if (!any) mn = mx = 0.0f;
+    mn += 0.0f; /* -0 -> +0, as the reference */
+    float s = (mx - mn) / levels;
+    s = s > 0.0f ? s : 1.0f;
+    for (int i = 0; i < n; i++) {
+        float c = valid[i] ? nearbyintf((x[i * stride] - mn) / s) : 0.0f;
+        c = c < 0.0f ? 0.0f : (c > levels ? levels : c);
+        codes[i * stride] = (uint8_t)c;
+    }
+    *scale = s;
+    *minimum = mn;
+}
+
+int hack_chunk_codes(const hack_chunk_args *c) {
+    const int64_t H = c->heads, d = c->head_dim, P = c->page_size, gd = c->group, ng = d / gd, hd = H * d;
+    if (d > MAX_D || P > MAX_P || gd <= 0 || d % gd) return -1;
+    int64_t total = 0;
+    for (int64_t b = 0; b < c->batch; b++) total += (c->seq_lens[b] - c->win_start[b] + P - 1) / P;
+    int64_t *req = (int64_t *)malloc(sizeof(int64_t) * (total ? total : 1)); /* each page's request */
+    if (!req) return -2;
+    for (int64_t b = 0, k = 0; b < c->batch; b++)
+        for (int64_t pg = 0; pg < (c->seq_lens[b] - c->win_start[b] + P - 1) / P; pg++) req[k++] = b;
+    const float levels = (float)c->levels;
+    int failed = 0;
+#pragma omp parallel num_threads(c->nthreads > 0 ? (int)c->nthreads : 1) reduction(| : failed)
+    {
+    float *xk = xalloc(sizeof(float) * P * d), *xv = xalloc(sizeof(float) * P * d); /* one page of one head */
+    failed |= xk == NULL || xv == NULL;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < total * H; i++) {
+        if (failed) continue;
+        const int64_t page = i / H, h = i % H, b = req[page];
+        const int64_t pg = page - c->page0[b], t0 = c->win_start[b] + pg * P;
+        uint8_t valid[MAX_P];
+        for (int64_t j = 0; j < P; j++) {
+            const int64_t t = t0 + j;
+            valid[j] = t < c->seq_lens[b] && t >= c->sink_tokens;
+            const int64_t off = c->win_off[b] + (pg * P + j) * hd + h * d;
+            for (int64_t e = 0; e < d; e++) {
+                xk[j * d + e] = t < c->seq_lens[b] ? h2f(c->k_win[off + e]) : 0.0f;
+                xv[j * d + e] = t < c->seq_lens[b] ? h2f(c->v_win[off + e]) : 0.0f;
+            }
+        }
+        const int64_t row = page * H + h; /* [pages, H, ...] */
+        uint8_t *kc = c->k_codes + row * P * d, *vc = c->v_codes + row * P * d;
+        for (int64_t e = 0; e < d; e++) /* K: per channel over the page's tokens */
+            chunk_range(xk + e, valid, (int)P, d, levels, kc + e, c->k_scale + row * d + e, c->k_min + row * d + e);
+        for (int64_t j = 0; j < P; j++) {
+            uint8_t one[MAX_D];
+            for (int64_t e = 0; e < d; e++) one[e] = valid[j];
+            for (int64_t g = 0; g < ng; g++) { /* V: per token and group */
+                const int64_t at = (row * P + j) * ng + g;
+                chunk_range(xv + j * d + g * gd, one, (int)gd, 1, levels, vc + j * d + g * gd, c->v_scale + at,
+                            c->v_min + at);
+                int32_t sum = 0;
+                for (int64_t e = 0; e < gd; e++) sum += kc[j * d + g * gd + e];
+                c->k_sums[at] = (float)sum;
+            }
+        }
+    }
+    free(xk);
+    free(xv);
+    }
+    free(req);
     return failed ? -2 : 0;
 }

@@ -120,9 +120,32 @@ typedef struct {
     const uint16_t *k_win, *v_win, *sink_k, *sink_v; /* fp16, [.., H, D] per token */
     const float *q;                                  /* [N, H*rep, D], already scaled */
     float *out;                                      /* [N, H*rep, D] */
+    /* PrefillMode.INT8: the pages from (prefix/P) on (the prefix's open page and the chunk's own)
+     * are read from these finer codes of the FP16 window instead of the pool's (NULL: off).
+     * chunk_page0[b]: request b's first such page in them. Codes one byte each, <= 63 so that
+     * they are the signed operand of every build's dot products; side tables float. */
+    const int64_t *chunk_page0;
+    const uint8_t *ck_codes, *cv_codes;   /* [pages, H, P, D] */
+    const float *ck_scale, *ck_min;       /* [pages, H, D] */
+    const float *ck_sums;                 /* [pages, H, P, D/group] */
+    const float *cv_scale, *cv_min;       /* [pages, H, P, D/group] */
 } hack_extend_args;
 
 int hack_extend(const hack_extend_args *a);
+
+/* PrefillMode.INT8's codes of each request's FP16 window, as hack_ops/paged/chunk_codes.py
+ * makes them (the reference): request b's window starts at position win_start[b] (a page
+ * boundary), element offset win_off[b] of k_win / v_win, and ends at seq_lens[b]; its pages are
+ * rows page0[b].. of the outputs (layouts in hack_extend_args). */
+typedef struct {
+    int64_t batch, heads, head_dim, page_size, group, sink_tokens, levels, nthreads;
+    const int64_t *win_start, *seq_lens, *win_off, *page0;
+    const uint16_t *k_win, *v_win;
+    uint8_t *k_codes, *v_codes;
+    float *k_scale, *k_min, *k_sums, *v_scale, *v_min;
+} hack_chunk_args;
+
+int hack_chunk_codes(const hack_chunk_args *c);
 int hack_extend_isa(void);
 
 #endif
