@@ -4,7 +4,7 @@ Methods (same launcher, same model, same transfer path; only the KV cache differ
   hack     --kv-cache-dtype hack: 2-bit pages, homomorphic attention (this project); pages
            travel without their derived bytes (--hack-kv-codec hack-pages, disagg.hack_wire);
            the prefill is the server's default, --hack-prefill auto (dense on a CPU with
-           AMX-BF16, homomorphic elsewhere: engine.prefill_choice)
+           AMX-BF16 or without AVX-512 VNNI, int8 elsewhere: engine.prefill_choice)
   hack-homomorphic-prefill
            the same with --hack-prefill homomorphic on every host
   hack-full-pages

@@ -5,8 +5,8 @@ Each method gets its own colocated server on the same model with the same KV byt
 and the measurements alternate between them, so load drifts hit every method alike:
   bf16     SGLang's own CPU path: torch_native attention over a BF16 cache (the baseline)
   hack     --kv-cache-dtype hack (homomorphic attention on 2-bit pages; the default prefill,
-           --hack-prefill auto: dense on a CPU with AMX-BF16, homomorphic elsewhere; the default
-           --hack-bits auto: the model's calibrated bit plan, `hack calibrate`)
+           --hack-prefill auto: dense on a CPU with AMX-BF16, int8 on other AVX-512 VNNI
+           CPUs; the default --hack-bits auto: the model's calibrated bit plan, `hack calibrate`)
   hack-2bit  hack with --hack-4bit-layers none (every layer at 2 bits, no plan; = hack on a
            model without a plan)
   hack-homomorphic-prefill  hack with --hack-prefill homomorphic on every host

@@ -106,16 +106,15 @@ def test_pool_and_decode_unchanged():
 
 
 def test_prefix_pages_read_from_the_pool(monkeypatch):
-    """Over a cached prefix, the prefix's closed pages are the pool's 2-bit pages: a chunk of one
-    token after a 3-page prefix attends like the homomorphic prefill on those pages, and only
-    the open page's tokens (read from finer codes by neither: open) differ by nothing."""
+    """Over a cached prefix, the prefix's closed pages are the pool's 2-bit pages: a one-token
+    chunk after a 3-page prefix reads only those pages closed (its own page is open, FP16, in
+    both modes), so the INT8 prefill's output is the homomorphic one bit for bit."""
     cfg = make_cfg(partition_size=32, sink_tokens=1)
     outs = {}
     for prefill in ("homomorphic", "int8"):
         case = Case(cfg, lens=[97], heads=2, rep=2, seed=35)
         case.extend([96], prefill="homomorphic", backend="cpu")
         outs[prefill] = case.extend([97], prefill=prefill, backend="cpu")[0]
-    # the new token's page (page 3) is open for it: no page of the window is closed for any query
     assert torch.equal(outs["homomorphic"], outs["int8"])
 
 
@@ -163,3 +162,14 @@ def test_compiled_codes_equal_the_reference(variant):
     want, got = quantize_chunks(*args), cpu_extend.chunk_codes(*args, variant=variant)
     for name in ("page0", "count", "k_codes", "k_scale", "k_min", "k_sums", "v_codes", "v_scale", "v_min"):
         assert torch.equal(getattr(want, name), getattr(got, name)), name
+
+
+def test_a_gpu_server_refuses_int8_at_startup():
+    """The chunk codes are the CPU kernel's: a GPU backend refuses the mode when it is built."""
+    from types import SimpleNamespace
+
+    from engine.gpu_attention import GpuAttention
+    from hack_ops.modes import AttentionMode, PrefillMode
+
+    with pytest.raises(NotImplementedError, match="--hack-prefill int8 runs on the CPU path only"):
+        GpuAttention(None, SimpleNamespace(attention=AttentionMode.HACK), PrefillMode.INT8)

@@ -990,31 +990,21 @@ int hack_extend(const hack_extend_args *a) {
 
 /* ---- PrefillMode.INT8: the chunk's codes (the reference: hack_ops/paged/chunk_codes.py) ---- */
 
-/* One range of n values x[i * stride] (valid[i] says which set the range) -> codes, scale,
- * minimum, with the reference's float operations in its order: (max - min) / L, then
- * round-half-even((x - min) / scale) clamped to 0..L; a flat or empty range gets scale 1. */
-static void chunk_range(const float *x, const uint8_t *valid, int n, int64_t stride, float levels,
-                        uint8_t *codes, float *scale, float *minimum) {
-    float mn = INFINITY, mx = -INFINITY;
-    int any = 0;
-    for (int i = 0; i < n; i++)
-        if (valid[i]) {
-            const float v = x[i * stride];
-            mn = v < mn ? v : mn;
-            mx = v > mx ? v : mx;
-            any = 1;
-        }
-    if (!any) mn = mx = 0.0f;
-    mn += 0.0f; /* -0 -> +0, as the reference */
-    float s = (mx - mn) / levels;
-    s = s > 0.0f ? s : 1.0f;
-    for (int i = 0; i < n; i++) {
-        float c = valid[i] ? nearbyintf((x[i * stride] - mn) / s) : 0.0f;
-        c = c < 0.0f ? 0.0f : (c > levels ? levels : c);
-        codes[i * stride] = (uint8_t)c;
-    }
-    *scale = s;
-    *minimum = mn;
+/* Codes of n values x[i * stride] (valid[i] says which set the range) against a range min..max
+ * (n valid values seen; none: 0..0): the reference's float operations in its order, (max - min)
+ * / L, then round-half-even((x - min) / scale) clamped to 0..L; a flat or empty range gets
+ * scale 1. Returns the scale; *minimum the +0-normalized minimum. */
+static inline float chunk_scale(float *mn, float mx, int any, float levels) {
+    if (!any) *mn = mx = 0.0f;
+    *mn += 0.0f; /* -0 -> +0, as the reference */
+    const float s = (mx - *mn) / levels;
+    return s > 0.0f ? s : 1.0f;
+}
+
+static inline uint8_t chunk_code(float x, float mn, float s, float levels) {
+    float c = nearbyintf((x - mn) / s);
+    c = c < 0.0f ? 0.0f : (c > levels ? levels : c);
+    return (uint8_t)c;
 }
 
 int hack_chunk_codes(const hack_chunk_args *c) {
@@ -1049,20 +1039,51 @@ int hack_chunk_codes(const hack_chunk_args *c) {
         }
         const int64_t row = page * H + h; /* [pages, H, ...] */
         uint8_t *kc = c->k_codes + row * P * d, *vc = c->v_codes + row * P * d;
-        for (int64_t e = 0; e < d; e++) /* K: per channel over the page's tokens */
-            chunk_range(xk + e, valid, (int)P, d, levels, kc + e, c->k_scale + row * d + e, c->k_min + row * d + e);
+        float *ks = c->k_scale + row * d, *km = c->k_min + row * d;
+        /* K: per channel over the page's valid tokens; channels innermost, so the loops vectorize */
+        float kmx[MAX_D];
+        int any = 0;
+        for (int64_t e = 0; e < d; e++) km[e] = INFINITY, kmx[e] = -INFINITY;
         for (int64_t j = 0; j < P; j++) {
-            uint8_t one[MAX_D];
-            for (int64_t e = 0; e < d; e++) one[e] = valid[j];
-            for (int64_t g = 0; g < ng; g++) { /* V: per token and group */
+            if (!valid[j]) continue;
+            any = 1;
+            for (int64_t e = 0; e < d; e++) {
+                const float x = xk[j * d + e];
+                km[e] = x < km[e] ? x : km[e];
+                kmx[e] = x > kmx[e] ? x : kmx[e];
+            }
+        }
+        for (int64_t e = 0; e < d; e++) ks[e] = chunk_scale(km + e, kmx[e], any, levels);
+        for (int64_t j = 0; j < P; j++) {
+            if (!valid[j]) {
+                memset(kc + j * d, 0, (size_t)d);
+                continue;
+            }
+            for (int64_t e = 0; e < d; e++) kc[j * d + e] = chunk_code(xk[j * d + e], km[e], ks[e], levels);
+        }
+        /* V: per token and group of gd channels; K's code sums per token and group */
+        for (int64_t j = 0; j < P; j++)
+            for (int64_t g = 0; g < ng; g++) {
                 const int64_t at = (row * P + j) * ng + g;
-                chunk_range(xv + j * d + g * gd, one, (int)gd, 1, levels, vc + j * d + g * gd, c->v_scale + at,
-                            c->v_min + at);
+                const float *x = xv + j * d + g * gd;
+                uint8_t *dst = vc + j * d + g * gd;
+                float mn = INFINITY, mx = -INFINITY;
+                if (valid[j])
+                    for (int64_t e = 0; e < gd; e++) {
+                        mn = x[e] < mn ? x[e] : mn;
+                        mx = x[e] > mx ? x[e] : mx;
+                    }
+                const float sv = chunk_scale(&mn, mx, valid[j], levels);
+                if (valid[j])
+                    for (int64_t e = 0; e < gd; e++) dst[e] = chunk_code(x[e], mn, sv, levels);
+                else
+                    memset(dst, 0, (size_t)gd);
+                c->v_scale[at] = sv;
+                c->v_min[at] = mn;
                 int32_t sum = 0;
                 for (int64_t e = 0; e < gd; e++) sum += kc[j * d + g * gd + e];
                 c->k_sums[at] = (float)sum;
             }
-        }
     }
     free(xk);
     free(xv);
