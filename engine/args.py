@@ -12,6 +12,7 @@ from typing import Any
 from hack_ops import HackConfig
 from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS, RaisedTensors
 from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode
+from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.rotation import Rotation
 from hack_ops.sparse import PageScore, SparseConfig
 
@@ -346,10 +347,9 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
     refusal = sparse_refusal(settings)
     if refusal:
         raise HackArgumentError(refusal)
-    if settings.prefill == PrefillMode.INT8 and cfg.orientation != "channel_k":
-        raise HackArgumentError(f"--hack-prefill int8 reads K per channel and V per token (the default layout); "
-                                f"--hack-orientation {cfg.orientation} lays pages out otherwise. Use --hack-prefill "
-                                "homomorphic, exact or dense, or drop --hack-orientation")
+    refusal = layout_refusal(cfg) if settings.prefill == PrefillMode.INT8 else None
+    if refusal:
+        raise HackArgumentError(f"{refusal}. Use --hack-prefill homomorphic, exact or dense, or the default layout")
     out: dict[str, Any] = {}
     page = getattr(ns, "page_size", None)
     if page is None:

@@ -41,6 +41,7 @@ from hack_ops.modes import AttentionMode, PrefillMode
 from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
 from hack_ops.paged import extend_strawman
+from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 from hack_ops.paged.sparse import SparseDecode, SparseTotals
 from hack_ops.rotation import Rotation, restore_output, rotate_qkv
@@ -89,7 +90,7 @@ class HackAttnBackend(AttentionBackend):
         # --hack-prefill dense runs.
         model_dtype = getattr(model_runner, "dtype", torch.float32)
         self.prefill, why_prefill = choose_prefill(settings.prefill, settings.attention, self.device.type, model_dtype,
-                                                   orientation=settings.config.orientation)
+                                                   int8_refusal=layout_refusal(settings.config))
         self.dense_dtype = dense_dtype(self.device.type, model_dtype)  # dense and strawman prefills
         self.rotation: Rotation = settings.config.rotation
         self.generator: Optional[torch.Generator] = None

@@ -62,13 +62,13 @@ def int8_kernel_simd() -> bool:
 
 def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, device_type: str,
                    model_dtype: torch.dtype, has_amx_bf16: bool | None = None,
-                   has_int8_simd: bool | None = None, orientation: str = "channel_k") -> tuple[PrefillMode, str]:
+                   has_int8_simd: bool | None = None, int8_refusal: str | None = None) -> tuple[PrefillMode, str]:
     """The prefill the server runs, and why. An explicit mode is kept as asked (a GPU server
     refuses exact at startup, engine.gpu_attention); 'auto' is resolved from the
     device, the model's dtype, the CPU's AMX-BF16 and whether the INT8 kernel has its SIMD path
     on this CPU. Where it picks the INT8 kernel, that is PrefillMode.INT8 (a chunk's own tokens
-    read from 6-bit codes) for the default per-channel-K layout, homomorphic for the others
-    (`orientation`), which INT8 does not read. The strawman (`--hack-attention dequant`) prefills
+    read from 6-bit codes) for the default layout, homomorphic for the others (`int8_refusal`:
+    hack_ops.paged.chunk_codes.layout_refusal of the server's format, None for the default). The strawman (`--hack-attention dequant`) prefills
     its own way, so its prefill is homomorphic by definition."""
     requested = prefill_mode(requested)
     if attention != AttentionMode.HACK:
@@ -84,10 +84,10 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
                                    "(its AVX2 or plain-C build prefills no faster than dense here, and dense "
                                    "is the more accurate)")
     amx = cpu_has_amx_bf16() if has_amx_bf16 is None else has_amx_bf16
-    kernel = PrefillMode.INT8 if orientation == "channel_k" else PrefillMode.HOMOMORPHIC
+    kernel = PrefillMode.INT8 if int8_refusal is None else PrefillMode.HOMOMORPHIC
     how = ("the INT8 kernel, a chunk's own tokens read from 6-bit codes (the homomorphic prefill's speed, "
            "dense's fidelity)" if kernel == PrefillMode.INT8 else
-           f"the homomorphic INT8 kernel (--hack-orientation {orientation} has no 6-bit chunk codes)")
+           f"the homomorphic INT8 kernel (not int8: {int8_refusal})")
     if not amx:
         return kernel, f"--hack-prefill auto: this CPU has no AMX-BF16, so {how}"
     if model_dtype != torch.bfloat16:

@@ -108,6 +108,8 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "100"], "is under two pages of 64 tokens"),
     (["--kv-cache-dtype", "hack", "--hack-prefill", "int8", "--hack-orientation", "token_k"],
      "--hack-prefill int8 reads K per channel and V per token (the default layout); --hack-orientation token_k"),
+    (["--kv-cache-dtype", "hack", "--hack-prefill", "int8", "--hack-tail-tensors", "per_channel"],
+     "--hack-tail-tensors per_channel keeps V's as codes. Use --hack-prefill homomorphic"),
     (["--kv-cache-dtype", "hack", "--hack-sparse-share-layers", "2"], "sparse decode, which is off"),
 ])
 def test_bad_combinations_are_refused(parser, argv, message):

@@ -56,11 +56,10 @@ def _both_paths(make, prefix: list[int], monkeypatch, variant: str = "tiled") ->
 @pytest.mark.parametrize("kw,feat", [
     (dict(sink_tokens=1), {}),
     (dict(sink_tokens=4, kv_bits=4), {}),
-    (dict(tail_tensors="per_channel", sink_tokens=2), {}),  # V read from codes in the open page
     (dict(range_search=True, k_bits=4), {}),
     (dict(sink_tokens=1), dict(window=40)),
     (dict(sink_tokens=0), dict(logit_cap=5.0)),
-], ids=["plain", "4bit-sink4", "v-codes-open", "default-format-k4", "window", "softcap"])
+], ids=["plain", "4bit-sink4", "default-format-k4", "window", "softcap"])
 def test_kernel_equals_reference(kw, feat, monkeypatch):
     """Cold prompts and chunks over unaligned and aligned cached prefixes, batched."""
     cfg = make_cfg(partition_size=32, **kw)
@@ -120,7 +119,8 @@ def test_prefix_pages_read_from_the_pool(monkeypatch):
 
 def test_codes_and_layout():
     """Codes stay within 6 bits (the signed operand of every build's dot products); sinks and
-    tokens past the end take no part in a page's range; a layout with per-token K is refused."""
+    tokens past the end take no part in a page's range; a layout with per-token K or without V's
+    FP16 tail is refused (the window would lack the open page's V)."""
     g = torch.Generator().manual_seed(36)
     p, h, d = 32, 2, 64
     k = (torch.randn(80, h, d, generator=g) * 3).half()
@@ -134,9 +134,12 @@ def test_codes_and_layout():
     want = k.float().reshape(-1)[: 80 * h * d].reshape(80, h, d)
     got = deq.permute(0, 2, 1, 3).reshape(96, h, d)[:80]
     assert float((got[1:] - want[1:]).abs().max()) <= 0.5 * float(cc.k_scale.max()) + 1e-5
-    case = Case(make_cfg(partition_size=32, orientation="token_k", sink_tokens=1), lens=[40], heads=1, rep=1, seed=37)
-    with pytest.raises(ValueError, match="int8 reads K per channel"):
-        case.extend([40], prefill="int8", backend="torch")
+    for kw, named in ((dict(orientation="token_k"), "int8 reads K per channel"),
+                      (dict(tail_tensors="per_channel"), "--hack-tail-tensors per_channel keeps V's as codes")):
+        case = Case(make_cfg(partition_size=32, sink_tokens=1, **kw), lens=[40], heads=1, rep=1, seed=37)
+        for backend in ("torch", "auto"):
+            with pytest.raises(ValueError, match=named):
+                case.extend([40], prefill="int8", backend=backend)
 
 
 def test_per_query_fallback_is_not_taken(monkeypatch):

@@ -56,11 +56,16 @@ def test_auto_is_dense_where_the_int8_kernel_has_no_simd(dtype):
 
 
 def test_auto_takes_the_homomorphic_kernel_where_int8_cannot_read_the_layout():
-    """PrefillMode.INT8's chunk codes are the default layout's (per-channel K): a server with
-    another --hack-orientation gets the homomorphic prefill from auto, and says why."""
-    mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", torch.bfloat16, has_amx_bf16=False,
-                                  has_int8_simd=True, orientation="token_k")
-    assert mode == PrefillMode.HOMOMORPHIC and "--hack-orientation token_k" in reason
+    """PrefillMode.INT8's chunk codes are the default layout's (per-channel K, FP16 tails of K and
+    V): a server with another layout gets the homomorphic prefill from auto, and says why."""
+    from hack_ops.paged.chunk_codes import layout_refusal
+
+    assert layout_refusal(HackConfig()) is None
+    for cfg, named in ((HackConfig(orientation="token_k"), "--hack-orientation token_k"),
+                       (HackConfig(tail_tensors="per_channel"), "--hack-tail-tensors per_channel")):
+        mode, reason = choose_prefill(PrefillMode.AUTO, AttentionMode.HACK, "cpu", torch.bfloat16, has_amx_bf16=False,
+                                      has_int8_simd=True, int8_refusal=layout_refusal(cfg))
+        assert mode == PrefillMode.HOMOMORPHIC and named in reason, reason
 
 
 @pytest.mark.parametrize("asked", [PrefillMode.HOMOMORPHIC, PrefillMode.INT8, PrefillMode.EXACT, PrefillMode.DENSE])

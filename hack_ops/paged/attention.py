@@ -29,7 +29,7 @@ from torch import Tensor
 
 from . import clock
 from .dequant import dense_kv, dequant_decode
-from .chunk_codes import ChunkCodes, quantize_chunks
+from .chunk_codes import ChunkCodes, layout_refusal, quantize_chunks
 from .pages import RequestPages, TensorPages, request_pages
 from .plan import ForwardPlan
 from .sparse import PageSelection, SparseDecode
@@ -210,9 +210,9 @@ def _chunk_codes(store: HackKVStore, layer: int, plan: ForwardPlan, kw: Tensor, 
     """PrefillMode.INT8's codes of each request's FP16 window (hack_ops.paged.chunk_codes;
     make: its reference, or the compiled cpu_extend.chunk_codes)."""
     cfg = store.config_for(layer)
-    if cfg.k_per_token or not cfg.v_per_token:
-        raise ValueError("--hack-prefill int8 reads K per channel and V per token (the default layout); this "
-                         "layer's layout is another")
+    refusal = layout_refusal(cfg)
+    if refusal:
+        raise ValueError(refusal)
     with clock.phase("quantization"):
         return make(kw, vw, woff, plan.prefix_list, plan.seq_list, store.page_size, cfg.head_group(store.head_dim),
                     cfg.sink_tokens)

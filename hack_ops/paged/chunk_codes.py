@@ -31,6 +31,19 @@ CHUNK_BITS = 6
 LEVELS = (1 << CHUNK_BITS) - 1
 
 
+def layout_refusal(cfg) -> str | None:
+    """Why PrefillMode.INT8 cannot read this HackConfig's pages (None: it can). The codes are the
+    default layout's (K per channel over a page, V per token), made from FP16 windows that hold
+    every token of the prefix's open page: both tensors need their FP16 tail."""
+    if cfg.orientation != "channel_k":
+        return (f"--hack-prefill int8 reads K per channel and V per token (the default layout); "
+                f"--hack-orientation {cfg.orientation} lays pages out otherwise")
+    if cfg.tail_tensors != "kv":
+        return (f"--hack-prefill int8 reads the open page's tokens from the FP16 tails of K and V (the default); "
+                f"--hack-tail-tensors {cfg.tail_tensors} keeps V's as codes")
+    return None
+
+
 @dataclass
 class ChunkCodes:
     """Every request's window pages (from page prefix // Π on), stacked: request b's pages are
