@@ -5,11 +5,15 @@ tokens, then the passage's first 128 tokens again: 828 tokens, 12 closed pages):
 passage means reading it back, so the selection must find its pages among the others. With a
 budget of 256 tokens (4 of 12 pages per request and KV head: the first, the last and two chosen)
 the sparse server must read well under half the pages and still reproduce the passage where the
-selection finds it. Measured 2026-11-26 with the default's calibrated bit plan, twelve prompts:
-the dense server recalls 109 tokens, the sparse one 53 (x0.49) reading 31% of the pages; the loss
-is mostly three prompts whose next page the bound does not choose (docs/sparse.md). RECALL_MIN sits under
-that measurement; a selection that lost the passage's pages would recall only what the first and
-recent pages give. Both servers start together and stop at the end of the module.
+selection finds it. Measured with the default's calibrated bit plan, twelve prompts: 2026-11-26
+(AMX host, the dense prefill) the dense server recalled 109 tokens, the sparse one 53 (x0.49)
+reading 31% of the pages; the loss is mostly three prompts whose next page the bound does not
+choose (docs/sparse.md). 2026-11-28, both servers on `--hack-prefill int8` (named here so that the
+bars mean the same on every host): dense 129, sparse 50 (x0.39): the better prefill lifts the
+dense server's recall, the sparse one's stays where the selection puts it. RECALL_MIN and
+SPARSE_MIN sit under those measurements; a selection that lost the passage's pages would recall
+only what the first and recent pages give. Both servers start together and stop at the end of the
+module.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ BUDGET = 256
 PROMPTS = 12
 NEW_TOKENS = 24
 READ_MAX = 0.45  # pages read / resident in the sparse layers (measured 0.31)
-RECALL_MIN = 0.4  # the sparse server's recalled tokens over the dense server's (measured 0.49)
+RECALL_MIN = 0.3  # the sparse server's recalled tokens over the dense server's (measured 0.49, 0.39)
+SPARSE_MIN = 40  # tokens the sparse server recalls over the twelve prompts (measured 53, 50)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,8 @@ def model_path() -> str:
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
     logs = tmp_path_factory.mktemp("sparse")
-    common = ["--kv-cache-dtype", "hack", "--hack-kv-budget-mb", "128", "--random-seed", "0", "--disable-radix-cache",
-              "--sleep-on-idle"]
+    common = ["--kv-cache-dtype", "hack", "--hack-prefill", "int8", "--hack-kv-budget-mb", "128", "--random-seed", "0",
+              "--disable-radix-cache", "--sleep-on-idle"]
     dense = SGLangServer(model_path, common, log_path=logs / "dense.log")
     sparse = SGLangServer(model_path, [*common, "--hack-sparse-budget", str(BUDGET), "--hack-sparse-recent", "64"],
                           log_path=logs / "sparse.log", env={"HACK_METRICS_RUN_DIR": str(logs / "metrics")})
@@ -66,6 +71,7 @@ def test_sparse_server_recalls_what_the_dense_one_does(servers, model_path):
     assert servers["dense"].kv_usage()["hack"]["sparse"] is None  # off unless asked for
     assert stats["pages_read"] > 0 and stats["read_fraction"] <= READ_MAX, stats
     assert sum(recalled["sparse"]) >= RECALL_MIN * sum(recalled["dense"]), recalled
+    assert sum(recalled["sparse"]) >= SPARSE_MIN, recalled
 
 
 def test_long_prompts_and_a_batch_decode_sparsely(servers, model_path):
