@@ -990,10 +990,9 @@ int hack_extend(const hack_extend_args *a) {
 
 /* ---- PrefillMode.INT8: the chunk's codes (the reference: hack_ops/paged/chunk_codes.py) ---- */
 
-/* Codes of n values x[i * stride] (valid[i] says which set the range) against a range min..max
- * (n valid values seen; none: 0..0): the reference's float operations in its order, (max - min)
- * / L, then round-half-even((x - min) / scale) clamped to 0..L; a flat or empty range gets
- * scale 1. Returns the scale; *minimum the +0-normalized minimum. */
+/* The reference's float operations in its order. chunk_scale: a range min..max (any: whether a
+ * valid value set it; none: 0..0) -> its scale (max - min) / L, 1 for a flat or empty range, and
+ * *mn made +0 where it was -0. chunk_code: round-half-even((x - min) / scale) clamped to 0..L. */
 static inline float chunk_scale(float *mn, float mx, int any, float levels) {
     if (!any) *mn = mx = 0.0f;
     *mn += 0.0f; /* -0 -> +0, as the reference */
