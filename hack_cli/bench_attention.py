@@ -6,7 +6,8 @@ Methods, measured side by side in one run on the same context:
   dequant  the same 2-bit pages dequantized to BF16, then SDPA (the paper's strawman)
 Decode: one query per request, batch x context, attention only (the store step that writes the
 new token is not timed, for no method). Prefill: one prompt per length; hack = store +
-homomorphic attention ('hack' and 'exact' prefill), hack-attn = the homomorphic attention alone
+homomorphic attention ('hack', 'exact' and 'int8' prefill: hack-exact, hack-int8 rows), hack-attn =
+the homomorphic attention alone
 on stored pages, hack-store = the store alone, bf16 / fp32 = causal SDPA (the baseline is the
 faster of the two), dequant = store + causal SDPA.
 Reported: the median of repeats per cell, speedups = baseline time / hack time, the extend path

@@ -19,7 +19,7 @@ def test_bench_attention_json(capsys, tmp_path):
     assert {(r["batch"], r["method"]) for r in decode} == {(b, m) for b in (1, 2) for m in ("hack", "bf16", "dequant")}
     assert all(r["shape"] == "smollm2" and r["context"] == 200 and r["median_ms"] > 0 for r in decode)
     prefill = {r["method"] for r in doc["results"] if r["phase"] == "prefill"}
-    assert prefill == {"hack", "hack-exact", "hack-store", "hack-attn", "bf16", "fp32", "dequant"}
+    assert prefill == {"hack", "hack-exact", "hack-int8", "hack-store", "hack-attn", "bf16", "fp32", "dequant"}
     assert doc["extend_path"].split()[0] in ("vnni", "avx2", "portable", "per-query", "torch")
     assert doc["roofline"]["copy_gb_s"] > 0 and doc["roofline"]["bf16_gops"] > 0
     pre = [r for r in doc["ratios"] if r["phase"] == "prefill"][0]
