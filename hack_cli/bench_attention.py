@@ -7,9 +7,8 @@ Methods, measured side by side in one run on the same context:
 Decode: one query per request, batch x context, attention only (the store step that writes the
 new token is not timed, for no method). Prefill: one prompt per length; hack = store +
 homomorphic attention ('hack', 'exact' and 'int8' prefill: hack-exact, hack-int8 rows), hack-attn =
-the homomorphic attention alone
-on stored pages, hack-store = the store alone, bf16 / fp32 = causal SDPA (the baseline is the
-faster of the two), dequant = store + causal SDPA.
+the homomorphic attention alone on stored pages, hack-store = the store alone, bf16 / fp32 =
+causal SDPA (the baseline is the faster of the two), dequant = store + causal SDPA.
 Reported: the median of repeats per cell, speedups = baseline time / hack time, the extend path
 that ran, and a roofline measured in the same run (copy bandwidth, INT8/BF16/FP32 GEMM peaks)
 with each kernel's achieved fraction of it.
