@@ -68,8 +68,9 @@ def choose_prefill(requested: PrefillMode | str, attention: AttentionMode, devic
     device, the model's dtype, the CPU's AMX-BF16 and whether the INT8 kernel has its SIMD path
     on this CPU. Where it picks the INT8 kernel, that is PrefillMode.INT8 (a chunk's own tokens
     read from 6-bit codes) for the default layout, homomorphic for the others (`int8_refusal`:
-    hack_ops.paged.chunk_codes.layout_refusal of the server's format, None for the default). The strawman (`--hack-attention dequant`) prefills
-    its own way, so its prefill is homomorphic by definition."""
+    hack_ops.paged.chunk_codes.layout_refusal of the server's format, None for the default). The
+    strawman (`--hack-attention dequant`) prefills its own way, so its prefill is homomorphic by
+    definition."""
     requested = prefill_mode(requested)
     if attention != AttentionMode.HACK:
         return PrefillMode.HOMOMORPHIC, f"--hack-attention {attention.value} prefills as the strawman"

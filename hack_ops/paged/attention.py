@@ -219,10 +219,10 @@ def _chunk_codes(store: HackKVStore, layer: int, plan: ForwardPlan, kw: Tensor, 
 
 
 def _with_chunk_pages(rp: RequestPages, chunk: ChunkCodes, b: int, at: int) -> RequestPages:
-    """rp (one request's pages) with its pages from index `at` on replaced by the chunk's codes
-    of the same pages (at < 0: the window starts before rp's first page)."""
-    fine = chunk.request_pages(b, max(0, -at))
-    at = max(0, at)
+    """rp (one request's pages) with its pages from index `at` on (its window's first page:
+    a layer's sliding window never starts past the prefix's open page) replaced by the chunk's
+    codes of the same pages."""
+    fine = chunk.request_pages(b)
 
     def join(old: TensorPages, new: TensorPages) -> TensorPages:
         parts = [None if x is None else torch.cat([x[:, :at], y], 1)

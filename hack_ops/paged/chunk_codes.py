@@ -61,10 +61,10 @@ class ChunkCodes:
     v_scale: Tensor
     v_min: Tensor
 
-    def request_pages(self, b: int, first: int = 0) -> RequestPages:
-        """Request b's pages from its window's page `first` on, as the PyTorch path reads pages
-        (float codes, head-major [H, n, ...])."""
-        lo, hi = int(self.page0[b]) + first, int(self.page0[b] + self.count[b])
+    def request_pages(self, b: int) -> RequestPages:
+        """Request b's window pages as the PyTorch path reads pages (float codes, head-major
+        [H, n, ...])."""
+        lo, hi = int(self.page0[b]), int(self.page0[b] + self.count[b])
         hm = lambda x: x[lo:hi].transpose(0, 1).float().contiguous()  # noqa: E731
         return RequestPages(k=TensorPages(hm(self.k_codes), hm(self.k_scale), hm(self.k_min), hm(self.k_sums)),
                             v=TensorPages(hm(self.v_codes), hm(self.v_scale), hm(self.v_min), None))
@@ -85,6 +85,15 @@ def _quantize(x: Tensor, valid: Tensor, dim: int) -> tuple[Tensor, Tensor, Tenso
     return codes.to(torch.uint8), scale.squeeze(dim), mn.squeeze(dim)
 
 
+def window_pages(prefix_lens: list[int], seq_lens: list[int], page_size: int) -> tuple[list[int], list[int], list[int]]:
+    """Each request's window in ChunkCodes: its first position (the start of the prefix's open
+    page), its page count (to the request's end), and its first row (page0)."""
+    starts = [(pre // page_size) * page_size for pre in prefix_lens]
+    counts = [-(-(seq - st) // page_size) for st, seq in zip(starts, seq_lens)]
+    page0 = [sum(counts[:b]) for b in range(len(counts))]
+    return starts, counts, page0
+
+
 def quantize_chunks(k_win: Tensor, v_win: Tensor, win_off: Tensor, prefix_lens: list[int], seq_lens: list[int],
                     page_size: int, group: int, sink_tokens: int) -> ChunkCodes:
     """The codes of each request's FP16 window (k_win/v_win [.., H, D] float16; request b's
@@ -93,12 +102,11 @@ def quantize_chunks(k_win: Tensor, v_win: Tensor, win_off: Tensor, prefix_lens: 
     store, as from a pool page), take no part in a range."""
     h, d = k_win.shape[1], k_win.shape[2]
     p, hd, ng = page_size, h * d, d // group
-    ks, vs, page0, count = [], [], [], []
-    n = 0
-    for b, (pre, seq) in enumerate(zip(prefix_lens, seq_lens)):
-        start = (pre // p) * p
+    starts, counts, page0 = window_pages(prefix_lens, seq_lens, p)
+    n = sum(counts)
+    ks, vs = [], []
+    for b, (start, seq, pages) in enumerate(zip(starts, seq_lens, counts)):
         tokens = seq - start
-        pages = -(-tokens // p)
         off = int(win_off[b]) // hd
         pad = pages * p - tokens
         k = torch.nn.functional.pad(k_win[off:off + tokens].float(), (0, 0, 0, 0, 0, pad))
@@ -107,16 +115,13 @@ def quantize_chunks(k_win: Tensor, v_win: Tensor, win_off: Tensor, prefix_lens: 
         valid = ((pos < seq) & (pos >= sink_tokens)).reshape(pages, p, 1, 1)
         ks.append(k.reshape(pages, p, h, d).permute(0, 2, 1, 3))  # [pages, H, Π, D]
         vs.append((v.reshape(pages, p, h, d).permute(0, 2, 1, 3), valid.permute(0, 2, 1, 3)))
-        page0.append(n)
-        count.append(pages)
-        n += pages
     k = torch.cat(ks, 0)
     valid = torch.cat([m for _, m in vs], 0).expand(k.shape)
     kc, k_scale, k_min = _quantize(k, valid, dim=2)  # per channel over the page's tokens
     v = torch.cat([x for x, _ in vs], 0).reshape(n, h, p, ng, group)
     vc, v_scale, v_min = _quantize(v, valid.reshape(v.shape), dim=4)  # per token and group
     k_sums = kc.reshape(n, h, p, ng, group).sum(-1, dtype=torch.int32).float()
-    return ChunkCodes(page0=torch.tensor(page0, dtype=torch.int64), count=torch.tensor(count, dtype=torch.int64),
+    return ChunkCodes(page0=torch.tensor(page0, dtype=torch.int64), count=torch.tensor(counts, dtype=torch.int64),
                       k_codes=kc.contiguous(), k_scale=k_scale.contiguous(), k_min=k_min.contiguous(),
                       k_sums=k_sums.contiguous(), v_codes=vc.reshape(n, h, p, d).contiguous(),
                       v_scale=v_scale.contiguous(), v_min=v_min.contiguous())

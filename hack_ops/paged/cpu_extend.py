@@ -23,7 +23,7 @@ import torch
 
 from ..modes import AttentionMode, PrefillMode
 from . import cpu_kernel
-from .chunk_codes import ChunkCodes
+from .chunk_codes import LEVELS, ChunkCodes, window_pages
 
 logger = logging.getLogger(__name__)
 
@@ -207,11 +207,7 @@ def attend(store, layer: int, plan, q: torch.Tensor, scale: float, k_win: torch.
         for name, x in zip(("chunk_page0", "ck_codes", "cv_codes", "ck_scale", "ck_min", "ck_sums", "cv_scale",
                             "cv_min"), parts):
             setattr(a, name, x.data_ptr())
-    rc = lib.hack_extend(ctypes.byref(a))
-    if rc == -1:
-        raise RuntimeError("the tiled extend kernel rejected the geometry")
-    if rc != 0:
-        raise MemoryError("the tiled extend kernel could not allocate its scratch memory")
+    _raise_for(lib.hack_extend(ctypes.byref(a)), "the tiled extend kernel")
     return out
 
 
@@ -220,8 +216,6 @@ def chunk_codes(k_win: torch.Tensor, v_win: torch.Tensor, win_off: torch.Tensor,
                 variant: str | None = None) -> ChunkCodes:
     """hack_ops.paged.chunk_codes.quantize_chunks (the reference, same arguments) compiled: the
     same codes and side tables, made in C beside the kernel that reads them."""
-    from .chunk_codes import LEVELS
-
     lib = _lib(variant or build_variant())
     if lib is None:
         raise RuntimeError(cpu_kernel._errors.get(variant or build_variant(), "the CPU kernel is not available"))
@@ -230,9 +224,7 @@ def chunk_codes(k_win: torch.Tensor, v_win: torch.Tensor, win_off: torch.Tensor,
         raise RuntimeError("the FP16 windows must be float16")
     p = page_size
     h, d = k_win.shape[1], k_win.shape[2]
-    starts = [(pre // p) * p for pre in prefix_lens]
-    counts = [-(-(seq - st) // p) for st, seq in zip(starts, seq_lens)]
-    page0 = [sum(counts[:b]) for b in range(len(counts))]
+    starts, counts, page0 = window_pages(prefix_lens, seq_lens, p)
     n, ng = sum(counts), d // group
     cc = ChunkCodes(page0=_i64(page0), count=_i64(counts),
                     k_codes=torch.empty(n, h, p, d, dtype=torch.uint8), k_scale=torch.empty(n, h, d),
@@ -246,9 +238,13 @@ def chunk_codes(k_win: torch.Tensor, v_win: torch.Tensor, win_off: torch.Tensor,
                page0=cc.page0.data_ptr(), k_win=k_win.data_ptr(), v_win=v_win.data_ptr(),
                **{name: getattr(cc, name).data_ptr() for name in ("k_codes", "v_codes", "k_scale", "k_min", "k_sums",
                                                                   "v_scale", "v_min")})
-    rc = lib.hack_chunk_codes(ctypes.byref(a))
-    if rc == -1:
-        raise RuntimeError("the chunk-code kernel rejected the geometry")
-    if rc != 0:
-        raise MemoryError("the chunk-code kernel could not allocate its scratch memory")
+    _raise_for(lib.hack_chunk_codes(ctypes.byref(a)), "the chunk-code kernel")
     return cc
+
+
+def _raise_for(rc: int, kernel: str) -> None:
+    """The error a return code of hack_extend.c's entry points stands for (0: none)."""
+    if rc == -1:
+        raise RuntimeError(f"{kernel} rejected the geometry")
+    if rc != 0:
+        raise MemoryError(f"{kernel} could not allocate its scratch memory")
