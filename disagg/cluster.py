@@ -122,7 +122,7 @@ def wait_healthy(urls: list[str], pids: list[int], timeout_s: float, logs: list[
             return
         if time.time() > deadline:
             raise RuntimeError(f"not healthy after {timeout_s:.0f}s: {', '.join(pending)}")
-        time.sleep(2.0)
+        time.sleep(0.5)
 
 
 def server_env(host_ip: str, run_dir: Path, role: str, index: int, *, waiting_timeout_s: int = 300,

@@ -133,7 +133,7 @@ class SGLangServer:
                     return self
             except requests.RequestException:
                 pass
-            time.sleep(1.0)
+            time.sleep(0.25)
         self.stop()
         raise ServerStartError(f"server not ready after {timeout:.0f}s:\n{self.log_tail()}")
 

@@ -54,8 +54,9 @@ def _prompts(n_tokens: int, count: int, offset: int = 0) -> list[list[int]]:
 # Seconds a prefill waits for its decode's handshake (and a decode for a silent prefill). The
 # router retries a request whose decode was killed before its health checks notice, and that
 # retry's prefill leg waits this long for the dead decode (SGLang's default, 300 s, is the CLI's:
-# a loaded decode may pre-allocate late). Requests here are few and short: a minute is ample.
-WAITING_TIMEOUT_S = 60
+# a loaded decode may pre-allocate late). Requests here are few and short (3,000 tokens at most,
+# a prefill of about 7 s here): 30 s is ample.
+WAITING_TIMEOUT_S = 30
 
 
 def _start(request, **kw) -> dict:
