@@ -12,13 +12,17 @@ install:
 	@bash scripts/install.sh
 	@bash scripts/venv_cache.sh save
 
-# The whole suite, slow real-model and real-server tests included (that is what CI runs).
+# The whole suite, slow real-model and real-server tests included (that is what CI runs), in
+# TEST_WORKERS pytest-xdist workers (0: one process). Each test module runs whole on one worker;
+# tests/conftest.py says how the shared servers and the speed tests are kept apart.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadgroup
 test: install
-	$(PYTEST) -q --durations=20
+	$(PYTEST) -q --durations=20 $(XDIST)
 
 # Everything but the tests marked slow, for a quick loop while developing.
 test-fast: install
-	$(PYTEST) -q -m "not slow"
+	$(PYTEST) -q -m "not slow" $(XDIST)
 
 demo: install
 	$(HACK) demo

@@ -28,6 +28,8 @@ def pytest_configure(config) -> None:
     global KERNEL_DEVICE
     config.addinivalue_line("markers", "shared_servers(*names): the module's tests use these servers of "
                                        "tests/shared_servers.py (stopped after the last test that names them)")
+    config.addinivalue_line("markers", "solo: a test that measures speed: under pytest-xdist it runs while the other "
+                                       "workers wait between their tests (tests/conftest.py, pytest_runtest_protocol)")
     config.addinivalue_line("markers", "cuda: kernel cases (real shapes, driver checks) that run only when the Triton kernels "
                                        "run on a CUDA GPU (skipped under the interpreter)")
     import torch
@@ -59,12 +61,50 @@ def pytest_configure(config) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     from hack_ops.kernel_device import KernelDevice
 
+    # `make test` runs two pytest-xdist workers with --dist loadgroup, and a group runs whole on
+    # one worker, in order. Each module is a group (its module-scoped servers and clusters start
+    # once, and its tests keep their order), except that the modules with tests on the shared
+    # servers are one group together: one worker starts each shared server once and stops it after
+    # its last user.
+    shared = {_module(item) for item in items if item.get_closest_marker("shared_servers")}
+    for item in items:
+        module = _module(item)
+        item.add_marker(pytest.mark.xdist_group(SHARED_SERVERS_GROUP if module in shared else module))
     if KERNEL_DEVICE is KernelDevice.CUDA:
         return
     skip = pytest.mark.skip(reason="runs only when the Triton kernels run on a CUDA GPU (HACK_KERNEL_DEVICE, tests/conftest.py)")
     for item in items:
         if item.get_closest_marker("cuda"):
             item.add_marker(skip)
+
+
+SHARED_SERVERS_GROUP = "shared-servers"
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+# Under pytest-xdist (two workers share this machine's cores), a test marked `solo` runs alone:
+# each test, from the setup of the fixtures it is the first to need to its teardown, holds a lock
+# on one file of the run, shared, and a solo test holds it exclusively, so it starts once the other
+# worker's current test is done and the other worker starts its next test once it is done. Only
+# the tests that compare measured speeds need it (tests/test_engine_speed.py).
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), f"sglang-hack-tests-{run}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if item.get_closest_marker("solo") else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 # The shared servers (tests/shared_servers.py): who uses each last, so that it stops right after.

@@ -43,7 +43,9 @@ import pytest
 
 from hack_eval.workloads import essay_ids
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.shared_servers("smollm2_bf16", "smollm2_hack")]
+# solo: under `make test`'s two workers the other worker waits while this module measures.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.solo,
+              pytest.mark.shared_servers("smollm2_bf16", "smollm2_hack")]
 
 LONG, SHORT = 8000, 128
 DECODE_TOKENS = 64
