@@ -16,7 +16,7 @@ install:
 # TEST_WORKERS pytest-xdist workers (0: one process). Each test module runs whole on one worker;
 # tests/conftest.py says how the shared servers and the speed tests are kept apart.
 TEST_WORKERS ?= 2
-XDIST = -n $(TEST_WORKERS) --dist loadgroup
+XDIST = -n $(TEST_WORKERS) --dist loadscope
 test: install
 	$(PYTEST) -q --durations=20 $(XDIST)
 

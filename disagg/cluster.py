@@ -329,6 +329,9 @@ def load_states() -> list[dict]:
     return out
 
 
+ORPHAN_MIN_AGE_S = 600.0
+
+
 def clean_stale() -> list[str]:
     """Stop clusters whose launching process is gone and remove orphaned links. Clusters
     started by `hack up` (owner exited normally) stay: they are recorded with owner 'detached'."""
@@ -350,9 +353,12 @@ def clean_stale() -> list[str]:
         msgs += [f"cluster {st['name']}: {m}" for m in down(st)] or [f"cluster {st['name']}: state removed"]
     if netns.can_shape()[0]:
         # A namespace with processes inside belongs to a running cluster, possibly one recorded
-        # in another state directory: only empty, unowned namespaces are orphans.
+        # in another state directory, and so may a young one (a cluster of another state
+        # directory between creating its link and starting its prefill in it): only empty,
+        # unowned namespaces older than ORPHAN_MIN_AGE_S are orphans.
         for ns in netns.list_namespaces():
-            if not live(ns) and not netns.in_use(ns):
+            age = netns.age_s(ns)
+            if not live(ns) and not netns.in_use(ns) and (age is None or age >= ORPHAN_MIN_AGE_S):
                 tag = ns[len(netns.NS_PREFIX):]
                 msgs += [f"orphan: removed {x}" for x in netns.remove(ns, f"{netns.VETH_PREFIX}{tag}a")]
         remaining = set(netns.list_namespaces())

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
@@ -97,6 +98,14 @@ def can_shape() -> tuple[bool, str]:
 def list_namespaces() -> list[str]:
     out = _run("ip", "netns", "list", check=False).stdout
     return [line.split()[0] for line in out.splitlines() if line.startswith(NS_PREFIX)]
+
+
+def age_s(namespace: str) -> float | None:
+    """Seconds since `namespace` was created (its bind mount under /run/netns), None if unknown."""
+    try:
+        return max(0.0, time.time() - os.stat(f"/run/netns/{namespace}").st_mtime)
+    except OSError:
+        return None
 
 
 def in_use(namespace: str) -> bool:

@@ -1,6 +1,7 @@
 """Shared pytest setup."""
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -30,6 +31,8 @@ def pytest_configure(config) -> None:
                                        "tests/shared_servers.py (stopped after the last test that names them)")
     config.addinivalue_line("markers", "solo: a test that measures speed: under pytest-xdist it runs while the other "
                                        "workers wait between their tests (tests/conftest.py, pytest_runtest_protocol)")
+    config.addinivalue_line("markers", "memory_heavy: a module that holds three or more SGLang servers (or a container "
+                                       "stack) at once: under pytest-xdist no two such modules run together (tests/conftest.py)")
     config.addinivalue_line("markers", "cuda: kernel cases (real shapes, driver checks) that run only when the Triton kernels "
                                        "run on a CUDA GPU (skipped under the interpreter)")
     import torch
@@ -61,15 +64,9 @@ def pytest_configure(config) -> None:
 def pytest_collection_modifyitems(config, items) -> None:
     from hack_ops.kernel_device import KernelDevice
 
-    # `make test` runs two pytest-xdist workers with --dist loadgroup, and a group runs whole on
-    # one worker, in order. Each module is a group (its module-scoped servers and clusters start
-    # once, and its tests keep their order), except that the modules with tests on the shared
-    # servers are one group together: one worker starts each shared server once and stops it after
-    # its last user.
-    shared = {_module(item) for item in items if item.get_closest_marker("shared_servers")}
-    for item in items:
-        module = _module(item)
-        item.add_marker(pytest.mark.xdist_group(SHARED_SERVERS_GROUP if module in shared else module))
+    for item in items:  # the shared servers and those modules' own servers together
+        if _unit(item.nodeid) == SHARED_SERVERS_UNIT:
+            item.add_marker(pytest.mark.memory_heavy)
     if KERNEL_DEVICE is KernelDevice.CUDA:
         return
     skip = pytest.mark.skip(reason="runs only when the Triton kernels run on a CUDA GPU (HACK_KERNEL_DEVICE, tests/conftest.py)")
@@ -78,33 +75,86 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(skip)
 
 
-SHARED_SERVERS_GROUP = "shared-servers"
+# `make test` runs two pytest-xdist workers (--dist loadscope), with the scheduler below: a unit
+# of work runs whole on one worker, in order. Each module is a unit (its module-scoped servers and
+# clusters start once, and its tests keep their order), except that the modules with tests on the
+# shared servers are one unit together: one worker starts each shared server once and stops it
+# after its last user. (pytest-xdist's own loadgroup cannot do this under pytest 9: it renames
+# items through an attribute pytest 9 no longer reads.)
+SHARED_SERVERS_UNIT = "shared-servers"
+_TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-def _module(item) -> str:
-    return item.nodeid.split("::", 1)[0]
+@functools.cache
+def _uses_shared_servers(module: str) -> bool:
+    try:
+        with open(os.path.join(_TESTS, os.path.basename(module))) as f:
+            return "pytest.mark.shared_servers(" in f.read()
+    except OSError:
+        return False
 
 
-# Under pytest-xdist (two workers share this machine's cores), a test marked `solo` runs alone:
-# each test, from the setup of the fixtures it is the first to need to its teardown, holds a lock
-# on one file of the run, shared, and a solo test holds it exclusively, so it starts once the other
-# worker's current test is done and the other worker starts its next test once it is done. Only
-# the tests that compare measured speeds need it (tests/test_engine_speed.py).
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return SHARED_SERVERS_UNIT if _uses_shared_servers(module) else module
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, which a bare GPU box may lack
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleScheduling(config, log)
+
+
+def _run_lock(run: str, name: str):
+    import tempfile
+
+    return open(os.path.join(tempfile.gettempdir(), f"sglang-hack-tests-{run}-{name}.lock"), "a")
+
+
+# Under pytest-xdist (two workers share this machine's cores and 24 GiB) two locks, files of the
+# run, keep apart what must not overlap:
+# - memory: a unit whose tests are marked `memory_heavy` (three or more SGLang servers at once,
+#   about 2.3 GB each, or a container stack) holds it exclusively from its first test's setup to
+#   its last test's teardown, so two such units never overlap (two did, and the kernel's OOM
+#   killer took a scheduler). It is taken before the other lock: a worker waiting for it holds
+#   nothing.
+# - solo: every test, from the setup of the fixtures it is the first to need to its teardown,
+#   holds it shared; a test marked `solo` holds it exclusively, so it starts once the other
+#   worker's current test is done and the other worker starts its next test once it is done. Only
+#   the tests that compare measured speeds need it (tests/test_engine_speed.py).
+_MEMORY_LOCK = None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
+    global _MEMORY_LOCK
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
         yield
         return
     import fcntl
-    import tempfile
 
-    with open(os.path.join(tempfile.gettempdir(), f"sglang-hack-tests-{run}.lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX if item.get_closest_marker("solo") else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    if item.get_closest_marker("memory_heavy") and _MEMORY_LOCK is None:
+        _MEMORY_LOCK = _run_lock(run, "memory")
+        fcntl.flock(_MEMORY_LOCK, fcntl.LOCK_EX)
+    try:
+        with _run_lock(run, "solo") as f:
+            fcntl.flock(f, fcntl.LOCK_EX if item.get_closest_marker("solo") else fcntl.LOCK_SH)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    finally:
+        if _MEMORY_LOCK is not None and (nextitem is None or _unit(nextitem.nodeid) != _unit(item.nodeid)):
+            _MEMORY_LOCK.close()  # closing the file releases the lock
+            _MEMORY_LOCK = None
 
 
 # The shared servers (tests/shared_servers.py): who uses each last, so that it stops right after.

@@ -49,7 +49,8 @@ def model_path() -> str:
 
 @pytest.fixture(scope="module")
 def servers(model_path, tmp_path_factory):
-    """servers(name): the started server of mode `name`; the first ask of a pair starts both."""
+    """servers(name): the started server of mode `name`; the first ask of a pair stops the pair
+    before and starts both."""
     logs = tmp_path_factory.mktemp("concurrent-prefill")
     names = [name for name, _ in SERVERS]
     started: dict[str, SGLangServer] = {}
@@ -57,6 +58,10 @@ def servers(model_path, tmp_path_factory):
     def get(name: str) -> SGLangServer:
         if name not in started:
             i = names.index(name)
+            # The pair asked for before is done with (the tests ask in SERVERS' order): stopped,
+            # two servers at most are alive (tests/conftest.py: memory-heavy modules).
+            for done in list(started):
+                started.pop(done).stop()
             for n, flags in SERVERS[i - i % 2: i - i % 2 + 2]:
                 # a fixed KV budget, not a fraction of the host's memory: SGLang's profile counts the
                 # other server of the pair against the fraction (with float32 weights, on a CPU

@@ -13,7 +13,7 @@ import pytest
 
 from disagg import netns, procs
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.slow, pytest.mark.e2e]
 
 
 def _hack(*args: str, env: dict, timeout: float = 1200) -> subprocess.CompletedProcess:

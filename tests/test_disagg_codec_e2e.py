@@ -23,7 +23,7 @@ from disagg.replay import generate
 from disagg.wire_meter import read_log
 from engine.launcher import free_port
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.slow, pytest.mark.e2e]
 
 NO_RADIX = ["--disable-radix-cache"]
 PAGE = 64

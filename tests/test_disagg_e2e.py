@@ -21,7 +21,7 @@ from disagg.wire_meter import read_log
 from damaged_transfer import check_damaged_request, decode_mismatches
 from pd_compare import spawn_colocated, wait_up
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.slow, pytest.mark.e2e]
 
 NO_RADIX = ["--disable-radix-cache"]
 PAGE = 64

@@ -24,7 +24,7 @@ import requests
 from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs, spawn_colocated
 from pd_compare import colocated_runs as colocated_runs_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 
 NO_RADIX = ["--disable-radix-cache"]
 MAX_TOTAL_TOKENS = 8192

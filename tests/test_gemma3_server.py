@@ -44,7 +44,7 @@ from hack_cli.bench_serve import CAPACITY_TARGET  # x BF16's tokens: met by ever
 from hack_cli.recall_served import recall_rows
 from hack_eval.workloads import common_prefix, essay_ids, recall_prompt
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.integration, pytest.mark.slow]
 
 BUDGET_MB = "128"
 PROMPT_TOKENS = 640  # > the 512-token window: the window layers drop the first 128 keys

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "docker"))
 import build_images  # noqa: E402
 import stack_check  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.memory_heavy]
 
 
 @pytest.fixture(scope="module")

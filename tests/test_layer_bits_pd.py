@@ -18,7 +18,7 @@ import pytest
 from pd_compare import assert_same_greedy_tokens, checked_wire_bytes, cluster_runs, spawn_colocated
 from pd_compare import colocated_runs as colocated_runs_of
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
 
 NO_RADIX = ["--disable-radix-cache"]
 LAYERS = "7,14,15,17,18,20,21,23"  # SmolLM2's retrieval heads (docs/accuracy.md, "Retrieval")

@@ -29,7 +29,7 @@ from test_dashboard_browser import (ARTIFACTS, _count_in_chart, _free_port, _met
                                     _titles, _wait)
 from test_metrics_grafana import exposition_names, grafana_queries, metric_names
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e,
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.slow, pytest.mark.e2e,
               pytest.mark.skipif(os.geteuid() != 0, reason="the shaped link needs root")]
 
 N_REQUESTS = 4

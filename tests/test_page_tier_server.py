@@ -17,7 +17,7 @@ import requests
 from engine.launcher import SGLangServer
 from hack_eval.workloads import essay_ids
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.integration, pytest.mark.slow]
 
 PROMPT = 1500  # 23 closed pages (the radix cache keeps whole pages)
 N_NEW = 8

@@ -18,7 +18,7 @@ import pytest
 from disagg import cluster, netns, procs
 from disagg.soak import FailureClass, Soak, SoakSpec, fault_schedule, passed
 
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]
+pytestmark = [pytest.mark.memory_heavy, pytest.mark.slow, pytest.mark.e2e]
 
 
 def _model() -> str:
