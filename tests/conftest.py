@@ -87,6 +87,9 @@ _TESTS = os.path.dirname(os.path.abspath(__file__))
 
 @functools.cache
 def _uses_shared_servers(module: str) -> bool:
+    """Whether the module marks tests with shared_servers, read from its source: xdist's
+    controller, where the scheduler runs, never collects items (shared_servers.get refuses a
+    module without the mark, so the text and the marks agree)."""
     try:
         with open(os.path.join(_TESTS, os.path.basename(module))) as f:
             return "pytest.mark.shared_servers(" in f.read()
