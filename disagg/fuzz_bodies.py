@@ -7,13 +7,15 @@ Two families per endpoint:
 Both keep every valid request cheap: the token budget (max_new_tokens / max_tokens) is only
 ever replaced by values that are invalid or tiny, and a garbage object without a budget gets
 one of 2 tokens, so a body that happens to be valid costs a few decode steps, not 128 or the
-whole context. `n` is likewise only replaced by values <= 4 or invalid ones. What a server
+whole context. `n` is likewise only replaced by values <= 4 or invalid ones. Counts are
+clamped after drawing too (`_clamped`): a lenient parser reads 5.0 and "5" as 5. What a server
 must do with these bodies (never a 5xx, never a dropped connection) is the tests' business;
 a 200 is fine for a body that is in fact valid.
 """
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from hypothesis import strategies as st
 from .malformed import Endpoint
 
 SMALL_BUDGET = 2  # tokens a garbage object without a budget may generate
+MAX_N = 4  # completions per request a body may ask for
 # Values that are wrong for almost any field, plus the numeric edges that checks tend to miss.
 EDGE_NUMBERS = (-1, 0, 1, -(2**63), 2**63, 2**70, 10**12, -0.5, 0.5, 1.5, 1e308, -1e308,
                 float("nan"), float("inf"), float("-inf"))
@@ -46,7 +49,7 @@ _wrong_budget = st.one_of(
     st.integers(max_value=-1), st.integers(min_value=10**7), st.floats(allow_nan=True),
     st.text(max_size=6), st.booleans(), st.lists(st.integers(), max_size=3),
     st.integers(min_value=0, max_value=SMALL_BUDGET))
-_wrong_n = st.one_of(st.integers(max_value=0), st.integers(min_value=1, max_value=4),
+_wrong_n = st.one_of(st.integers(max_value=0), st.integers(min_value=1, max_value=MAX_N),
                      st.floats(allow_nan=True), st.text(max_size=4), st.none())
 _token_lists = st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=6)
 _prompt_text = st.text(st.characters(codec="utf-8"), min_size=1, max_size=24)
@@ -146,6 +149,21 @@ def near_valid_bodies(draw: st.DrawFn, endpoint: Endpoint) -> dict:
     return _cap_budget(body, endpoint)  # a replaced or removed sampling_params has no budget
 
 
+def _clamped(value: Any, limit: int) -> Any:
+    """`value`, or `limit` in its type where a lenient parser would read it as a count above the
+    limit: pydantic takes 5.0 and "5" for an int field, so floats and numeric strings count too.
+    Counts of 10**7 and more stay: every server refuses them (longer than any context)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return value
+    try:
+        x = float(value)
+    except (ValueError, OverflowError):
+        return value
+    if not (math.isfinite(x) and limit < x < 10**7):
+        return value
+    return type(value)(limit)
+
+
 def _cap_budget(body: Any, endpoint: Endpoint) -> Any:
     """Give a garbage object a small token budget where it has none (see the module doc)."""
     if not isinstance(body, dict):
@@ -165,11 +183,17 @@ def _cap_budget(body: Any, endpoint: Endpoint) -> Any:
             if body.get(key) is None:
                 body[key] = SMALL_BUDGET
     for key in ("n", "best_of"):  # a large valid n multiplies the work: keep it small
-        if isinstance(body.get(key), int) and not isinstance(body[key], bool) and body[key] > 4:
-            body[key] = 4
-    sp = body.get("sampling_params")
-    if isinstance(sp, dict) and isinstance(sp.get("n"), int) and not isinstance(sp["n"], bool) and sp["n"] > 4:
-        sp["n"] = 4
+        if key in body:
+            body[key] = _clamped(body[key], MAX_N)
+    sps = body.get("sampling_params")
+    for sp in (sps if isinstance(sps, list) else [sps]):
+        if isinstance(sp, dict):
+            for key, limit in (("max_new_tokens", SMALL_BUDGET), ("n", MAX_N)):
+                if key in sp:
+                    sp[key] = _clamped(sp[key], limit)
+    if endpoint is not Endpoint.GENERATE:
+        for key in ("max_tokens", "max_completion_tokens"):
+            body[key] = _clamped(body[key], SMALL_BUDGET)
     return body
 
 

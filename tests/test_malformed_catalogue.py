@@ -121,7 +121,8 @@ def test_strategies_keep_valid_bodies_cheap(endpoint):
             budget = body.get("max_tokens", body.get("max_completion_tokens"))
             assert budget is not None or body.get("max_completion_tokens") is not None, body
             assert not _costly(body.get("max_tokens")) and not _costly(body.get("max_completion_tokens")), body
-            assert not (_costly(body.get("n")) and float(body["n"]) > 4), body
+            for key in ("n", "best_of"):
+                assert not (_costly(body.get(key)) and float(body[key]) > 4), body
 
     check()
     assert seen["dict"] > 100  # most bodies are objects: the near-valid family is
