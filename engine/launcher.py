@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -198,6 +199,40 @@ class SGLangServer:
         return {"ttft_s": t_first - t0, "prefill_tok_s": len(ids) / (t_first - t0),
                 "decode_tok_s": (n_last - n_first) / (t_last - t_first), "tokens": n_last}
 
+    def timed_streams(self, ids: list[int], n: int, count: int, timeout: float = 3600.0) -> dict:
+        """`count` streamed greedy requests of exactly n tokens on the same prompt at once (a
+        cached prompt shares its pages: the batch fits where one request does): decode tokens/s
+        of the whole batch, counted between the moment every stream has its first token and the
+        moment the first stream ends (the window where all `count` decode together)."""
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}
+        stamps: list[list[tuple[float, int]]] = [[] for _ in range(count)]
+        errors: list[str] = []
+
+        def one(i: int) -> None:
+            try:
+                with requests.post(self.url + "/generate", json=body, stream=True, timeout=timeout) as r:
+                    r.raise_for_status()
+                    for chunk in stream_chunks(r):
+                        stamps[i].append((time.perf_counter(), int(chunk["meta_info"]["completion_tokens"])))
+            except Exception as exc:  # reported below, after every stream has ended
+                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors or any(len(s) < 2 for s in stamps):
+            raise RuntimeError(f"{count} concurrent streams of {n} tokens: {errors or 'a stream sent under two chunks'}")
+        t_start = max(s[0][0] for s in stamps)
+        t_end = min(s[-1][0] for s in stamps)
+        if t_end <= t_start:
+            return {"batch": count, "decode_tok_s": None, "window_s": 0.0,
+                    "why": "a stream ended before the last one began decoding (the batch never ran together)"}
+        tokens = sum(_tokens_at(s, t_end) - _tokens_at(s, t_start) for s in stamps)
+        return {"batch": count, "decode_tok_s": tokens / (t_end - t_start), "window_s": t_end - t_start}
+
     def kv_usage(self) -> dict:
         info = requests.get(self.url + "/server_info", timeout=30).json()
         return info["internal_states"][0]["hack_kv"]
@@ -207,3 +242,13 @@ class SGLangServer:
 
     def flush_cache(self) -> None:
         requests.post(self.url + "/flush_cache", timeout=30).raise_for_status()
+
+
+def _tokens_at(stamps: list[tuple[float, int]], t: float) -> int:
+    """Tokens a stream had received by time t (its stamps: (time, completion tokens so far))."""
+    got = 0
+    for when, n in stamps:
+        if when > t:
+            break
+        got = n
+    return got

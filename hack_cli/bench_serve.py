@@ -41,7 +41,7 @@ from engine.args import LAYER_SPEC_METAVAR, layer_list
 from engine.layer_sets import resolve_for_model_path
 from hack_eval.models import MODELS
 from hack_ops.config import RaisedTensors
-from .server_methods import METHOD_NAMES, is_method, method_args
+from .server_methods import METHOD_NAMES, is_method, method_args, sparse_budget
 from hack_metrics import rundir
 
 from .bench_doc import DOCS, command_line, replace_block
@@ -54,6 +54,9 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", default=None, help="comma-separated prompt lengths (default 128,2048,8000)")
     p.add_argument("--decode-tokens", type=int, default=None, help="tokens generated per decode run (default 32)")
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--decode-batch", type=int, default=0, metavar="N",
+                   help="also measure decode tokens/s of N requests decoding together at each context (the "
+                        "context's cached prompt, N streams at once; 0: off, the default)")
     p.add_argument("--requests", type=int, default=None, help="requests of the throughput run (default 16)")
     p.add_argument("--budget-mb", type=float, default=256.0, help="KV byte budget of every server")
     p.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
@@ -70,7 +73,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
 
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
-                                  decode_tokens=None, concurrency=8, requests=None, budget_mb=256.0,
+                                  decode_tokens=None, concurrency=8, decode_batch=0, requests=None,
+                                  budget_mb=256.0,
                                   model="smollm2", four_bit_layers=None, four_bit_tensors="kv", out=None,
                                   no_doc=False))
 
@@ -154,6 +158,12 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
                 cell["decode_tok_s"] = max(cell["decode_tok_s"], again["decode_tok_s"])
                 say(f"[{m}] context {c}: decode {cell['decode_tok_s']:.2f} tok/s, "
                     f"prefill {cell['prefill_tok_s']:.0f} tok/s")
+            if cfg.get("decode_batch"):
+                for m, s in servers.items():  # the prompt is cached: the streams share its pages
+                    got = s.timed_streams(ids, cfg["decode_tokens"], cfg["decode_batch"])
+                    res[m]["contexts"][str(c)]["batch_decode"] = got
+                    say(f"[{m}] context {c}: {cfg['decode_batch']} requests decoding together: "
+                        + (f"{got['decode_tok_s']:.2f} tok/s" if got["decode_tok_s"] else got["why"]))
         for m, s in servers.items():
             s.flush_cache()
             prompts = [essay_ids(model_path, cfg["tp_prompt"], index=i % 8) for i in range(cfg["requests"])]
@@ -195,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if min(contexts) <= 0:
         raise ValueError("contexts must be positive")
     cfg = {"contexts": contexts, "decode_tokens": args.decode_tokens or (16 if args.quick else 32),
-           "concurrency": args.concurrency, "requests": args.requests or (8 if args.quick else 16),
+           "concurrency": args.concurrency, "decode_batch": getattr(args, "decode_batch", 0), "requests": args.requests or (8 if args.quick else 16),
            "tp_prompt": 256 if args.quick else 512, "tp_tokens": 32 if args.quick else 64,
            "budget_mb": args.budget_mb}
     layers = getattr(args, "four_bit_layers", None)
@@ -203,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
         method_args("hack-4bit-layers", layers)  # refuses a missing --4bit-layers before any server starts
     elif getattr(args, "four_bit_tensors", "kv") != "kv":
         raise ValueError("--4bit-tensors sets the hack-4bit-layers method's tensors; add it to --methods")
-    if cfg["decode_tokens"] < 2 or cfg["concurrency"] < 1 or cfg["requests"] < 1:
-        raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1")
+    if cfg["decode_tokens"] < 2 or cfg["concurrency"] < 1 or cfg["requests"] < 1 or cfg["decode_batch"] < 0:
+        raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1, --decode-batch >= 0")
     say = (lambda *a: None) if args.json else print
     model_path = str(prepare(args.model, log=say))
     limit = _context_limit(model_path)
@@ -229,7 +239,16 @@ def run(args: argparse.Namespace) -> int:
             "prefill": {c: r["contexts"][c]["prefill_tok_s"] / base["contexts"][c]["prefill_tok_s"] for c in r["contexts"]},
             "throughput": r["throughput"]["output_tok_s"] / base["throughput"]["output_tok_s"],
         }
+        batch = _batch_ratios(r, base)
+        if batch:
+            ratios[m]["batch_decode"] = batch
     result["ratios_vs_bf16"] = ratios
+    if "hack" in result["methods"]:  # sparse decode is judged against the dense HACK server
+        dense = result["methods"]["hack"]
+        result["ratios_vs_hack"] = {
+            m: {"decode": {c: r["contexts"][c]["decode_tok_s"] / dense["contexts"][c]["decode_tok_s"]
+                           for c in r["contexts"]}, "batch_decode": _batch_ratios(r, dense)}
+            for m, r in result["methods"].items() if sparse_budget(m) is not None}
     result["date"] = time.strftime("%Y-%m-%d")
     result["command"] = command_line("serve")
     text = json.dumps(result, indent=1)
@@ -246,24 +265,42 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batch_ratios(r: dict, base: dict) -> dict[str, float]:
+    """Batched decode tokens/s of method result r over base's, per context where both ran together."""
+    out = {}
+    for c, cell in r["contexts"].items():
+        mine, theirs = cell.get("batch_decode", {}), base["contexts"][c].get("batch_decode", {})
+        if mine.get("decode_tok_s") and theirs.get("decode_tok_s"):
+            out[c] = mine["decode_tok_s"] / theirs["decode_tok_s"]
+    return out
+
+
 CAPACITY_TARGET = 5.0  # tokens a HACK pool holds, x BF16's, in the same KV budget (the product's target)
+
+
+def _batch_cell(cell: dict) -> str:
+    got = cell.get("batch_decode") or {}
+    return f"{got['decode_tok_s']:.1f}" if got.get("decode_tok_s") else "n/a"
 
 
 def render(result: dict) -> str:
     """The result as the markdown docs/engine.md quotes."""
     cfg, res, rat = result["config"], result["methods"], result["ratios_vs_bf16"]
     ctx = [str(c) for c in cfg["contexts"]]
+    nb = cfg.get("decode_batch", 0)
     lines = [f"Command: `{result['command']}`  ",
              f"Measured: {result['date']} on this project's CPU host ({result['machine']}, 2 cores "
              f"shared with other work), KV budget {cfg['budget_mb']:g} MB per server.", "",
              "| method | max total tokens | " + " | ".join(f"decode tok/s @{c}" for c in ctx) + " | "
+             + "".join(f"decode tok/s @{c}, {nb} together | " for c in ctx if nb)
              + " | ".join(f"prefill tok/s @{c}" for c in ctx)
              + f" | throughput tok/s ({cfg['requests']} req, conc. {cfg['concurrency']}) | p50 latency |",
-             "|---" * (4 + 2 * len(ctx)) + "|"]
+             "|---" * (4 + (3 if nb else 2) * len(ctx)) + "|"]
     for m, r in res.items():
         tp = r["throughput"]
         lines.append(f"| {m} | {r['max_total_num_tokens']:,} | "
                      + " | ".join(f"{r['contexts'][c]['decode_tok_s']:.1f}" for c in ctx) + " | "
+                     + "".join(f"{_batch_cell(r['contexts'][c])} | " for c in ctx if nb)
                      + " | ".join(f"{r['contexts'][c]['prefill_tok_s']:.0f}" for c in ctx)
                      + f" | {tp['output_tok_s']:.1f} | "
                      + ("n/a" if tp["latency_p50_s"] is None else f"{tp['latency_p50_s']:.1f}s") + " |")
@@ -271,8 +308,13 @@ def render(result: dict) -> str:
     for m, r in rat.items():
         dec = ", ".join(f"@{c} x{v:.2f}" for c, v in r["decode"].items())
         pre = ", ".join(f"@{c} x{v:.2f}" for c, v in r["prefill"].items())
-        lines.append(f"- {m} vs bf16: capacity x{r['capacity']:.2f}; decode {dec}; prefill {pre}; "
+        bat = "".join(f"; {nb} together @{c} x{v:.2f}" for c, v in r.get("batch_decode", {}).items())
+        lines.append(f"- {m} vs bf16: capacity x{r['capacity']:.2f}; decode {dec}{bat}; prefill {pre}; "
                      f"throughput x{r['throughput']:.2f}")
+    for m, r in result.get("ratios_vs_hack", {}).items():
+        dec = ", ".join(f"@{c} x{v:.2f}" for c, v in r["decode"].items())
+        bat = "".join(f"; {nb} together @{c} x{v:.2f}" for c, v in r["batch_decode"].items())
+        lines.append(f"- {m} vs hack (dense decode): decode {dec}{bat}")
     for m, r in rat.items():
         gap = r["capacity"] - CAPACITY_TARGET
         verdict = "met" if gap >= 0 else f"**missed** by {-gap:.2f}"

@@ -38,6 +38,40 @@ def test_serve_table_has_a_row_per_method_and_the_ratios():
     assert "- capacity target (>= x5 BF16's tokens in the same budget), hack: **missed** by 0.26" in render(result)
 
 
+def test_serve_table_shows_batched_decode_and_sparse_against_dense_hack():
+    result = {"command": "hack bench serve --decode-batch 4", "date": "2026-01-01", "machine": "x86_64",
+              "config": {"contexts": [128, 2048], "budget_mb": 256, "requests": 8, "concurrency": 8,
+                         "decode_batch": 4},
+              "methods": {"bf16": _method(10.0, 1000), "hack": _method(20.0, 6000),
+                          "hack-sparse-1024": _method(30.0, 6000)}}
+    for m, rate in (("bf16", 25.0), ("hack", 40.0), ("hack-sparse-1024", 80.0)):
+        result["methods"][m]["contexts"]["2048"]["batch_decode"] = {"batch": 4, "decode_tok_s": rate}
+    result["methods"]["hack"]["contexts"]["128"]["batch_decode"] = {"batch": 4, "decode_tok_s": None, "why": "x"}
+    from hack_cli.bench_serve import _batch_ratios
+
+    dense = result["methods"]["hack"]
+    assert _batch_ratios(result["methods"]["hack-sparse-1024"], dense) == {"2048": 2.0}  # 128: hack has none
+    result["ratios_vs_bf16"] = {m: {"capacity": 6.0, "decode": {"128": 2.0, "2048": 2.0},
+                                    "prefill": {"128": 2.0, "2048": 2.0}, "throughput": 2.0,
+                                    "batch_decode": _batch_ratios(result["methods"][m], result["methods"]["bf16"])}
+                                for m in ("hack", "hack-sparse-1024")}
+    result["ratios_vs_hack"] = {"hack-sparse-1024": {"decode": {"128": 1.5, "2048": 1.5},
+                                                     "batch_decode": {"2048": 2.0}}}
+    text = render(result)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    assert len(rows) == 4 and rows[0].count("|") == rows[2].count("|") == 11
+    assert "| hack | 6,000 | 20.0 | 20.0 | n/a | 40.0 | 200 | 200 | 20.0 | 2.0s |" in text
+    assert "- hack-sparse-1024 vs bf16: capacity x6.00; decode @128 x2.00, @2048 x2.00; 4 together @2048 x3.20" in text
+    assert "- hack-sparse-1024 vs hack (dense decode): decode @128 x1.50, @2048 x1.50; 4 together @2048 x2.00" in text
+
+
+def test_batched_decode_window_counts_the_tokens_between_the_last_start_and_the_first_end():
+    from engine.launcher import _tokens_at
+
+    stamps = [(1.0, 1), (2.0, 2), (3.0, 3)]
+    assert [_tokens_at(stamps, t) for t in (0.5, 1.0, 2.5, 9.0)] == [0, 1, 2, 3]
+
+
 def _sweep(jct: dict[str, dict[float, float]]) -> dict:
     pts = [{"method": m, "link_mbps": r, "jct_s": {"mean": v, "p50": v, "p99": v * 1.1}}
            for m, by_rate in jct.items() for r, v in by_rate.items()]

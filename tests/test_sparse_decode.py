@@ -225,19 +225,27 @@ def test_refusals():
     assert ROUNDOFF_TOL < FLIP_TOL
 
 
+# (head_dim, query heads per KV head): the kernel's register paths (64, 128) and its general
+# one (96), at the GQA ratios of the served shapes (SmolLM2 3, Llama-3 4) and MHA
+GEOMETRIES = [(64, 3), (128, 4), (96, 1)]
+
+
 @pytest.mark.parametrize("score", ["bound", "linear"])
 @pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4)],
                          ids=lambda kw: make_cfg(partition_size=P, **kw).label())
-def test_compiled_selection_equals_the_reference(kw, score):
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}-rep{g[1]}")
+def test_compiled_selection_equals_the_reference(kw, score, geometry):
     """hack_select.c: the page scores equal hack_ops.sparse.page_scores on the gathered side
     tables (float32 round-off), and the whole selection (scores, top-k, the per-head table)
-    equals the PyTorch path's, page for page."""
+    equals the PyTorch path's, page for page; twice on one plan (the second reads the
+    selection inputs the first left in plan.memo)."""
     _need_kernel("native")
     from hack_ops.paged.sparse import _as_table, closed_page_meta, kernel_scores, kernel_select
 
+    d, rep = geometry
     cfg = make_cfg(partition_size=P, **kw)
     lens = [20 * P + 7, 9 * P, 3 * P + 1, 14 * P + 30]
-    case = Case(cfg, lens=lens, heads=2, rep=3, seed=11)
+    case = Case(cfg, lens=lens, heads=2, rep=rep, head_dim=d, seed=11)
     case.extend([n - 1 for n in lens])
     plan = case.store.plan(case.table, case.rows, lens)
     q = torch.stack([case.q[i][n - 1] for i, n in enumerate(lens)])
@@ -245,17 +253,18 @@ def test_compiled_selection_equals_the_reference(kw, score):
                      torch.stack([case.v[i][n - 1] for i, n in enumerate(lens)]))
     mn, sc, n_closed = closed_page_meta(case.store, 0, plan)
     bits = case.store.layout_for(0).k.bits
-    want = page_scores(q.reshape(4, 2, 3, -1), mn, sc, bits, score)
+    want = page_scores(q.reshape(4, 2, rep, -1), mn, sc, bits, score)
     got = kernel_scores(case.store, 0, plan, q, score)
     for b, nc in enumerate(n_closed.tolist()):
         assert torch.allclose(got[b, :, :nc], want[b, :, :nc], rtol=1e-5, atol=1e-4)
         assert bool(torch.isinf(got[b, :, nc:]).all())
     sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, score=score)
-    compiled = kernel_select(case.store, 0, plan, q, sparse)
-    idx, count = select(q.reshape(4, 2, 3, -1), mn, sc, bits, n_closed, sparse, P)
+    idx, count = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, sparse, P)
     torch_path = _as_table(plan, idx, count, n_closed, P)
-    for name in ("positions", "table", "n_closed", "seq_lens", "resident"):
-        assert torch.equal(getattr(compiled, name), getattr(torch_path, name)), name
+    for _ in range(2):
+        compiled = kernel_select(case.store, 0, plan, q, sparse)
+        for name in ("positions", "table", "n_closed", "seq_lens", "resident"):
+            assert torch.equal(getattr(compiled, name), getattr(torch_path, name)), name
 
 
 def test_sparse_methods_of_the_served_benchmarks():

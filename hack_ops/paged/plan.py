@@ -9,7 +9,7 @@ on it without re-checking.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -37,6 +37,9 @@ class ForwardPlan:
     prefix_list: list[int]
     # every new token only appends to its row's FP16 tails (HackKVStore.plan sets it; None: unknown)
     appends_only: bool | None = None
+    # values derived from the plan alone that a per-layer step needs, computed by its first
+    # layer and read by the rest (e.g. hack_ops.paged.sparse's selection inputs); never copied
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:

@@ -80,6 +80,9 @@ class _ChooseArgs(ctypes.Structure):  # hack_choose_args of csrc/hack_select.c
         (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")]
 
 
+_typed: set[int] = set()  # libraries whose selection entry points have their ctypes signatures
+
+
 def _library():
     """The compiled library when it has the selection kernels (None: use the PyTorch path)."""
     from . import cpu_kernel  # late import: the compiled kernels are optional
@@ -87,35 +90,62 @@ def _library():
     lib = cpu_kernel.load("native")
     if lib is None or not hasattr(lib, "hack_select_pages"):
         return None
-    lib.hack_page_scores.argtypes = [ctypes.POINTER(_SelArgs)]
-    lib.hack_page_scores.restype = ctypes.c_int
-    lib.hack_select_pages.argtypes = [ctypes.POINTER(_ChooseArgs)]
-    lib.hack_select_pages.restype = ctypes.c_int
+    if id(lib) not in _typed:  # once per library: this runs every sparse layer of every step
+        lib.hack_page_scores.argtypes = [ctypes.POINTER(_SelArgs)]
+        lib.hack_page_scores.restype = ctypes.c_int
+        lib.hack_select_pages.argtypes = [ctypes.POINTER(_ChooseArgs)]
+        lib.hack_select_pages.restype = ctypes.c_int
+        _typed.add(id(lib))
     return lib
+
+
+@dataclass(frozen=True)
+class _PlanInputs:
+    """What the compiled selection takes from the plan alone: the same for every layer of a
+    forward, so built once per plan (ForwardPlan.memo) rather than once per layer."""
+
+    n_closed: Tensor  # [B] int64
+    open_tokens: Tensor  # [B] int64: tokens of the still-open page
+    table: Tensor  # [B, max_pages] int64, contiguous
+    num_pages: Tensor  # [B] int64
+    width: int  # the most closed pages of any request (at least 1)
+    most_closed: int  # the same, 0 when no request has a closed page
+
+
+def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
+    key = ("sparse_inputs", p)
+    got = plan.memo.get(key)
+    if got is None:
+        closed = [s // p for s in plan.seq_list]
+        most = max(closed, default=0)
+        got = _PlanInputs(n_closed=torch.tensor(closed, dtype=torch.int64),
+                          open_tokens=torch.tensor([s % p for s in plan.seq_list], dtype=torch.int64),
+                          table=plan.page_table.to(torch.int64).contiguous(),
+                          num_pages=plan.num_pages.to(torch.int64).contiguous(), width=max(1, most),
+                          most_closed=most)
+        plan.memo[key] = got
+    return got
 
 
 def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str, keep: list) -> _SelArgs:
     """The scoring kernel's arguments; `keep` holds the tensors their pointers point into."""
     lay = store.layout_for(layer)
-    p = store.page_size
     b, hq, d = q.shape
     h = store.num_heads
-    n_closed = (plan.seq_lens // p).to(torch.int64).contiguous()
-    width = max(1, int(n_closed.max()))
-    table = plan.page_table.to(torch.int64).contiguous()
-    qf = q.float().contiguous()
-    out = torch.empty(b, h, width, dtype=torch.float32)
+    pin = _plan_inputs(plan, store.page_size)
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    out = torch.empty(b, h, pin.width, dtype=torch.float32)
     buf = store.k_pages[layer]
     if not buf.is_contiguous():
         raise RuntimeError("the K pages must be contiguous")
-    keep += [n_closed, table, qf, out, buf]
-    threads = max(1, min(torch.get_num_threads(), b * h * width // PAIRS_PER_THREAD))
-    return _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=table.shape[1], width=width,
+    keep += [pin.n_closed, pin.table, qf, out, buf]
+    threads = max(1, min(torch.get_num_threads(), b * h * pin.width // PAIRS_PER_THREAD))
+    return _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=pin.table.shape[1], width=pin.width,
                     k_page_bytes=lay.k.page_bytes, k_min_off=lay.k.minimum.offset, k_scale_off=lay.k.scale.offset,
                     meta_fp32=int(lay.k.minimum.dtype == torch.float32),
                     score=int(PageScore(score) != PageScore.BOUND), nthreads=threads,
-                    levels=float((1 << lay.k.bits) - 1), alpha=LINEAR_ALPHA, n_closed=n_closed.data_ptr(),
-                    page_table=table.data_ptr(), k_pages=buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
+                    levels=float((1 << lay.k.bits) - 1), alpha=LINEAR_ALPHA, n_closed=pin.n_closed.data_ptr(),
+                    page_table=pin.table.data_ptr(), k_pages=buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
 
 
 SEL_MAX_QD = 16384  # csrc/hack_select.c: query heads x head_dim of one request
@@ -151,17 +181,19 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     p = store.page_size
     keep: list = []
     s = _score_args(store, layer, plan, q, cfg.score, keep)
-    n_closed = keep[0]
+    pin = _plan_inputs(plan, p)
     budget = cfg.budget_pages(p)
-    recent_from = (n_closed - min(cfg.recent_pages(p), budget - 1)).contiguous()
-    num_pages = plan.num_pages.to(torch.int64).contiguous()
+    key = ("sparse_recent_from", p, budget, cfg.recent_pages(p))
+    recent_from = plan.memo.get(key)
+    if recent_from is None:
+        recent_from = plan.memo[key] = (pin.n_closed - min(cfg.recent_pages(p), budget - 1)).contiguous()
     b, h = s.batch, s.heads
-    width = min(int(n_closed.max()), budget) + 1
+    width = min(pin.width, budget) + 1
     positions = torch.empty(b, h, width, dtype=torch.int64)
     table = torch.empty(b, h, width, dtype=torch.int64)
     count = torch.empty(b, dtype=torch.int64)
     a = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
-                    num_pages=num_pages.data_ptr(), positions=positions.data_ptr(), table=table.data_ptr(),
+                    num_pages=pin.num_pages.data_ptr(), positions=positions.data_ptr(), table=table.data_ptr(),
                     count=count.data_ptr())
     rc = _library().hack_select_pages(ctypes.byref(a))
     if rc == -2:
@@ -169,9 +201,8 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     if rc != 0:
         raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
-    seq = count * p + (plan.seq_lens.to(torch.long) - n_closed * p)
-    return PageSelection(page_size=p, positions=positions, table=table, n_closed=count, seq_lens=seq,
-                         resident=n_closed)
+    return PageSelection(page_size=p, positions=positions, table=table, n_closed=count,
+                         seq_lens=count * p + pin.open_tokens, resident=pin.n_closed)
 
 
 def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
@@ -185,9 +216,8 @@ def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: Spar
     h = store.num_heads
     if not store.layout_for(layer).k.per_channel:
         raise ValueError("sparse decode scores pages from K's per-channel side tables: orientation 'channel_k' only")
-    n_closed = (plan.seq_lens // p).to(torch.long)
     budget = cfg.budget_pages(p)
-    if int(n_closed.max()) <= budget:
+    if _plan_inputs(plan, p).most_closed <= budget:
         return None
     if not cfg.group_pages:
         sel = kernel_select(store, layer, plan, q, cfg)
