@@ -225,13 +225,7 @@ class SGLangServer:
             t.join()
         if errors or any(len(s) < 2 for s in stamps):
             raise RuntimeError(f"{count} concurrent streams of {n} tokens: {errors or 'a stream sent under two chunks'}")
-        t_start = max(s[0][0] for s in stamps)
-        t_end = min(s[-1][0] for s in stamps)
-        if t_end <= t_start:
-            return {"batch": count, "decode_tok_s": None, "window_s": 0.0,
-                    "why": "a stream ended before the last one began decoding (the batch never ran together)"}
-        tokens = sum(_tokens_at(s, t_end) - _tokens_at(s, t_start) for s in stamps)
-        return {"batch": count, "decode_tok_s": tokens / (t_end - t_start), "window_s": t_end - t_start}
+        return batch_decode_rate(stamps)
 
     def kv_usage(self) -> dict:
         info = requests.get(self.url + "/server_info", timeout=30).json()
@@ -242,6 +236,19 @@ class SGLangServer:
 
     def flush_cache(self) -> None:
         requests.post(self.url + "/flush_cache", timeout=30).raise_for_status()
+
+
+def batch_decode_rate(stamps: list[list[tuple[float, int]]]) -> dict:
+    """Decode tokens/s of streams that ran at once, from each stream's (time, tokens so far)
+    stamps: the tokens all of them received between the last first token and the first last
+    token, over that window; None (with why) when the window is empty."""
+    t_start = max(s[0][0] for s in stamps)
+    t_end = min(s[-1][0] for s in stamps)
+    if t_end <= t_start:
+        return {"batch": len(stamps), "decode_tok_s": None, "window_s": 0.0,
+                "why": "a stream ended before the last one began decoding (the batch never ran together)"}
+    tokens = sum(_tokens_at(s, t_end) - _tokens_at(s, t_start) for s in stamps)
+    return {"batch": len(stamps), "decode_tok_s": tokens / (t_end - t_start), "window_s": t_end - t_start}
 
 
 def _tokens_at(stamps: list[tuple[float, int]], t: float) -> int:

@@ -22,15 +22,37 @@ METHODS = {
 }
 
 
-# hack-sparse-TOKENS: the default server with sparse decode at that budget (--hack-sparse-budget)
+# hack-sparse-TOKENS: the default server with sparse decode at that budget (--hack-sparse-budget);
+# suffixes: -shareK, one selection serving K layers (--hack-sparse-share-layers K); -linear,
+# MPCache's linear page score instead of the bound (--hack-sparse-score linear)
 SPARSE_PREFIX = "hack-sparse-"
-METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS"]
+SHARE_SUFFIX, LINEAR_SUFFIX = "share", "linear"
+METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{LINEAR_SUFFIX}]"]
+
+
+def _sparse_args(method: str) -> tuple[int, list[str]] | None:
+    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-linear] method (None: not one)."""
+    if not method.startswith(SPARSE_PREFIX):
+        return None
+    budget, *rest = method[len(SPARSE_PREFIX):].split("-")
+    if not budget.isdigit() or int(budget) <= 0:
+        return None
+    opts = ["--hack-sparse-budget", str(int(budget))]
+    if rest and rest[0].startswith(SHARE_SUFFIX):
+        k = rest.pop(0)[len(SHARE_SUFFIX):]
+        if not k.isdigit() or int(k) < 1:
+            return None
+        opts += ["--hack-sparse-share-layers", k] if int(k) > 1 else []
+    if rest and rest[0] == LINEAR_SUFFIX:
+        rest.pop(0)
+        opts += ["--hack-sparse-score", "linear"]
+    return None if rest else (int(budget), opts)
 
 
 def sparse_budget(method: str) -> int | None:
-    """The token budget a hack-sparse-TOKENS method names (None: not such a method)."""
-    tail = method[len(SPARSE_PREFIX):] if method.startswith(SPARSE_PREFIX) else ""
-    return int(tail) if tail.isdigit() and int(tail) > 0 else None
+    """The token budget a hack-sparse-TOKENS[...] method names (None: not such a method)."""
+    parsed = _sparse_args(method)
+    return None if parsed is None else parsed[0]
 
 
 def is_method(method: str) -> bool:
@@ -41,13 +63,14 @@ def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None
     """The server options of a method (hack-4bit-layers takes its layers from --4bit-layers: indices,
     or a set's name that the server resolves from the model's config; raised 'k' or 'v' gives
     only that tensor of those layers 4 bits: --hack-4bit-tensors; hack-sparse-TOKENS is the
-    default server with --hack-sparse-budget TOKENS)."""
+    default server with --hack-sparse-budget TOKENS; -shareK adds --hack-sparse-share-layers K,
+    -linear --hack-sparse-score linear)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors
 
-    budget = sparse_budget(method)
-    if budget is not None:
-        return [*METHODS["hack"], "--hack-sparse-budget", str(budget)]
+    parsed = _sparse_args(method)
+    if parsed is not None:
+        return [*METHODS["hack"], *parsed[1]]
     if method not in METHODS:
         raise ValueError(f"unknown KV method {method!r}: choose from {', '.join(METHOD_NAMES)}")
     if method != "hack-4bit-layers":

@@ -273,8 +273,16 @@ def test_sparse_methods_of_the_served_benchmarks():
     assert sparse_budget("hack-sparse-2048") == 2048 and sparse_budget("hack-sparse-x") is None
     assert not is_method("hack-sparse-0") and is_method("hack-sparse-1024") and is_method("hack")
     assert method_args("hack-sparse-1024", None) == ["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024"]
-    with pytest.raises(ValueError, match="unknown KV method"):
-        method_args("hack-sparse", None)
+    assert method_args("hack-sparse-1024-share2", None)[-2:] == ["--hack-sparse-share-layers", "2"]
+    assert sparse_budget("hack-sparse-1024-share2") == 1024 and method_args("hack-sparse-512-share1", None)[-1] == "512"
+    assert method_args("hack-sparse-1024-share2-linear", None)[-4:] == [
+        "--hack-sparse-share-layers", "2", "--hack-sparse-score", "linear"]
+    assert method_args("hack-sparse-1024-linear", None)[-2:] == ["--hack-sparse-score", "linear"]
+    for bad in ("hack-sparse", "hack-sparse-1024-share0", "hack-sparse-1024-share", "hack-sparse-1024-sharex",
+                "hack-sparse-1024-linear-share2", "hack-sparse-1024-x", "hack-sparse-1024-"):
+        assert not is_method(bad)
+        with pytest.raises(ValueError, match="unknown KV method"):
+            method_args(bad, None)
 
 
 @pytest.mark.parametrize("mode", ["hack", "dequant"])

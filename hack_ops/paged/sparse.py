@@ -110,6 +110,7 @@ class _PlanInputs:
     num_pages: Tensor  # [B] int64
     width: int  # the most closed pages of any request (at least 1)
     most_closed: int  # the same, 0 when no request has a closed page
+    closed_total: int  # closed pages over the batch (what a dense step reads per KV head)
 
 
 def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
@@ -122,7 +123,7 @@ def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
                           open_tokens=torch.tensor([s % p for s in plan.seq_list], dtype=torch.int64),
                           table=plan.page_table.to(torch.int64).contiguous(),
                           num_pages=plan.num_pages.to(torch.int64).contiguous(), width=max(1, most),
-                          most_closed=most)
+                          most_closed=most, closed_total=sum(closed))
         plan.memo[key] = got
     return got
 
@@ -313,7 +314,7 @@ class SparseDecode:
             self.selections += 1
             if t is not None:
                 t.selections += 1
-        resident = int((plan.seq_lens // store.page_size).sum())
+        resident = _plan_inputs(plan, store.page_size).closed_total
         read = resident if sel is None else int(sel.n_closed.sum())
         self.pages_resident += resident
         self.pages_read += read
