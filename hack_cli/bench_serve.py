@@ -74,8 +74,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
                                   decode_tokens=None, concurrency=8, decode_batch=0, requests=None,
-                                  budget_mb=256.0,
-                                  model="smollm2", four_bit_layers=None, four_bit_tensors="kv", out=None,
+                                  budget_mb=256.0, model="smollm2", four_bit_layers=None, four_bit_tensors="kv", out=None,
                                   no_doc=False))
 
 
@@ -205,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     if min(contexts) <= 0:
         raise ValueError("contexts must be positive")
     cfg = {"contexts": contexts, "decode_tokens": args.decode_tokens or (16 if args.quick else 32),
-           "concurrency": args.concurrency, "decode_batch": getattr(args, "decode_batch", 0), "requests": args.requests or (8 if args.quick else 16),
+           "concurrency": args.concurrency, "decode_batch": getattr(args, "decode_batch", 0),
+           "requests": args.requests or (8 if args.quick else 16),
            "tp_prompt": 256 if args.quick else 512, "tp_tokens": 32 if args.quick else 64,
            "budget_mb": args.budget_mb}
     layers = getattr(args, "four_bit_layers", None)
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         ratios[m] = {
             "capacity": r["max_total_num_tokens"] / base["max_total_num_tokens"],
-            "decode": {c: r["contexts"][c]["decode_tok_s"] / base["contexts"][c]["decode_tok_s"] for c in r["contexts"]},
+            "decode": _decode_ratios(r, base),
             "prefill": {c: r["contexts"][c]["prefill_tok_s"] / base["contexts"][c]["prefill_tok_s"] for c in r["contexts"]},
             "throughput": r["throughput"]["output_tok_s"] / base["throughput"]["output_tok_s"],
         }
@@ -246,8 +246,7 @@ def run(args: argparse.Namespace) -> int:
     if "hack" in result["methods"]:  # sparse decode is judged against the dense HACK server
         dense = result["methods"]["hack"]
         result["ratios_vs_hack"] = {
-            m: {"decode": {c: r["contexts"][c]["decode_tok_s"] / dense["contexts"][c]["decode_tok_s"]
-                           for c in r["contexts"]}, "batch_decode": _batch_ratios(r, dense)}
+            m: {"decode": _decode_ratios(r, dense), "batch_decode": _batch_ratios(r, dense)}
             for m, r in result["methods"].items() if sparse_budget(m) is not None}
     result["date"] = time.strftime("%Y-%m-%d")
     result["command"] = command_line("serve")
@@ -263,6 +262,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(render(result))
     return 0
+
+
+def _decode_ratios(r: dict, base: dict) -> dict[str, float]:
+    """Batch-1 decode tokens/s of method result r over base's, per context."""
+    return {c: r["contexts"][c]["decode_tok_s"] / base["contexts"][c]["decode_tok_s"] for c in r["contexts"]}
 
 
 def _batch_ratios(r: dict, base: dict) -> dict[str, float]:

@@ -108,9 +108,13 @@ class _PlanInputs:
     open_tokens: Tensor  # [B] int64: tokens of the still-open page
     table: Tensor  # [B, max_pages] int64, contiguous
     num_pages: Tensor  # [B] int64
-    width: int  # the most closed pages of any request (at least 1)
-    most_closed: int  # the same, 0 when no request has a closed page
+    most_closed: int  # the most closed pages of any request (0: none has one)
     closed_total: int  # closed pages over the batch (what a dense step reads per KV head)
+
+    @property
+    def width(self) -> int:
+        """The page scores' last dimension: the most closed pages, at least 1."""
+        return max(1, self.most_closed)
 
 
 def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
@@ -122,8 +126,8 @@ def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
         got = _PlanInputs(n_closed=torch.tensor(closed, dtype=torch.int64),
                           open_tokens=torch.tensor([s % p for s in plan.seq_list], dtype=torch.int64),
                           table=plan.page_table.to(torch.int64).contiguous(),
-                          num_pages=plan.num_pages.to(torch.int64).contiguous(), width=max(1, most),
-                          most_closed=most, closed_total=sum(closed))
+                          num_pages=plan.num_pages.to(torch.int64).contiguous(), most_closed=most,
+                          closed_total=sum(closed))
         plan.memo[key] = got
     return got
 

@@ -102,28 +102,30 @@ HEAD_BOUND(4)
 HEAD_BOUND(8)
 #undef HEAD_BOUND
 #undef HEAD_DOT
+#endif
 
-static inline float head_bound_any(const uint16_t *m16, const uint16_t *s16, const float *q, const float *qp,
-                                   int64_t rep, int64_t d) {
-    float mn[MAX_D], sc[MAX_D];
-    for (int64_t c = 0; c < d; c += 16) {
-        _mm512_storeu_ps(mn + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m16 + c))));
-        _mm512_storeu_ps(sc + c, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s16 + c))));
-    }
+/* The same for any width and for fp32 side tables, from the side tables already in float. */
+static inline float head_bound_any(const float *mn, const float *sc, const float *q, const float *qp, int64_t rep,
+                                   int64_t d) {
     float best = -INFINITY;
     for (int64_t r = 0; r < rep; r++) {
         const float *qr = q + r * d, *pr = qp + r * d;
+#if HACK_SIMD
         __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
         for (int64_t c = 0; c < d; c += 16) {
             s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(mn + c), s0);
             s1 = _mm512_fmadd_ps(_mm512_loadu_ps(pr + c), _mm512_loadu_ps(sc + c), s1);
         }
         float v = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#else
+        float s0 = 0.0f, s1 = 0.0f;
+        for (int64_t c = 0; c < d; c++) { s0 += qr[c] * mn[c]; s1 += pr[c] * sc[c]; }
+        float v = s0 + s1;
+#endif
         best = v > best ? v : best;
     }
     return best;
 }
-#endif
 
 int hack_page_scores(const hack_select_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, W = a->width;
@@ -163,39 +165,16 @@ int hack_page_scores(const hack_select_args *a) {
             for (int64_t h = 0; h < H; h++) {
                 const float *qh = q + h * rep * d, *ph = qp + h * rep * d;
 #if HACK_SIMD
-                if (!a->meta_fp32) {
+                if (!a->meta_fp32 && (d == 64 || d == 128)) { /* side tables held in registers */
                     const uint16_t *m16 = (const uint16_t *)(page + a->k_min_off) + h * d;
                     const uint16_t *s16 = (const uint16_t *)(page + a->k_scale_off) + h * d;
-                    float best;
-                    switch (d) { /* the common widths with the side tables held in registers */
-                    case 64: best = head_bound_4(m16, s16, qh, ph, rep); break;
-                    case 128: best = head_bound_8(m16, s16, qh, ph, rep); break;
-                    default: best = head_bound_any(m16, s16, qh, ph, rep, d); break;
-                    }
-                    out[h * W] = best;
+                    out[h * W] = d == 64 ? head_bound_4(m16, s16, qh, ph, rep) : head_bound_8(m16, s16, qh, ph, rep);
                     continue;
                 }
 #endif
                 load_meta(page, a->k_min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
                 load_meta(page, a->k_scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
-                float best = -INFINITY;
-                for (int64_t r = 0; r < rep; r++) {
-                    const float *qr = qh + r * d, *pr = ph + r * d;
-#if HACK_SIMD
-                    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < d; c += 16) {
-                        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(qr + c), _mm512_loadu_ps(mn + c), s0);
-                        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(pr + c), _mm512_loadu_ps(sc + c), s1);
-                    }
-                    float v = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-#else
-                    float s0 = 0.0f, s1 = 0.0f;
-                    for (int64_t c = 0; c < d; c++) { s0 += qr[c] * mn[c]; s1 += pr[c] * sc[c]; }
-                    float v = s0 + s1;
-#endif
-                    best = v > best ? v : best;
-                }
-                out[h * W] = best;
+                out[h * W] = head_bound_any(mn, sc, qh, ph, rep, d);
             }
         }
     }
