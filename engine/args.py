@@ -182,6 +182,11 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         type=_non_negative_int, metavar="PAGES",
         help="Sparse decode: score groups of this many pages first and choose pages within the best groups "
              "(MPCache's two levels; default 0: one level).")),
+    "hack_sparse_refine": ("--hack-sparse-refine", dict(
+        type=_positive_int, metavar="R",
+        help="Sparse decode: the bound keeps R times the budget's free pages as candidates, and the budget goes "
+             "to the candidates whose own keys score highest (the decode kernel's scores of each candidate "
+             "page; default 1: the bound alone). Costs reading the candidates' K codes; one level only.")),
     "hack_page_tier": ("--hack-page-tier", dict(
         metavar="DIR",
         help="Keep the radix cache's pages in DIR too (the page tier): a prefix evicted from the pool comes back "
@@ -227,6 +232,7 @@ _SPARSE_FIELDS = {
     "hack_sparse_share_layers": "share_layers",
     "hack_sparse_score": "score",
     "hack_sparse_groups": "group_pages",
+    "hack_sparse_refine": "refine",
 }
 
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
@@ -263,6 +269,9 @@ def sparse_refusal(settings: EngineSettings) -> str | None:
     if cfg.orientation != "channel_k":
         return (f"--hack-sparse-budget scores pages from K's per-channel min and scale; --hack-orientation "
                 f"{cfg.orientation} quantizes K per token. Use channel_k (the default)")
+    if sp.refine > 1 and sp.group_pages:
+        return ("--hack-sparse-refine ranks the candidates of the one-level selection; --hack-sparse-groups "
+                f"{sp.group_pages} chooses in two levels. Give one of them")
     if sp.budget_tokens < 2 * cfg.partition_size:
         return (f"--hack-sparse-budget {sp.budget_tokens} is under two pages of {cfg.partition_size} tokens: the "
                 "first page and one more are always read")

@@ -3,7 +3,8 @@
 Per cell (shape x batch x context), measured side by side in one run on the same store:
   dense        HACK decode over every page (the compiled kernel)
   sparse-B     HACK decode over the pages hack_ops.sparse selects with a budget of B tokens per
-               (request, KV head), the selection included (--hack-sparse-budget B)
+               (request, KV head), the selection included (--hack-sparse-budget B; with
+               --refine R, the selection refined: --hack-sparse-refine R)
   select-B     the selection alone (page scores from the side tables, top-k, page table)
   bf16         torch SDPA over a contiguous BF16 cache of the same context (for scale)
 Reported: medians, sparse speedup over dense, and the selection's share of the sparse step.
@@ -35,6 +36,8 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--budgets", default="1024,2048", help="comma-separated token budgets (default 1024,2048)")
     p.add_argument("--score", choices=("bound", "linear"), default="bound", help="page score (default bound)")
     p.add_argument("--groups", type=int, default=0, help="two-level selection over groups of this many pages")
+    p.add_argument("--refine", type=int, default=1,
+                   help="candidates per free page ranked by their own keys (--hack-sparse-refine; default 1: off)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats per cell (default 7)")
     p.add_argument("--threads", type=int, default=None, help="torch/kernel threads (default: torch's)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -46,7 +49,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
 
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(shapes="smollm2,llama3-8b", batches="1,4", contexts="8192,32768",
-                                  budgets="1024,2048", score="bound", groups=0, repeats=7, threads=None,
+                                  budgets="1024,2048", score="bound", groups=0, refine=1, repeats=7, threads=None,
                                   clock="wall", out=str(DEFAULT_OUT)))
 
 
@@ -88,7 +91,7 @@ def _medians(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, floa
 
 
 def measure(shape: str, batch: int, context: int, budgets: list[int], score: str, groups: int,
-            repeats: int, clock=time.perf_counter) -> dict:
+            repeats: int, clock=time.perf_counter, refine: int = 1) -> dict:
     """One cell: medians (ms) per method, speedups over dense and selection shares."""
     import torch.nn.functional as F
 
@@ -104,7 +107,7 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
            "bf16": lambda: F.scaled_dot_product_attention(q4, case.k16, case.v16, enable_gqa=hq != h)}
     read = {}
     for b in budgets:
-        cfg = SparseConfig(budget_tokens=b, dense_layers=0, score=score, group_pages=groups)
+        cfg = SparseConfig(budget_tokens=b, dense_layers=0, score=score, group_pages=groups, refine=refine)
         fns[f"sparse-{b}"] = lambda cfg=cfg: decode(case.store, 0, case.plan, case.q, sparse=SparseDecode(cfg))
         fns[f"select-{b}"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg)
         probe = SparseDecode(cfg)
@@ -129,6 +132,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--repeats must be positive")
     if args.groups < 0:
         raise ValueError("--groups must be non-negative")
+    if args.refine < 1:
+        raise ValueError("--refine must be positive")
     batches, contexts = _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts")
     budgets = _ints(args.budgets, "--budgets")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -139,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     for shape in shapes:
         for batch in batches:
             for ctx in contexts:
-                r = measure(shape, batch, ctx, budgets, args.score, args.groups, args.repeats, clock)
+                r = measure(shape, batch, ctx, budgets, args.score, args.groups, args.repeats, clock, args.refine)
                 rows.append(r)
                 cells = "  ".join(f"sparse-{b} {r['ms'][f'sparse-{b}']:.2f} ms x{r['speedup'][b]:.2f} "
                                   f"(select {100 * r['selection_share'][b]:.0f}%, reads "
@@ -150,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         cmd = (f"hack bench sparse --shapes {args.shapes} --batches {args.batches} --contexts {args.contexts} "
-               f"--budgets {args.budgets} --score {args.score} --groups {args.groups} --repeats {args.repeats} "
+               f"--budgets {args.budgets} --score {args.score} --groups {args.groups} --refine {args.refine} "
+               f"--repeats {args.repeats} "
                f"--clock {args.clock}" + (f" --threads {args.threads}" if args.threads else ""))
         out.write_text(json.dumps({"command": cmd, "date": datetime.date.today().isoformat(), "host": machine,
                                    "rows": rows}, indent=1) + "\n")

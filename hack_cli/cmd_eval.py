@@ -1,4 +1,4 @@
-"""`hack eval size`, `hack eval accuracy`, `hack eval retrieval` and `hack eval layers`."""
+"""`hack eval size`, `accuracy`, `retrieval`, `selection`, `recall`, `fidelity` and `layers`."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "--hack-sparse-budget): every position reads the closed pages its own selection keeps, "
                           "as a decode step would; 'dequant' rows on the fast path, 'hack' rows on the reference "
                           "(slow past 2K: e.g. --variants =default --modes dequant)")
+    acc.add_argument("--sparse-refine", type=int, default=1, metavar="R",
+                     help="with --sparse-budgets: each budget also with the selection refined (the server's "
+                          "--hack-sparse-refine R; default 1: no refined rows)")
     _add_report_flags(acc, "accuracy")
     acc.set_defaults(func=_accuracy)
 
@@ -82,6 +85,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     ret.add_argument("--budget-mb", type=float, default=256.0, help="with --served: the KV budget of every server")
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
+
+    sel = esub.add_parser("selection", help="where sparse decode's page selection puts a pass key: per score and "
+                                            "budget, how often the needle's page is read and how much exact "
+                                            "attention the dropped pages held (the exact model's own q and K)")
+    sel.add_argument("--model", default="smollm2", help=f"model name ({', '.join(MODELS)}; prepared once)")
+    sel.add_argument("--context", type=int, default=4096, help="prompt length in tokens (default 4096)")
+    sel.add_argument("--items", type=int, default=20, help="pass-key items (default 20)")
+    sel.add_argument("--seed", type=int, default=0, help="seed of keys and haystacks (default 0)")
+    sel.add_argument("--budgets", default="1024,2048", metavar="TOKENS[,TOKENS]",
+                     help="sparse budgets in tokens (the server's --hack-sparse-budget; default 1024,2048)")
+    _add_report_flags(sel, "selection", attention_path=False)
+    sel.set_defaults(func=_selection)
 
     rec = esub.add_parser("recall", help="recall of a passage read ~700 tokens earlier, through real servers: "
                                          "each method's greedy continuation against BF16's")
@@ -219,7 +234,7 @@ def _accuracy(args: argparse.Namespace) -> int:
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
                     path=args.attention_path, four_bit_layers=_layer_indices(args),
                     raised=_raised(args), four_bit_rotation=_four_bit_rotation(args),
-                    sparse_budgets=_sparse_budgets(args))
+                    sparse_budgets=_sparse_budgets(args), sparse_refine=_sparse_refine(args))
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
 
@@ -258,6 +273,16 @@ def _sparse_budgets(args: argparse.Namespace) -> tuple[int, ...]:
     if not budgets or min(budgets) <= 0:
         raise ValueError(f"--sparse-budgets takes positive token counts, got {text!r}")
     return budgets
+
+
+def _sparse_refine(args: argparse.Namespace) -> int:
+    """--sparse-refine, checked: positive, and only beside --sparse-budgets."""
+    r = args.sparse_refine
+    if r < 1:
+        raise ValueError(f"--sparse-refine takes a positive count of candidates per page, got {r}")
+    if r > 1 and not args.sparse_budgets:
+        raise ValueError("--sparse-refine refines the --sparse-budgets rows; give --sparse-budgets too")
+    return r
 
 
 def _layer_indices(args: argparse.Namespace) -> tuple[int, ...] | None:
@@ -372,6 +397,18 @@ def _retrieval(args: argparse.Namespace) -> int:
                               four_bit_layers=_layer_indices(args), needle=args.needle_attention,
                               raised=_raised(args), four_bit_rotation=_four_bit_rotation(args))
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
+    return 0
+
+
+def _selection(args: argparse.Namespace) -> int:
+    from hack_eval.selection import render_selection, run_selection
+
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    if args.context < 256 or args.items < 1 or not budgets or min(budgets) < 128:
+        raise ValueError("need a context of at least 256 tokens, at least one item and budgets of at least two pages")
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    res = run_selection(args.model, args.context, args.items, budgets, seed=args.seed, threads=args.threads, log=log)
+    _write_reports(args, "selection", [args.context], res, render_selection(res, _rerun_command("selection")))
     return 0
 
 

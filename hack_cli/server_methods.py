@@ -23,15 +23,16 @@ METHODS = {
 
 
 # hack-sparse-TOKENS: the default server with sparse decode at that budget (--hack-sparse-budget);
-# suffixes: -shareK, one selection serving K layers (--hack-sparse-share-layers K); -linear,
-# MPCache's linear page score instead of the bound (--hack-sparse-score linear)
+# suffixes: -shareK, one selection serving K layers (--hack-sparse-share-layers K); -refineR, R
+# candidates per free page ranked by their own keys (--hack-sparse-refine R); -linear, MPCache's
+# linear page score instead of the bound (--hack-sparse-score linear)
 SPARSE_PREFIX = "hack-sparse-"
-SHARE_SUFFIX, LINEAR_SUFFIX = "share", "linear"
-METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{LINEAR_SUFFIX}]"]
+SHARE_SUFFIX, REFINE_SUFFIX, LINEAR_SUFFIX = "share", "refine", "linear"
+METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{LINEAR_SUFFIX}]"]
 
 
 def _sparse_args(method: str) -> tuple[int, list[str]] | None:
-    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-linear] method (None: not one)."""
+    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-refineR][-linear] method (None: not one)."""
     if not method.startswith(SPARSE_PREFIX):
         return None
     budget, *rest = method[len(SPARSE_PREFIX):].split("-")
@@ -43,6 +44,11 @@ def _sparse_args(method: str) -> tuple[int, list[str]] | None:
         if not k.isdigit() or int(k) < 1:
             return None
         opts += ["--hack-sparse-share-layers", k] if int(k) > 1 else []
+    if rest and rest[0].startswith(REFINE_SUFFIX):
+        r = rest.pop(0)[len(REFINE_SUFFIX):]
+        if not r.isdigit() or int(r) < 1:
+            return None
+        opts += ["--hack-sparse-refine", r] if int(r) > 1 else []
     if rest and rest[0] == LINEAR_SUFFIX:
         rest.pop(0)
         opts += ["--hack-sparse-score", "linear"]
@@ -64,7 +70,7 @@ def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None
     or a set's name that the server resolves from the model's config; raised 'k' or 'v' gives
     only that tensor of those layers 4 bits: --hack-4bit-tensors; hack-sparse-TOKENS is the
     default server with --hack-sparse-budget TOKENS; -shareK adds --hack-sparse-share-layers K,
-    -linear --hack-sparse-score linear)."""
+    -refineR --hack-sparse-refine R, -linear --hack-sparse-score linear)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors
 

@@ -189,8 +189,9 @@ def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: i
         if sparse is not None:  # no window here: keys 0..hi-1
             cfg_sp, mn, sc, bits = sparse
             h = kc.shape[1] // rep
+            keys = (kc[:, ::rep] if rep > 1 else kc) if cfg_sp.refine > 1 else None  # the pages' own keys
             keep = row_page_mask(qb.reshape(1, h, rep, hi - lo, qb.shape[-1]), mn, sc, bits, (t + 1) // page,
-                                 cfg_sp, page)  # [1, H, rows, pages]
+                                 cfg_sp, page, keys)  # [1, H, rows, pages]
             keep = torch.nn.functional.pad(keep, (0, max(0, -(-hi // page) - keep.shape[-1])), value=True)
             keep = keep.repeat_interleave(page, -1)[..., :hi]
             s.masked_fill_(~(keep.repeat_interleave(rep, 1) if rep > 1 else keep), float("-inf"))

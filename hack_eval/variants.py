@@ -77,16 +77,20 @@ def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | 
     return rows
 
 
-def sparse_variants(budgets: tuple[int, ...] | list[int], modes: list[str] | None = None) -> list[Variant]:
+def sparse_variants(budgets: tuple[int, ...] | list[int], modes: list[str] | None = None,
+                    refine: int = 1) -> list[Variant]:
     """The default format read by sparse decode (hack_ops.sparse, the server's
     --hack-sparse-budget with its other defaults) at each token budget, in 'hack' and 'dequant'
-    or only the given modes. Every scored position reads as a decode step would: the closed
-    pages its own selection keeps (not the first two layers, nor sliding-window ones)."""
+    or only the given modes; with refine > 1, each budget also refined (--hack-sparse-refine).
+    Every scored position reads as a decode step would: the closed pages its own selection
+    keeps (not the first two layers, nor sliding-window ones)."""
     from hack_ops.sparse import SparseConfig
 
     wanted = None if modes is None else {attention_mode(m.strip()) for m in modes if m.strip()}
-    return [Variant(f"default, sparse decode {b} tokens", m, DEFAULT, sparse=SparseConfig(budget_tokens=b))
-            for b in budgets for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
+    kinds = [1] + ([refine] if refine > 1 else [])
+    return [Variant(f"default, sparse decode {b} tokens" + (f", refine {r}" if r > 1 else ""), m, DEFAULT,
+                    sparse=SparseConfig(budget_tokens=b, refine=r))
+            for b in budgets for r in kinds for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
 
 
 def rotation_variants() -> list[Variant]:

@@ -19,6 +19,14 @@ attention sinks), the most recent `recent_tokens` worth of closed pages, and the
 rest up to `budget_tokens` of closed pages; the open partition (the FP16 tail) is always read.
 Every head of a request reads the same number of pages, each its own.
 
+Refinement (`refine` R > 1): the bound keeps R times the free slots' pages as candidates, and
+the slots go to the candidates whose best score over their own keys (max over the page's
+quantized keys and the group's query heads of q.k) is highest. The bound is an upper bound:
+a page whose box reaches high in every channel outranks the one page that holds what the query
+looks for (measured: SmolLM2's pass-key page read at 88% of a 1K budget's steps, 96% refined
+twice, 99% four times; docs/sparse.md); its own keys tell them apart at the cost of reading the
+candidates' K codes.
+
 Two levels (`group_pages` > 0, MPCache's hierarchical clustering): groups of that many
 consecutive pages are scored first by the same bound over the group's box (the min of the
 pages' minimums, the max of their maximums), the best groups are kept (`group_keep` of the
@@ -54,7 +62,8 @@ class SparseConfig:
     first layers read every page (their attention is broad: Quest and MPCache keep them dense).
     share_layers: a selection is reused by the next share_layers - 1 sparse layers (MPCache's
     layer-wise index sharing; 1 = every layer selects its own). group_pages / group_keep: the
-    two-level selection (0 = one level)."""
+    two-level selection (0 = one level). refine: candidates per free slot that the bound keeps for
+    the pages' own keys to choose from (1 = the bound alone)."""
 
     budget_tokens: int = 0
     recent_tokens: int = 256
@@ -63,6 +72,7 @@ class SparseConfig:
     score: PageScore = PageScore.BOUND
     group_pages: int = 0
     group_keep: float = 2.0  # groups kept = ceil(group_keep * budget pages / group_pages), beside the first and recent ones
+    refine: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "score", PageScore(self.score))
@@ -70,8 +80,10 @@ class SparseConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-        if isinstance(self.share_layers, bool) or not isinstance(self.share_layers, int) or self.share_layers < 1:
-            raise ValueError(f"share_layers must be a positive integer, got {self.share_layers!r}")
+        for name in ("share_layers", "refine"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if not self.group_keep >= 1.0:
             raise ValueError(f"group_keep must be >= 1 (groups holding at least the budget), got {self.group_keep!r}")
 
@@ -146,17 +158,57 @@ def select_pages(scores: Tensor, n_closed: Tensor, budget: int, recent_from: Ten
     return torch.sort(idx, dim=-1).values, count
 
 
+def page_best(q: Tensor, keys: Tensor, page_size: int) -> Tensor:
+    """Each page's best score: q [..., R, D], keys [..., N * page_size, D] (the pages' keys as
+    attention reads them) -> [..., N], the max over the R query heads and the page's keys of q.k."""
+    s = q.float() @ keys.float().transpose(-1, -2)  # [..., R, N * P]
+    return s.reshape(*s.shape[:-1], -1, page_size).amax(-1).amax(-2)
+
+
+# Below every candidate's score, above the padding's -inf (select_pages never picks it as padding).
+_NOT_CANDIDATE = -1e30
+
+
+def refine_scores(scores: Tensor, best: Tensor, n_closed: Tensor, budget: int, recent_from: Tensor,
+                  refine: int) -> Tensor:
+    """Scores [B, H, N] for select_pages after refinement: among the pages between the first and
+    the recent ones, the `refine` x free-slots best by `scores` (the bound) take their `best`
+    (page_best), the rest rank below all of them."""
+    b, h, n = scores.shape
+    n_closed = n_closed.to(torch.long).cpu()
+    rf = recent_from.to(torch.long).cpu().clamp(min=1)
+    pos = torch.arange(n)
+    middle = (pos[None, :] >= 1) & (pos[None, :] < torch.minimum(rf, n_closed)[:, None])  # [B, N]
+    kept = (n_closed > 0).to(torch.long) + (n_closed - torch.minimum(rf, n_closed))
+    free = (torch.clamp(n_closed, max=budget) - kept).clamp(min=0)  # [B]
+    cand = (refine * free).clamp(max=n)
+    s = scores.float().cpu().masked_fill(~middle[:, None, :], float("-inf"))
+    order = torch.argsort(s, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, pos.expand(b, h, n).contiguous())
+    is_cand = (rank < cand[:, None, None]) & middle[:, None, :]
+    out = torch.where(is_cand, best.float().cpu(), torch.full_like(s, _NOT_CANDIDATE))
+    return torch.where(middle[:, None, :], out, scores.float().cpu())
+
+
 def select(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tensor, cfg: SparseConfig,
-           page_size: int) -> tuple[Tensor, Tensor]:
+           page_size: int, best: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Selection of SparseConfig `cfg` for a batch: q [B, H, R, D] (the query heads of each KV
     head's group), the closed pages' K minimum and scale [B, H, N, D], n_closed [B]. One level,
     or two with cfg.group_pages: groups scored by the bound over their box first, the best
-    (and the first, and the recent pages' ones) kept, then pages chosen among theirs. Returns
-    select_pages' (index, count)."""
+    (and the first, and the recent pages' ones) kept, then pages chosen among theirs. With
+    cfg.refine > 1, `best` [B, H, N] holds each page's page_best. Returns select_pages' (index,
+    count)."""
     n_closed = n_closed.to(torch.long).cpu()
     budget = cfg.budget_pages(page_size)
     recent_from = n_closed - min(cfg.recent_pages(page_size), budget - 1)  # the first page stays in
     scores = page_scores(q, minimum, scale, bits, cfg.score)  # [B, H, N]
+    if cfg.refine > 1:
+        if best is None:
+            raise ValueError("a refined selection needs each page's best score over its own keys (page_best)")
+        if cfg.group_pages:
+            raise ValueError("refinement is for the one-level selection (--hack-sparse-groups 0)")
+        return select_pages(refine_scores(scores, best, n_closed, budget, recent_from, cfg.refine), n_closed,
+                            budget, recent_from)
     g = cfg.group_pages
     if g and minimum.shape[-2] > g:
         gmin, gscale = group_boxes(minimum, scale, bits, g)
@@ -183,13 +235,14 @@ def gather_sequence(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
 
 
 def row_page_mask(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tensor, cfg: SparseConfig,
-                  page_size: int) -> Tensor:
+                  page_size: int, keys: Tensor | None = None) -> Tensor:
     """The pages each query row of a teacher-forced pass reads under sparse decode, as if every
     row were a decode step: q [B, H, R, Sq, D] (the R query heads of each KV head's group),
     the pages' K minimum and scale [B, H, N, D], n_closed [Sq] (closed pages of each row).
     Returns bool [B, H, Sq, N]: True for the closed pages the row's selection keeps and for
     every page at or past its n_closed (not closed: the caller's visibility decides there).
-    One level only (the reference's; two levels are served, hack_ops.paged.sparse)."""
+    One level only (the reference's; two levels are served, hack_ops.paged.sparse). With
+    cfg.refine > 1, keys [B, H, N * page_size, D]: the closed pages' keys as attention reads them."""
     if cfg.group_pages:
         raise ValueError("the reference's per-row selection is one level; two-level selection runs on the paged path")
     b, h, r, sq, d = q.shape
@@ -198,7 +251,13 @@ def row_page_mask(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed
     rows = scores.permute(0, 2, 1, 3).reshape(b * sq, h, n)
     nc = n_closed.to(torch.long).cpu().repeat(b)
     budget = cfg.budget_pages(page_size)
-    idx, count = select_pages(rows, nc, budget, nc - min(cfg.recent_pages(page_size), budget - 1))
+    recent_from = nc - min(cfg.recent_pages(page_size), budget - 1)
+    if cfg.refine > 1:
+        if keys is None:
+            raise ValueError("a refined selection needs the closed pages' keys")
+        best = page_best(q.transpose(2, 3), keys[:, :, None, :n * page_size], page_size)  # [B, H, Sq, N]
+        rows = refine_scores(rows, best.permute(0, 2, 1, 3).reshape(b * sq, h, n), nc, budget, recent_from, cfg.refine)
+    idx, count = select_pages(rows, nc, budget, recent_from)
     keep = torch.zeros(b * sq, h, n, dtype=torch.bool)
     if idx.shape[-1]:
         taken = torch.arange(idx.shape[-1])[None, None, :] < count[:, None, None]

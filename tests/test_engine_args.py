@@ -74,6 +74,10 @@ def test_sparse_options_map_onto_settings(parser):
     assert s.sparse == SparseConfig(budget_tokens=2048, recent_tokens=128, dense_layers=1, share_layers=2,
                                     score="linear", group_pages=8)
     assert settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]) == s
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", "--hack-sparse-refine", "3")
+    apply_cli_namespace(ns)
+    assert settings_mod.active().sparse == SparseConfig(budget_tokens=1024, refine=3)
+    assert settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]) == settings_mod.active()
     assert not settings_mod.EngineSettings().sparse.enabled  # off by default
 
 
@@ -111,6 +115,8 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--hack-prefill", "int8", "--hack-tail-tensors", "per_channel"],
      "--hack-tail-tensors per_channel keeps V's as codes. Use --hack-prefill homomorphic"),
     (["--kv-cache-dtype", "hack", "--hack-sparse-share-layers", "2"], "sparse decode, which is off"),
+    (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", "--hack-sparse-refine", "2", "--hack-sparse-groups",
+      "8"], "--hack-sparse-refine ranks the candidates of the one-level selection"),
 ])
 def test_bad_combinations_are_refused(parser, argv, message):
     ns = _parse(parser, *argv)
@@ -134,6 +140,7 @@ def test_bad_combinations_are_refused(parser, argv, message):
     ["--kv-cache-dtype", "int3"],
     ["--hack-sparse-budget", "-1"],
     ["--hack-sparse-share-layers", "0"],
+    ["--hack-sparse-refine", "0"],
     ["--hack-sparse-score", "mean"],
 ])
 def test_malformed_values_are_argparse_errors(parser, argv, capsys):

@@ -16,7 +16,8 @@ from hack_ops import HackConfig, attention
 from hack_ops.paged import decode
 from hack_ops.paged.sparse import SparseDecode, select_for_decode
 from hack_ops.quant import dequantize, quantize
-from hack_ops.sparse import PageScore, SparseConfig, gather_sequence, group_boxes, page_scores, select, select_pages
+from hack_ops.sparse import (PageScore, SparseConfig, gather_sequence, group_boxes, page_best, page_scores, select,
+                             select_pages)
 from test_paged_attention import FLIP_TOL, ROUNDOFF_TOL, Case, _need_kernel, make_cfg
 
 P = 32
@@ -103,6 +104,86 @@ def test_two_level_selection_chooses_within_the_kept_groups():
     assert 13 in flat[0, 0].tolist()
 
 
+def test_refinement_finds_the_page_the_bound_misses():
+    """Pages whose keys spread wide in every channel have boxes that reach high for any query, so
+    the bound ranks them above the one page holding the key the query matches; refined, the
+    candidates' own keys decide, and that page is read."""
+    g = torch.Generator().manual_seed(21)
+    d, n = 64, 24
+    k = torch.randn(n * P, d, generator=g)
+    q = torch.randn(d, generator=g)
+    for page in (3, 5, 7, 9, 11):  # wide boxes: two keys at opposite corners, neither close to q
+        sign = torch.where(torch.rand(d, generator=g) < 0.5, -1.0, 1.0)
+        k[page * P + 4], k[page * P + 9] = 4 * sign, -4 * sign
+    k[15 * P + 7] = 2 * q  # the key the query looks for
+    qt, mn, sc, kd = _pages_of(k, 2)
+    qg = q[None, None, None, :].repeat(1, 1, 2, 1)  # one KV head, two query heads
+    cfg = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P)  # the first page, two recent, three free
+    bound_idx, count = select(qg, mn[None, None], sc[None, None], 2, torch.tensor([n]), cfg, P)
+    assert int(count[0]) == 6 and 15 not in bound_idx[0, 0].tolist()
+    assert set(bound_idx[0, 0].tolist()) < {0, 3, 5, 7, 9, 11, n - 2, n - 1}
+    best = page_best(qg, kd[None, None], P)  # [1, 1, n]
+    refined = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, refine=2)
+    idx, count = select(qg, mn[None, None], sc[None, None], 2, torch.tensor([n]), refined, P, best)
+    got = idx[0, 0, :int(count[0])].tolist()
+    assert int(count[0]) == 6 and 15 in got and {0, n - 2, n - 1} <= set(got)
+    with pytest.raises(ValueError, match="page_best"):
+        select(qg, mn[None, None], sc[None, None], 2, torch.tensor([n]), refined, P)
+    # refinement only reorders the bound's candidates: with one candidate per slot it is the bound
+    same, _ = select(qg, mn[None, None], sc[None, None], 2, torch.tensor([n]),
+                     SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, refine=1), P, best)
+    assert torch.equal(same, bound_idx)
+
+
+def _decode_step(cfg: HackConfig, d: int, rep: int, seed: int):
+    """Four requests (open pages, a page just closed, one under the budget) whose last token is
+    the decode step of layer 0, its K/V written: (case, plan, that step's queries [4, Hq, D])."""
+    lens = [20 * P + 7, 9 * P, 3 * P + 1, 14 * P + 30]
+    case = Case(cfg, lens=lens, heads=2, rep=rep, head_dim=d, seed=seed)
+    case.extend([n - 1 for n in lens])
+    plan = case.store.plan(case.table, case.rows, lens)
+    q = torch.stack([case.q[i][n - 1] for i, n in enumerate(lens)])
+    case.store.write(0, plan, torch.stack([case.k[i][n - 1] for i, n in enumerate(lens)]),
+                     torch.stack([case.v[i][n - 1] for i, n in enumerate(lens)]))
+    return case, plan, q
+
+
+@pytest.mark.parametrize("geometry", [(64, 3), (128, 4)], ids=lambda g: f"d{g[0]}-rep{g[1]}")
+@pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4)],
+                         ids=lambda kw: make_cfg(partition_size=P, **kw).label())
+def test_compiled_refinement_ranks_candidates_as_the_reference(kw, geometry):
+    """hack_select.c's refinement scores each candidate with the decode kernel's INT8 scores;
+    the PyTorch path with the float scores of the dequantized keys. Both read the same
+    candidates and keep the same counts; where their choices differ, the pages swapped score
+    within the INT8 round-off of each other."""
+    _need_kernel("native")
+    from hack_ops.paged.sparse import closed_page_best, closed_page_meta, kernel_select
+
+    d, rep = geometry
+    case, plan, q = _decode_step(make_cfg(partition_size=P, **kw), d, rep, seed=12)
+    mn, sc, n_closed = closed_page_meta(case.store, 0, plan)
+    bits = case.store.layout_for(0).k.bits
+    best = closed_page_best(case.store, 0, plan, q)
+    plain = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P)
+    bound_idx, _ = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, plain, P)
+    for refine in (2, 3):
+        sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, refine=refine)
+        idx, count = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, sparse, P, best)
+        compiled = kernel_select(case.store, 0, plan, q, sparse)
+        assert torch.equal(compiled.n_closed, count)
+        changed = 0
+        for b in range(4):
+            c = int(count[b])
+            for h in range(2):
+                want, got = set(idx[b, h, :c].tolist()), set(compiled.positions[b, h, :c].tolist())
+                changed += want != set(bound_idx[b, h, :c].tolist())
+                row = best[b, h]
+                tol = 0.02 * float(row[:int(n_closed[b])].abs().max())
+                if got != want:
+                    assert min(float(row[i]) for i in got - want) >= max(float(row[i]) for i in want - got) - tol
+        assert changed, "the refinement chose as the bound did everywhere: the test shows nothing"
+
+
 def _sparse_reference(case: Case, i: int, positions: torch.Tensor, n_closed: int) -> torch.Tensor:
     """Request i's decode output at its last position, each KV head attending the shorter
     sequence of its n_closed selected closed pages, then the open partition, by the dense
@@ -124,14 +205,15 @@ def _sparse_reference(case: Case, i: int, positions: torch.Tensor, n_closed: int
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4), dict(sink_tokens=1, kv_bits=4)],
                          ids=lambda kw: make_cfg(partition_size=P, **kw).label())
-def test_sparse_decode_is_the_dense_step_over_the_selected_pages(kw, backend):
+@pytest.mark.parametrize("refine", [1, 3])
+def test_sparse_decode_is_the_dense_step_over_the_selected_pages(kw, backend, refine):
     if backend == "cpu":
         _need_kernel("native")
     cfg = make_cfg(partition_size=P, **kw)
     lens = [20 * P + 7, 9 * P, 3 * P + 1, 14 * P + 30]  # open pages, a page just closed, under the budget
     case = Case(cfg, lens=lens, heads=2, rep=3, seed=5)
     case.extend([n - 1 for n in lens])
-    sparse = SparseDecode(SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, dense_layers=0))
+    sparse = SparseDecode(SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, dense_layers=0, refine=refine))
     outs = case.decode(backend=backend, sparse=sparse)
     sel = sparse.last
     assert sel is not None and sel.n_closed.tolist() == [6, 6, 3, 6]
@@ -218,6 +300,8 @@ def test_refusals():
         SparseConfig(budget_tokens=-1)
     with pytest.raises(ValueError, match="share_layers"):
         SparseConfig(budget_tokens=64, share_layers=0)
+    with pytest.raises(ValueError, match="refine"):
+        SparseConfig(budget_tokens=64, refine=0)
     token = Case(make_cfg(partition_size=P, orientation="token_k"), lens=[5 * P], seed=1)
     token.extend([5 * P - 1])
     with pytest.raises(ValueError, match="channel_k"):
@@ -243,14 +327,7 @@ def test_compiled_selection_equals_the_reference(kw, score, geometry):
     from hack_ops.paged.sparse import _as_table, closed_page_meta, kernel_scores, kernel_select
 
     d, rep = geometry
-    cfg = make_cfg(partition_size=P, **kw)
-    lens = [20 * P + 7, 9 * P, 3 * P + 1, 14 * P + 30]
-    case = Case(cfg, lens=lens, heads=2, rep=rep, head_dim=d, seed=11)
-    case.extend([n - 1 for n in lens])
-    plan = case.store.plan(case.table, case.rows, lens)
-    q = torch.stack([case.q[i][n - 1] for i, n in enumerate(lens)])
-    case.store.write(0, plan, torch.stack([case.k[i][n - 1] for i, n in enumerate(lens)]),
-                     torch.stack([case.v[i][n - 1] for i, n in enumerate(lens)]))
+    case, plan, q = _decode_step(make_cfg(partition_size=P, **kw), d, rep, seed=11)
     mn, sc, n_closed = closed_page_meta(case.store, 0, plan)
     bits = case.store.layout_for(0).k.bits
     want = page_scores(q.reshape(4, 2, rep, -1), mn, sc, bits, score)
@@ -278,22 +355,28 @@ def test_sparse_methods_of_the_served_benchmarks():
     assert method_args("hack-sparse-1024-share2-linear", None)[-4:] == [
         "--hack-sparse-share-layers", "2", "--hack-sparse-score", "linear"]
     assert method_args("hack-sparse-1024-linear", None)[-2:] == ["--hack-sparse-score", "linear"]
+    assert method_args("hack-sparse-1024-refine2", None)[-2:] == ["--hack-sparse-refine", "2"]
+    assert method_args("hack-sparse-1024-share2-refine4-linear", None)[-6:] == [
+        "--hack-sparse-share-layers", "2", "--hack-sparse-refine", "4", "--hack-sparse-score", "linear"]
+    assert method_args("hack-sparse-1024-refine1", None)[-1] == "1024"
     for bad in ("hack-sparse", "hack-sparse-1024-share0", "hack-sparse-1024-share", "hack-sparse-1024-sharex",
-                "hack-sparse-1024-linear-share2", "hack-sparse-1024-x", "hack-sparse-1024-"):
+                "hack-sparse-1024-linear-share2", "hack-sparse-1024-x", "hack-sparse-1024-",
+                "hack-sparse-1024-refine0", "hack-sparse-1024-refine", "hack-sparse-1024-refine2-share2"):
         assert not is_method(bad)
         with pytest.raises(ValueError, match="unknown KV method"):
             method_args(bad, None)
 
 
+@pytest.mark.parametrize("refine", [1, 2])
 @pytest.mark.parametrize("mode", ["hack", "dequant"])
-def test_reference_sparse_attention_is_each_row_a_sparse_decode_step(mode):
+def test_reference_sparse_attention_is_each_row_a_sparse_decode_step(mode, refine):
     """hack_ops.attention(..., sparse=): a teacher-forced pass where every row reads only the
     pages its own selection keeps. Its last row equals the paged sparse decode step, and a row
     under the budget equals dense attention."""
     from hack_ops.attention import k_page_tables
 
     cfg = make_cfg(partition_size=P, sink_tokens=4)
-    sp = SparseConfig(budget_tokens=5 * P, recent_tokens=P, dense_layers=0)
+    sp = SparseConfig(budget_tokens=5 * P, recent_tokens=P, dense_layers=0, refine=refine)
     n = 17 * P + 9
     case = Case(cfg, lens=[n], heads=2, rep=3, seed=13)
     case.extend([n - 1])
@@ -310,7 +393,8 @@ def test_reference_sparse_attention_is_each_row_a_sparse_decode_step(mode):
     assert mn.shape == (1, 2, 17, 64) and bool((sc >= 0).all())
 
 
-def test_study_fast_dequant_path_with_sparse_equals_the_reference():
+@pytest.mark.parametrize("refine", [1, 3])
+def test_study_fast_dequant_path_with_sparse_equals_the_reference(refine):
     """hack_eval's blocked 'dequant' path, where the study measures sparse decode's perplexity at
     long contexts, selects and masks as the reference does (float round-off), across blocks."""
     from hack_eval.attention_paths import QUERY_BLOCK, study_attention
@@ -321,7 +405,7 @@ def test_study_fast_dequant_path_with_sparse_equals_the_reference():
     q = torch.randn(1, 6, n, d, generator=g).half().float()
     k = (torch.randn(1, 2, n, d, generator=g) * (1 + torch.arange(d) % 5)).half().float()
     v = torch.randn(1, 2, n, d, generator=g).half().float()
-    sp = SparseConfig(budget_tokens=3 * P, recent_tokens=P, dense_layers=0)
+    sp = SparseConfig(budget_tokens=3 * P, recent_tokens=P, dense_layers=0, refine=refine)
     fast = study_attention(q, k, v, cfg, "dequant", sparse=sp)
     ref = attention(q, k, v, cfg, mode="dequant", sparse=sp)
     assert float((fast - ref).abs().max()) <= 1e-4

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..sparse import LINEAR_ALPHA, PageScore, SparseConfig, select
+from ..packing import unpack
+from ..sparse import LINEAR_ALPHA, PageScore, SparseConfig, page_best, select
 from .plan import ForwardPlan
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
@@ -75,9 +76,30 @@ def closed_page_meta(store, layer: int, plan: ForwardPlan) -> tuple[Tensor, Tens
     return mn, sc, n_closed
 
 
+def closed_page_best(store, layer: int, plan: ForwardPlan, q: Tensor) -> Tensor:
+    """hack_ops.sparse.page_best of every request's closed pages from the pages' K codes, float
+    [B, H, N] (the PyTorch path of a refined selection; the compiled one scores only the
+    candidates, with the decode kernel's own scores)."""
+    p, h = store.page_size, store.num_heads
+    lay = store.layout_for(layer)
+    n_closed = (plan.seq_lens // p).to(torch.long)
+    n = max(1, int(n_closed.max()))
+    ids = plan.page_table[:, :n] if plan.page_table.shape[1] >= n else torch.nn.functional.pad(
+        plan.page_table, (0, n - plan.page_table.shape[1]))
+    ids = torch.where(torch.arange(n)[None, :] < n_closed[:, None], ids, ids[:, :1]).to(store.device)
+    buf = store.k_pages[layer]
+    codes = unpack(lay.k.view(buf, "codes")[ids], lay.k.bits, store.head_dim).float()  # [B, N, H, P, D]
+    mn = lay.k.view(buf, "minimum")[ids].float()[:, :, :, None, :]  # [B, N, H, 1, D]
+    sc = lay.k.view(buf, "scale")[ids].float()[:, :, :, None, :]
+    keys = (codes * sc + mn).permute(0, 2, 1, 3, 4).reshape(ids.shape[0], h, n * p, -1)  # [B, H, N * P, D]
+    b, hq, d = q.shape
+    return page_best(q.float().reshape(b, h, hq // h, d).to(keys.device), keys, p).cpu()
+
+
 class _ChooseArgs(ctypes.Structure):  # hack_choose_args of csrc/hack_select.c
     _fields_ = [("s", _SelArgs), ("budget", _I64), ("out_width", _I64)] + [
-        (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")]
+        (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")] + [
+        (n, _I64) for n in ("refine", "page_size", "k_bits", "group", "k_codes_off", "k_sums_off", "k_sums_bytes")]
 
 
 _typed: set[int] = set()  # libraries whose selection entry points have their ctypes signatures
@@ -181,8 +203,8 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
 def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
     """The one-level selection of select_for_decode in one compiled call (scores, top-k, the
     per-head page table), or None where the kernel is not available."""
-    if not _usable(store, layer, q):
-        return None
+    if not _usable(store, layer, q) or (cfg.refine > 1 and store.head_dim % 64):
+        return None  # the refinement scores pages with the decode kernel, whose heads are 64-channel multiples
     p = store.page_size
     keep: list = []
     s = _score_args(store, layer, plan, q, cfg.score, keep)
@@ -197,9 +219,12 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     positions = torch.empty(b, h, width, dtype=torch.int64)
     table = torch.empty(b, h, width, dtype=torch.int64)
     count = torch.empty(b, dtype=torch.int64)
+    lay, cfg_l = store.layout_for(layer), store.config_for(layer)
     a = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
                     num_pages=pin.num_pages.data_ptr(), positions=positions.data_ptr(), table=table.data_ptr(),
-                    count=count.data_ptr())
+                    count=count.data_ptr(), refine=cfg.refine, page_size=p, k_bits=lay.k.bits,
+                    group=cfg_l.head_group(store.head_dim), k_codes_off=lay.k.codes.offset,
+                    k_sums_off=lay.k.sums.offset, k_sums_bytes=torch.tensor([], dtype=lay.k.sums.dtype).element_size())
     rc = _library().hack_select_pages(ctypes.byref(a))
     if rc == -2:
         raise MemoryError("the page-selection kernel could not allocate its heap")
@@ -231,7 +256,8 @@ def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: Spar
     mn, sc, n_closed = closed_page_meta(store, layer, plan)
     b, hq, d = q.shape
     qg = q.float().reshape(b, h, hq // h, d).to(mn.device)
-    index, count = select(qg, mn, sc, store.layout_for(layer).k.bits, n_closed, cfg, p)
+    best = closed_page_best(store, layer, plan, q) if cfg.refine > 1 else None
+    index, count = select(qg, mn, sc, store.layout_for(layer).k.bits, n_closed, cfg, p, best)
     return _as_table(plan, index, count, n_closed, p)
 
 

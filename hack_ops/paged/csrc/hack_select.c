@@ -187,12 +187,18 @@ int hack_page_scores(const hack_select_args *a) {
  * chosen positions sorted, then the open page's position; written as the per-head page table
  * the decode kernel takes (positions and page ids [batch, heads, width], width = min(max
  * n_closed, budget) + 1, padding 0). count[b] = min(n_closed[b], budget). Ties between equal
- * scores may resolve to another page than torch.topk's. */
+ * scores may resolve to another page than torch.topk's. With refine > 1 the heap holds refine x
+ * the free slots and the slots go to the candidates the decode kernel's own scores rank first
+ * (hack_ops.sparse.refine_scores, whose reference scores the dequantized keys in float). */
 typedef struct {
     hack_select_args s;   /* the scoring part; s.out: [batch, heads, s.width] scratch scores */
     int64_t budget, out_width;
     const int64_t *recent_from, *num_pages;
     int64_t *positions, *table, *count; /* [batch, heads, out_width] x2, [batch] */
+    /* refine > 1: the bound keeps refine x the free slots' pages as candidates, and the free
+     * slots go to the candidates whose best score over their own keys (the decode kernel's INT8
+     * scores of the page, max over the group's query heads) is highest. 1: the bound alone. */
+    int64_t refine, page_size, k_bits, group, k_codes_off, k_sums_off, k_sums_bytes;
 } hack_choose_args;
 
 static void sift_down(float *hs, int64_t *hi, int64_t n, int64_t i) {
@@ -212,6 +218,31 @@ static int cmp_i64(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+/* The best of m candidate pages by score (ties: the earlier page), the first k of them kept in
+ * hi: a selection sort, m is a few dozen. */
+static void keep_best(float *sc, int64_t *hi, int64_t m, int64_t k) {
+    for (int64_t i = 0; i < k && i < m; i++) {
+        int64_t best = i;
+        for (int64_t j = i + 1; j < m; j++)
+            if (sc[j] > sc[best] || (sc[j] == sc[best] && hi[j] < hi[best])) best = j;
+        float ts = sc[i]; sc[i] = sc[best]; sc[best] = ts;
+        int64_t ti = hi[i]; hi[i] = hi[best]; hi[best] = ti;
+    }
+}
+
+/* A closed page's best score for (b, h): the max over its keys and the group's query heads of
+ * the decode kernel's own scores (page_scores_quant), so the refinement ranks pages as the
+ * attention that reads them will score them. s: rep * page_size floats, ws: the kernel's scratch. */
+static float page_best(const hack_decode_args *dec, int64_t b, int64_t h, int64_t page_id, const float *q, float *s,
+                       float *ws) {
+    item_t it = {dec, b, h, 0, 0, 0, 0};
+    const int P = (int)dec->page_size;
+    page_scores_quant(&it, page_id, P, q, s, P, ws);
+    float best = -INFINITY;
+    for (int64_t j = 0; j < dec->rep * P; j++) best = s[j] > best ? s[j] : best;
+    return best;
+}
+
 int hack_select_pages(const hack_choose_args *c) {
     const hack_select_args *a = &c->s;
     const int64_t B = a->batch, H = a->heads, W = a->width, K = c->budget, OW = c->out_width;
@@ -220,8 +251,19 @@ int hack_select_pages(const hack_choose_args *c) {
         int64_t nc = a->n_closed[b];
         if ((nc < K ? nc : K) + 1 > OW || c->num_pages[b] < 1 || c->num_pages[b] > a->max_pages) return -1;
     }
+    const int64_t R = c->refine;
+    if (R < 1) return -1;
+    if (R > 1 && (a->head_dim % 64 || a->rep > MAX_REP || c->page_size < 1 || c->page_size > MAX_P ||
+                  c->group < 1 || a->head_dim % c->group || a->head_dim / c->group > MAX_G))
+        return -1;
     int rc = hack_page_scores(a);
     if (rc) return rc;
+    hack_decode_args dec; /* what page_scores_quant reads of a decode call */
+    memset(&dec, 0, sizeof(dec));
+    dec.heads = H; dec.rep = a->rep; dec.head_dim = a->head_dim; dec.page_size = c->page_size;
+    dec.k_bits = c->k_bits; dec.group = c->group; dec.meta_fp32 = a->meta_fp32; dec.k_pages = a->k_pages;
+    dec.k_page_bytes = a->k_page_bytes; dec.k_codes_off = c->k_codes_off; dec.k_min_off = a->k_min_off;
+    dec.k_scale_off = a->k_scale_off; dec.k_sums_off = c->k_sums_off; dec.k_sums_bytes = c->k_sums_bytes;
     const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth) reduction(| : failed)
@@ -234,21 +276,30 @@ int hack_select_pages(const hack_choose_args *c) {
         if (nc > 0) pos[n++] = 0; /* the first page (sinks) */
         for (int64_t p = rf; p < nc && n < k; p++) pos[n++] = p; /* the recent pages */
         free_k = k - n;
-        if (free_k > 0) { /* the best of the pages between them: a min-heap of the free slots */
-            float *hs = (float *)malloc(sizeof(float) * free_k);
-            int64_t *hi = (int64_t *)malloc(sizeof(int64_t) * free_k);
+        if (free_k > 0) { /* the best of the pages between them: a min-heap of the candidates */
+            const int64_t cand = R * free_k;
+            float *hs = (float *)malloc(sizeof(float) * cand);
+            int64_t *hi = (int64_t *)malloc(sizeof(int64_t) * cand);
             if (!hs || !hi) { free(hs); free(hi); failed = 1; continue; }
             int64_t m = 0;
             for (int64_t p = 1; p < rf && p < nc; p++) {
                 float v = sc[p];
-                if (m < free_k) {
+                if (m < cand) {
                     hs[m] = v; hi[m] = p; m++;
-                    if (m == free_k)
+                    if (m == cand)
                         for (int64_t i = m / 2 - 1; i >= 0; i--) sift_down(hs, hi, m, i);
                 } else if (v > hs[0] || (v == hs[0] && p < hi[0])) {
                     hs[0] = v; hi[0] = p;
                     sift_down(hs, hi, m, 0);
                 }
+            }
+            if (m > free_k) { /* refine: each candidate's best score over its own keys */
+                float s[MAX_REP * MAX_P], ws[MAX_G * MAX_P];
+                const float *qh = a->q + (b * H + it % H) * a->rep * a->head_dim;
+                const int64_t *row = a->page_table + b * a->max_pages;
+                for (int64_t i = 0; i < m; i++) hs[i] = page_best(&dec, b, it % H, row[hi[i]], qh, s, ws);
+                keep_best(hs, hi, m, free_k);
+                m = free_k;
             }
             for (int64_t i = 0; i < m; i++) pos[n++] = hi[i];
             free(hs);
