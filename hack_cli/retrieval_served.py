@@ -26,6 +26,16 @@ def _ask(server, item: Item) -> bool:
     return list(out["output_ids"])[:len(answer)] == answer
 
 
+def context_limit(model_path) -> int | None:
+    """The model's context length (max_position_embeddings of its config; None if it names none)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(str(model_path))
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = getattr(cfg, "max_position_embeddings", None)
+    return int(n) if n else None
+
+
 def served_rows(method: str, args: list[str], items: list[Item], answers: list[bool], seconds: float) -> list[dict]:
     """The retrieval rows (hack_eval.retrieval's schema) of one method's answers, per context."""
     rows = []
@@ -56,6 +66,11 @@ def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, me
         raise ValueError(f"--served takes methods of {METHOD_NAMES}, got {methods!r}")
     server_args = {m: method_args(m, four_bit_layers, raised) for m in methods}  # refuses a missing --4bit-layers now
     path = prepare(model_name, log=log)
+    limit = context_limit(path)
+    if limit is not None and max(contexts) >= limit:
+        # SGLang refuses a prompt whose length plus the tokens asked for reaches the context length
+        raise ValueError(f"--contexts {max(contexts)}: a prompt and its answer must stay under {model_name}'s "
+                         f"context length of {limit} tokens for a server to take them; use {limit - 192} or less")
     items = build_items(AutoTokenizer.from_pretrained(str(path)), contexts, per_cell, seed)
     longest = max(len(item.ids) for item in items)
     rows: list[dict] = []

@@ -143,3 +143,11 @@ def test_cli_served_asks_real_servers(tmp_path):
     assert set(rows) == {"bf16", "hack-4bit-layers"} and all(r["items"] == 2 for r in rows.values())
     assert rows["hack-4bit-layers"]["config"] == "--kv-cache-dtype hack --hack-4bit-layers 1,2"
     assert rows["bf16"]["accuracy"] == 1.0
+
+
+def test_served_contexts_past_the_models_length_are_refused_before_any_server():
+    from hack_cli.retrieval_served import context_limit, run_served_retrieval
+
+    assert context_limit(prepare(log=lambda m: None)) == 8192  # SmolLM2
+    with pytest.raises(ValueError, match="context length of 8192 tokens"):
+        run_served_retrieval("smollm2", [4096, 8192], 1, ["hack"], log=lambda m: None)
