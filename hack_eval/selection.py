@@ -20,10 +20,10 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from hack_ops.attention import quantize_kv, soft_cap, visible
+from hack_ops.attention import k_pages_quantized, soft_cap, visible
 from hack_ops.config import HackConfig
 from hack_ops.quant import dequantize
-from hack_ops.sparse import LINEAR_ALPHA, SparseConfig, refine_scores, select_pages
+from hack_ops.sparse import PageScore, SparseConfig, page_best, page_scores, refine_scores, select_pages
 
 from .retrieval import Item, build_items
 from .runner import EXACT, probe_attention, use_variant
@@ -63,17 +63,16 @@ def scores_of(kind: Score, q: Tensor, kq: Tensor, codes: Tensor, minimum: Tensor
               page: int, probs: Tensor) -> Tensor:
     """Scores [S, N] of the N closed pages for one KV head's group (the max over its R heads): q
     [R, S, D], kq [N * page, D] the quantized keys, probs [R, S, n] the exact attention. The
-    refinements are scored by refine_scores from PAGE and ORACLE_MAX (the caller's)."""
-    levels = float((1 << bits) - 1)
+    serving scores are hack_ops.sparse's own; the refinements are scored by refine_scores from
+    PAGE and ORACLE_MAX (the caller's)."""
     n = minimum.shape[0]
-    if kind == Score.PAGE:
-        s = q @ minimum.T + levels * (q.clamp(min=0) @ scale.T)
-    elif kind == Score.LINEAR:
-        s = q @ minimum.T + LINEAR_ALPHA * levels * (q @ scale.T)
-    elif kind in (Score.BOX32, Score.BOX16):
+    rows = q.transpose(0, 1)  # [S, R, D]: each decode row's group
+    if kind in (Score.PAGE, Score.LINEAR):
+        return page_scores(rows, minimum, scale, bits, PageScore.BOUND if kind == Score.PAGE else PageScore.LINEAR)
+    if kind == Score.ORACLE_MAX:
+        return page_best(rows, kq[:n * page], page)
+    if kind in (Score.BOX32, Score.BOX16):
         s = box_bounds(q, codes, minimum, scale, page, 32 if kind == Score.BOX32 else 16)
-    elif kind == Score.ORACLE_MAX:
-        s = (q @ kq[:n * page].T).reshape(*q.shape[:2], n, page).amax(-1)
     elif kind == Score.ORACLE_MASS:
         s = probs[..., :n * page].reshape(*q.shape[:2], n, page).sum(-1)
     else:
@@ -144,23 +143,23 @@ def run_selection(model_name: str, context: int, per_cell: int, budgets: list[in
         h, rep = k.shape[1], q.shape[1] // k.shape[1]
         kf = k[0].float()  # [H, n, D]
         npg = kf.shape[1] // p
-        mask = (torch.arange(npg * p) >= lc.sink_tokens)[:, None].expand(npg * p, kf.shape[-1])
+        qt = k_pages_quantized(kf, lc)  # every head's pages, as the store quantizes them
+        kq_all = dequantize(qt)
         sm = q.shape[-1] ** -0.5 if scale is None else scale
         keys = torch.arange(kf.shape[1])
         needle = (torch.arange(item.needle_start, item.needle_start + item.needle_len) // p).unique()
         n_closed = (rows + 1) // p  # pages closed at each decode step
         for head in range(h):
-            qt = quantize_kv(kf[head, :npg * p], dim=-2, group=p, cfg=lc, gen=None, mask=mask, name="k")
-            kq, mn, scl = dequantize(qt), qt.minimum.float(), qt.scale.float()
+            kq, mn, scl = kq_all[head], qt.minimum[head].float(), qt.scale[head].float()
             qg = q[0, head * rep:(head + 1) * rep, rows].float()  # [R, S, D]
             s = soft_cap(qg @ kf[head].T * sm, cap)
             s = s.masked_fill(~visible(keys[None, :], rows[:, None], window), float("-inf"))
             probs = torch.softmax(s, -1)  # [R, S, n]
             needle_mass = probs[..., item.needle_start:item.needle_start + item.needle_len].sum(-1).amax(0)  # [S]
-            plain = {kind: scores_of(kind, qg, kq, qt.codes, mn, scl, bits, p, probs)
+            plain = {kind: scores_of(kind, qg, kq, qt.codes[head], mn, scl, bits, p, probs)
                      for kind in {*[kd for kd in scores if kd not in REFINE], Score.PAGE, Score.ORACLE_MAX}}
             for budget in budgets:
-                bp = max(2, budget // p)
+                bp = SparseConfig(budget_tokens=budget).budget_pages(p)
                 recent_from = n_closed - min(base.recent_pages(p), bp - 1)
                 for kind in scores:
                     sc = plain[kind] if kind not in REFINE else refine_scores(

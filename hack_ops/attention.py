@@ -140,7 +140,9 @@ def attention(
     return restore_output(out, cfg.rotation)
 
 
-def _k_pages_quantized(k: Tensor, cfg: HackConfig) -> QTensor:
+def k_pages_quantized(k: Tensor, cfg: HackConfig) -> QTensor:
+    """Every whole page of k [B, H, n, D] quantized per channel as the store does it ('channel_k':
+    the sinks out of page 0's range)."""
     p = cfg.partition_size
     npg = k.shape[-2] // p
     j = torch.arange(npg * p)
@@ -152,7 +154,7 @@ def _k_pages_quantized(k: Tensor, cfg: HackConfig) -> QTensor:
 def k_page_tables(k: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor]:
     """K's per-channel minimum and scale of every whole page of k [B, H, n, D] as the store
     quantizes them ('channel_k': sinks out of page 0's range), float [B, H, n // Π, D]."""
-    qt = _k_pages_quantized(k, cfg)
+    qt = k_pages_quantized(k, cfg)
     return qt.minimum.float(), qt.scale.float()
 
 
@@ -165,7 +167,7 @@ def sparse_key_mask(qs: Tensor, k: Tensor, cfg: HackConfig, sparse: SparseConfig
     h = k.shape[1]
     mn, sc = k_page_tables(k, cfg)
     npg_all = -(-k.shape[-2] // p)
-    keys = dequantize(_k_pages_quantized(k, cfg)) if sparse.refine > 1 else None  # the refinement's page_best
+    keys = dequantize(k_pages_quantized(k, cfg)) if sparse.refine > 1 else None  # the refinement's page_best
     keep = row_page_mask(qs.reshape(b, h, hq // h, sq, d), mn, sc, cfg.bits("k"), (pos + 1) // p, sparse, p, keys)
     if keep.shape[-1] < npg_all:  # the last, partial page is never closed
         keep = torch.nn.functional.pad(keep, (0, npg_all - keep.shape[-1]), value=True)

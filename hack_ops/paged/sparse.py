@@ -56,20 +56,24 @@ class PageSelection:
         return self.table[b, :, :int(self.n_closed[b]) + int(has_open)]
 
 
+def _closed_ids(store, plan: ForwardPlan) -> tuple[Tensor, Tensor]:
+    """The page ids of every request's closed pages [B, N] (N: the most closed pages of any
+    request; a shorter request's row padded with its first page) and the counts n_closed [B]."""
+    n_closed = (plan.seq_lens // store.page_size).to(torch.long)
+    n = max(1, int(n_closed.max()))
+    ids = plan.page_table[:, :n] if plan.page_table.shape[1] >= n else torch.nn.functional.pad(
+        plan.page_table, (0, n - plan.page_table.shape[1]))
+    return torch.where(torch.arange(n)[None, :] < n_closed[:, None], ids, ids[:, :1]).to(store.device), n_closed
+
+
 def closed_page_meta(store, layer: int, plan: ForwardPlan) -> tuple[Tensor, Tensor, Tensor]:
     """K's per-channel minimum and scale of every request's closed pages, float [B, H, N, D]
     (N: the most closed pages of any request; a shorter request's rows are padded with its
     first page, which the selection ignores past its count), and the counts n_closed [B]."""
-    p = store.page_size
     lay = store.layout_for(layer)
     if not lay.k.per_channel:
         raise ValueError("sparse decode scores pages from K's per-channel side tables: orientation 'channel_k' only")
-    n_closed = (plan.seq_lens // p).to(torch.long)
-    n = max(1, int(n_closed.max()))
-    cols = torch.arange(n)
-    ids = plan.page_table[:, :n] if plan.page_table.shape[1] >= n else torch.nn.functional.pad(
-        plan.page_table, (0, n - plan.page_table.shape[1]))
-    ids = torch.where(cols[None, :] < n_closed[:, None], ids, ids[:, :1]).to(store.device)
+    ids, n_closed = _closed_ids(store, plan)
     buf = store.k_pages[layer]
     mn = lay.k.view(buf, "minimum")[ids].float().transpose(1, 2)  # [B, H, N, D]
     sc = lay.k.view(buf, "scale")[ids].float().transpose(1, 2)
@@ -82,11 +86,8 @@ def closed_page_best(store, layer: int, plan: ForwardPlan, q: Tensor) -> Tensor:
     candidates, with the decode kernel's own scores)."""
     p, h = store.page_size, store.num_heads
     lay = store.layout_for(layer)
-    n_closed = (plan.seq_lens // p).to(torch.long)
-    n = max(1, int(n_closed.max()))
-    ids = plan.page_table[:, :n] if plan.page_table.shape[1] >= n else torch.nn.functional.pad(
-        plan.page_table, (0, n - plan.page_table.shape[1]))
-    ids = torch.where(torch.arange(n)[None, :] < n_closed[:, None], ids, ids[:, :1]).to(store.device)
+    ids, _ = _closed_ids(store, plan)
+    n = ids.shape[1]
     buf = store.k_pages[layer]
     codes = unpack(lay.k.view(buf, "codes")[ids], lay.k.bits, store.head_dim).float()  # [B, N, H, P, D]
     mn = lay.k.view(buf, "minimum")[ids].float()[:, :, :, None, :]  # [B, N, H, 1, D]
