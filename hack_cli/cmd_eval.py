@@ -78,6 +78,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="also report, per layer, how much attention the exact model's answer positions put "
                           "on the needle sentence (where its retrieval heads are)")
     _add_layer_bits_flag(ret)
+    ret.add_argument("--bits-plan", action="store_true",
+                     help="score exact and the default with the model's calibrated bit plan (what a server's "
+                          "--hack-bits auto loads) instead of --variants, in the --modes given (default hack)")
+    ret.add_argument("--static-keep", default=None, metavar="FRACTION[,FRACTION]",
+                     help="also score each 'dequant' row under look-once static eviction at these fractions of the "
+                          "prompt's closed pages kept (the prompt's last queries choose them; every decode step "
+                          "reads only those, and PD would send only those), with the wire bytes it leaves")
+    ret.add_argument("--static-unit", default="page", metavar="page|head[,...]",
+                     help="with --static-keep: what is kept or dropped together: page (a layer's page for all its "
+                          "KV heads, what the wire can leave out; default) or head (each KV head its own pages)")
+    ret.add_argument("--static-observe", type=float, default=0.15, metavar="FRACTION",
+                     help="with --static-keep: the prompt's last fraction of queries that vote (default 0.15)")
     ret.add_argument("--served", default=None, metavar="METHODS",
                      help="instead of the study's rows, ask real servers, one per KV method (comma-separated, of "
                           f"{', '.join(SERVED_METHODS)}; hack-4bit-layers takes --4bit-layers), each answer "
@@ -223,9 +235,12 @@ def _accuracy(args: argparse.Namespace) -> int:
         raise ValueError("need a context of at least 2 tokens and at least one window")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.bits_plan:
+        if args.variants or args.quick or args.core or args.four_bit_layers or args.sparse_budgets:
+            raise ValueError("--bits-plan scores its own three rows; drop --variants/--quick/--core/--4bit-layers/"
+                             "--sparse-budgets")
         res = run_study(context=args.context, essays=args.essays, plays=args.plays, gen_prompts=args.gen_prompts,
                         gen_tokens=args.gen_tokens, threads=args.threads, log=log, model_name=args.model,
-                        path=args.attention_path, variants=_plan_variants(args))
+                        path=args.attention_path, variants=_plan_variants(args.model, _csv(args.modes)))
         _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
         return 0
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
@@ -239,25 +254,23 @@ def _accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_variants(args: argparse.Namespace) -> list:
-    """exact, the plain default and the default with the model's bit plan, in --modes (default hack)."""
+def _plan_variants(model: str, modes: list[str] | None, plain: bool = True) -> list:
+    """exact, the plain default (unless not `plain`) and the default with the model's bit plan, in
+    `modes` (default hack)."""
     from hack_eval.models import prepare
     from hack_eval.runner import EXACT, Variant
     from hack_ops import HackConfig
     from hack_ops.bit_plan import find_plan
 
-    if args.variants or args.quick or args.core or args.four_bit_layers or args.sparse_budgets:
-        raise ValueError("--bits-plan scores its own three rows; drop --variants/--quick/--core/--4bit-layers/"
-                         "--sparse-budgets")
-    folder = prepare(args.model, log=lambda *a, **k: None)
+    folder = prepare(model, log=lambda *a, **k: None)
     found = find_plan(folder)
     if found is None:
-        raise ValueError(f"no bit plan for {args.model} ({folder}); `hack calibrate {args.model}` writes one")
+        raise ValueError(f"no bit plan for {model} ({folder}); `hack calibrate {model}` writes one")
     plan, _ = found
     rows = [EXACT]
-    for mode in _csv(args.modes) or ["hack"]:
-        rows += [Variant("default, plain 2-bit", mode.strip(), HackConfig()),
-                 Variant("default, calibrated bit plan", mode.strip(), plan.apply(HackConfig()))]
+    for mode in modes or ["hack"]:
+        rows += [Variant("default, plain 2-bit", mode.strip(), HackConfig())] if plain else []
+        rows += [Variant("default, calibrated bit plan", mode.strip(), plan.apply(HackConfig()))]
     return rows
 
 
@@ -383,6 +396,9 @@ def _retrieval(args: argparse.Namespace) -> int:
         if Rotation(args.four_bit_rotation) is not Rotation.NONE:
             raise ValueError("--4bit-rotation rotates the study's --4bit-layers rows; --served measures servers "
                              "(start one with --hack-rotation instead)")
+        if args.bits_plan or args.static_keep:
+            raise ValueError("--bits-plan and --static-keep choose the study's rows; --served measures servers "
+                             "(hack is the calibrated plan already)")
         raised = _raised(args)
         if len(raised) != 1:
             raise ValueError("--served starts one hack-4bit-layers server: give one --4bit-tensors value")
@@ -391,13 +407,44 @@ def _retrieval(args: argparse.Namespace) -> int:
                                    raised=raised[0].value)
         _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
         return 0
+    static = _static_keeps(args)
+    variants = None
+    if args.bits_plan:
+        if args.variants != "=default" or args.four_bit_layers:
+            raise ValueError("--bits-plan scores its own rows (exact and the calibrated plan); "
+                             "drop --variants/--4bit-layers")
+        variants = _plan_variants(args.model, _csv(args.modes), plain=False)
     res = run_study_retrieval(model_name=args.model, contexts=contexts, per_cell=args.items, seed=args.seed,
                               variant_patterns=_patterns(args.variants), threads=args.threads, log=log,
                               modes=_csv(args.modes), path=args.attention_path,
                               four_bit_layers=_layer_indices(args), needle=args.needle_attention,
-                              raised=_raised(args), four_bit_rotation=_four_bit_rotation(args))
+                              raised=_raised(args), four_bit_rotation=_four_bit_rotation(args),
+                              variants=variants, static=static)
     _write_reports(args, "retrieval", contexts, res, render_retrieval(res, _rerun_command("retrieval")))
     return 0
+
+
+def _static_keeps(args: argparse.Namespace) -> tuple:
+    """--static-keep x --static-unit as StaticKeep rows (ValueError naming the flag otherwise)."""
+    from hack_ops.static_keep import KeepUnit, StaticKeep
+
+    if not args.static_keep:
+        if args.static_unit != "page" or args.static_observe != 0.15:
+            raise ValueError("--static-unit and --static-observe shape the --static-keep rows; give --static-keep too")
+        return ()
+    try:
+        keeps = [float(x) for x in args.static_keep.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--static-keep takes comma-separated fractions, got {args.static_keep!r}") from None
+    units = [u.strip() for u in args.static_unit.split(",") if u.strip()]
+    for u in units:
+        if u not in {k.value for k in KeepUnit}:
+            raise ValueError(f"--static-unit takes {', '.join(k.value for k in KeepUnit)}, got {u!r}")
+    if not keeps or not units or not all(0.0 < f < 1.0 for f in keeps):
+        raise ValueError(f"--static-keep takes fractions strictly between 0 and 1, got {args.static_keep!r}")
+    if not 0.0 < args.static_observe <= 1.0:
+        raise ValueError(f"--static-observe takes a fraction in (0, 1], got {args.static_observe!r}")
+    return tuple(StaticKeep(keep=f, observe=args.static_observe, unit=u) for f in keeps for u in units)
 
 
 def _selection(args: argparse.Namespace) -> int:

@@ -79,14 +79,17 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
                     scale: float | None = None, window: int | None = None, logit_cap: float = 0.0,
                     path: AttentionPath | str = AttentionPath.FAST,
                     tensors: QuantizedTensors | str = QuantizedTensors.KV,
-                    sparse: SparseConfig | None = None) -> Tensor:
+                    sparse: SparseConfig | None = None, static: tuple[Tensor, int] | None = None) -> Tensor:
     """Causal self-attention of one sequence, q [1, Hq, m, D] (the last m positions), k/v
     [1, H, n, D]; returns float32 [1, Hq, m, D] as hack_ops.attention does for the same
     arguments. On the reference for AttentionPath.REFERENCE, when fast_refusal() says so, or
     for m < n (a generation step). tensors: K or V alone quantized (the other read in FP16),
     'dequant' mode on the fast path only. sparse: every query reads the pages its sparse
     decode selection keeps (hack_ops.sparse): 'dequant' on the fast path, 'hack' on the
-    reference (the serving extend kernel has no per-query selection)."""
+    reference (the serving extend kernel has no per-query selection). static: (kept [H, N], the
+    prompt's length): positions from the prompt's length on (decode steps) read only the
+    prompt's closed pages kept (hack_ops.static_keep); 'dequant' on the fast path, whole
+    sequences, no window."""
     mode, path, tensors = attention_mode(mode), attention_path(path), QuantizedTensors(tensors)
     if sparse is not None and not sparse.enabled:
         sparse = None
@@ -101,6 +104,10 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
     # Fewer queries than keys (a generation step over transformers' cache) is the reference's
     # bottom-right case; the fast paths take whole sequences.
     whole = q.shape[2] == k.shape[2]
+    if static is not None and (mode != AttentionMode.DEQUANT or path != AttentionPath.FAST or not whole
+                               or window is not None or fast_refusal(config, mode) is not None or sparse is not None):
+        raise ValueError("static eviction is studied in 'dequant' mode on the fast path, over whole sequences "
+                         "of layers without a window, without sparse decode")
     if (path == AttentionPath.REFERENCE or not whole or fast_refusal(config, mode) is not None
             or (sparse is not None and mode == AttentionMode.HACK)):
         return attention(q, k, v, cfg, mode=mode, causal=True, scale=scale, window=window, logit_cap=logit_cap,
@@ -128,7 +135,7 @@ def study_attention(q: Tensor, k: Tensor, v: Tensor, config: HackConfig | None, 
             if window is not None or cfg.orientation != "channel_k":
                 raise ValueError("sparse decode: orientation 'channel_k' and no sliding window")
             pages = (sparse, *k_page_tables(k, cfg), cfg.bits("k"))
-        out = _blocked(q * scale, kc, ko, vc, vo, cfg.partition_size, window, logit_cap, pages)
+        out = _blocked(q * scale, kc, ko, vc, vo, cfg.partition_size, window, logit_cap, pages, static)
     return restore_output(out, cfg.rotation)
 
 
@@ -162,15 +169,23 @@ def dequant_views(k: Tensor, v: Tensor, cfg: HackConfig) -> tuple[Tensor, Tensor
 
 
 def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: int,
-             window: int | None, logit_cap: float, sparse: tuple | None = None) -> Tensor:
+             window: int | None, logit_cap: float, sparse: tuple | None = None,
+             static: tuple[Tensor, int] | None = None) -> Tensor:
     """Attention of scaled queries qs [1, Hq, n, D] over keys 0..t (and the window) in blocks of
     queries. Key j is read from the closed views (kc, vc) when j < ((t+1) // page) * page, the
     keys the query's partition has moved past, else from the open views (ko, vo). Keys before the block's first partition are closed and unmasked (but for the
     window) for every query of the block, so only the block's own partitions pay for the
     choice and the causal mask. Memory O(heads * QUERY_BLOCK * keys). sparse: (SparseConfig,
     K's page minimum, scale [1, H, pages, D], K bits): each query reads only the closed pages
-    its selection keeps (hack_ops.sparse.row_page_mask)."""
+    its selection keeps (hack_ops.sparse.row_page_mask). static: (kept [H, N], prompt length):
+    queries at or past the prompt's length read only the kept pages of the prompt's first N
+    (no window here either)."""
     n, rep = qs.shape[2], qs.shape[1] // kc.shape[1]
+    dropped = None
+    if static is not None:  # [Hq, N * page] keys of the prompt's dropped pages
+        kept, plen = static
+        dropped = ~kept.repeat_interleave(page, -1)
+        dropped = dropped.repeat_interleave(rep, 0) if rep > 1 else dropped
     heads = (lambda x: x.repeat_interleave(rep, 1)) if rep > 1 else (lambda x: x)
     kc, ko, vc, vo = heads(kc), heads(ko), heads(vc), heads(vo)
     out = torch.empty(qs.shape[:3] + (vc.shape[-1],), dtype=torch.float32)
@@ -195,6 +210,10 @@ def _blocked(qs: Tensor, kc: Tensor, ko: Tensor, vc: Tensor, vo: Tensor, page: i
             keep = torch.nn.functional.pad(keep, (0, max(0, -(-hi // page) - keep.shape[-1])), value=True)
             keep = keep.repeat_interleave(page, -1)[..., :hi]
             s.masked_fill_(~(keep.repeat_interleave(rep, 1) if rep > 1 else keep), float("-inf"))
+        if dropped is not None and hi > plen:  # no window here: keys 0..hi-1
+            dec = t >= plen
+            w = min(dropped.shape[-1], hi)
+            s[:, :, dec, :w] = s[:, :, dec, :w].masked_fill(dropped[None, :, None, :w], float("-inf"))
         if window is None:
             s[..., d:].masked_fill_(jd[None, :] > t[:, None], float("-inf"))
         else:

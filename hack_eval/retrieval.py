@@ -18,10 +18,11 @@ import torch
 
 from hack_ops.config import RaisedTensors, raised_tensors
 from hack_ops.rotation import Rotation
+from hack_ops.static_keep import StaticKeep
 
 from .attention_paths import AttentionPath, attention_path
 from .report import report_head
-from .runner import EXACT, Variant, probe_attention, row_path, use_variant
+from .runner import EXACT, Variant, probe_attention, prompt_boundary, record_kept, row_path, use_variant
 from .workloads import encode, essay_stream
 
 # The classic passkey prompt (Mohtashami & Jaggi, 2023): the fact is stated twice so a small
@@ -85,7 +86,7 @@ def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
 def answered(model: Any, item: Item, variant: Variant, path: AttentionPath | str = AttentionPath.FAST) -> bool:
     """Whether greedy decoding under `variant` would produce the item's answer exactly."""
     n_answer = len(item.ids) - item.answer_start
-    with use_variant(variant, path):
+    with use_variant(variant, path), prompt_boundary(item.answer_start):
         x = torch.tensor([item.ids], dtype=torch.long)
         # The logits at positions answer_start-1 .. len-2 predict the answer tokens.
         logits = model(input_ids=x, use_cache=False, logits_to_keep=n_answer + 1).logits[0, :-1]
@@ -138,12 +139,17 @@ def run_retrieval(model: Any, variants: list[Variant], items: list[Item], log: C
     contexts = list(dict.fromkeys(item.context for item in items))  # in the order they were built
     hits: dict[tuple[str, str, int], list[tuple[float, bool]]] = {}
     seconds: dict[tuple[str, str, int], float] = {}
+    wire: dict[tuple[str, str, int], list[dict]] = {}
     for n, item in enumerate(items):
         for v in variants:
             k = (v.name, str(v.mode), item.context)
             t0 = time.time()
-            hits.setdefault(k, []).append((item.depth, answered(model, item, v, path)))
+            with record_kept() as kept:
+                hits.setdefault(k, []).append((item.depth, answered(model, item, v, path)))
             seconds[k] = seconds.get(k, 0.0) + time.time() - t0
+            if v.static is not None and v.static.enabled:
+                wire.setdefault(k, []).append({**static_wire(model, v, item.answer_start, kept),
+                                               "needle_kept": needle_kept(item, kept, v.config.partition_size)})
         log(f"retrieval item {n + 1}/{len(items)} (context {item.context}, depth {item.depth}) done")
     rows = []
     for v in variants:
@@ -160,7 +166,43 @@ def run_retrieval(model: Any, variants: list[Variant], items: list[Item], log: C
                 "context": context, "items": len(got), "accuracy": sum(ok for _, ok in got) / len(got),
                 "by_depth": by_depth, "seconds": seconds[k], "attention_path": row_path(v, path).value,
             })
+            if k in wire:
+                rows[-1]["static"] = {"keep": v.static.keep, "observe": v.static.observe,
+                                      "unit": v.static.unit.value,
+                                      **{f: sum(w[f] for w in wire[k]) / len(wire[k]) for f in wire[k][0]}}
     return rows
+
+
+def static_wire(model: Any, variant: Variant, prompt_len: int, kept: dict[int, torch.Tensor]) -> dict:
+    """What static eviction saves on the PD wire for one prompt: hack-pages bytes with every
+    page sent and with the kept pages only (hack_ops.page_wire), against BF16's bytes for the
+    same tokens, the fraction of the prompt's closed pages a decode step reads, and the fraction
+    of its page slots some layer still keeps (what decode could not free; 1.0 unless every layer
+    evicts)."""
+    from hack_ops.page_wire import model_kept_request_bytes, model_request_bytes
+
+    cfg = model.config
+    layers = int(cfg.num_hidden_layers)
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    bf16 = 2 * 2 * layers * heads * dim * prompt_len
+    full = model_request_bytes(variant.config, layers, heads, dim, prompt_len)
+    sent = model_kept_request_bytes(variant.config, layers, heads, dim, prompt_len, kept)
+    read = [float(m.float().mean()) for m in kept.values() if m.numel()]
+    # A page's slot holds every layer's page: decode could free it only if every layer drops it.
+    slots = (torch.stack([m.any(0) for m in kept.values()]).any(0).float().mean()
+             if len(kept) == layers and next(iter(kept.values())).numel() else torch.tensor(1.0))
+    return {"wire_vs_bf16": sent / bf16, "wire_all_pages_vs_bf16": full / bf16, "wire_vs_all_pages": sent / full,
+            "pages_read": sum(read) / len(read) if read else 1.0, "layers_evicting": float(len(kept)),
+            "slots_needed": float(slots)}
+
+
+def needle_kept(item: Item, kept: dict[int, torch.Tensor], page_size: int) -> float:
+    """The fraction of (layer, KV head) pairs under static eviction that kept every closed page
+    the needle sentence touches (1.0 where it is only in the open partition)."""
+    pages = list(range(item.needle_start // page_size, (item.needle_start + item.needle_len - 1) // page_size + 1))
+    rows = [m[:, [p for p in pages if p < m.shape[-1]]].all(-1).float() for m in kept.values()]
+    return float(torch.cat(rows).mean()) if rows else 1.0
 
 
 def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, seed: int = 0,
@@ -168,18 +210,23 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
                         log: Callable[[str], None] = print, path: AttentionPath | str = AttentionPath.FAST,
                         modes: list[str] | None = None, four_bit_layers: tuple[int, ...] | None = None,
                         needle: bool = False, raised: tuple[RaisedTensors | str, ...] = (RaisedTensors.KV,),
-                        four_bit_rotation: Rotation | str = Rotation.NONE) -> dict:
+                        four_bit_rotation: Rotation | str = Rotation.NONE, variants: list[Variant] | None = None,
+                        static: tuple[StaticKeep, ...] = ()) -> dict:
     """`hack eval retrieval`: load the model, score exact plus the selected study rows (and the
     default format with `four_bit_layers` at 4 bits, variants.layer_bits_variants, one row per
-    entry of `raised`, rotated by `four_bit_rotation`)."""
+    entry of `raised`, rotated by `four_bit_rotation`), or the given `variants` instead; each
+    'dequant' row also under every static eviction of `static` (variants.static_variants)."""
     from .accuracy import MODEL_TITLES
     from .models import prepare
     from .runner import load_model
-    from .variants import layer_bits_variants, select_variants, study_variants
+    from .variants import layer_bits_variants, select_variants, static_variants, study_variants
 
-    variants = select_variants(study_variants(), variant_patterns or ["=default"], modes)  # fails before loading
-    if four_bit_layers:
-        variants = variants + layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
+    if variants is None:
+        variants = select_variants(study_variants(), variant_patterns or ["=default"], modes)  # fails before loading
+        if four_bit_layers:
+            variants = variants + layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation)
+    if static:
+        variants = variants + static_variants(variants, static)
     torch.manual_seed(seed)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 0)
@@ -216,6 +263,19 @@ def render_retrieval(results: dict, command: str) -> str:
         cells = [f"{r['by_depth'][d] * 100:.0f}%" if d in r["by_depth"] else "—" for d in depths]
         lines.append(f"| {r['variant']} | {r['mode']} | {r['config'] or '—'} | {r['context']} | "
                      f"{r['accuracy'] * 100:.1f}% ({r['items']}) | " + " | ".join(cells) + f" | {r['seconds']:.0f} |")
+    static = [r for r in results["rows"] if r.get("static")]
+    if static:
+        lines += ["", "Static eviction (hack_ops.static_keep: after the prompt, the closed pages its last "
+                  "queries ignore are dropped for every decode step and left off the PD wire), per prompt on "
+                  "average: the prompt's closed pages a decode step reads, and the hack-pages wire bytes "
+                  "against BF16's for the same tokens, with every page sent and with the kept pages only:", "",
+                  "| variant | context | pages read | needle's pages kept (layers x heads) | page slots some layer "
+                  "keeps | wire vs BF16, all pages | wire vs BF16, kept pages | exact match |",
+                  "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['variant']} | {r['context']} | {r['static']['pages_read'] * 100:.1f}% | "
+                  f"{r['static']['needle_kept'] * 100:.1f}% | {r['static']['slots_needed'] * 100:.1f}% | "
+                  f"{r['static']['wire_all_pages_vs_bf16'] * 100:.1f}% | "
+                  f"{r['static']['wire_vs_bf16'] * 100:.1f}% | {r['accuracy'] * 100:.1f}% |" for r in static]
     attn = results.get("needle_attention")
     if attn:
         ranked = sorted(attn, key=lambda r: -r["max_head_mass"])

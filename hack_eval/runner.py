@@ -20,6 +20,7 @@ from hack_ops import AttentionMode, HackConfig
 from hack_ops.modes import attention_mode
 
 from hack_ops.sparse import SparseConfig
+from hack_ops.static_keep import StaticKeep, keep_mask
 
 from .attention_paths import AttentionPath, QuantizedTensors, attention_path, fast_refusal, study_attention
 
@@ -38,6 +39,7 @@ class Variant:
     layers: tuple[int, ...] | None = None
     tensors: QuantizedTensors = QuantizedTensors.KV
     sparse: SparseConfig | None = None  # sparse decode in every query (hack_ops.sparse), its layers only
+    static: StaticKeep | None = None  # static eviction after the prompt (prompt_boundary), layers without a window
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", attention_mode(self.mode))  # frozen: coerced once, here
@@ -46,6 +48,9 @@ class Variant:
             object.__setattr__(self, "layers", tuple(sorted({int(i) for i in self.layers})))
         if self.tensors != QuantizedTensors.KV and self.mode != AttentionMode.DEQUANT:
             raise ValueError(f"K or V alone is measured in 'dequant' mode only, not {self.mode.value!r}")
+        if self.static is not None and self.static.enabled and (self.mode != AttentionMode.DEQUANT
+                                                                or self.sparse is not None):
+            raise ValueError("static eviction is studied in 'dequant' mode, without sparse decode")
 
     def describe(self) -> str:
         return "exact float32 attention" if self.config is None else f"{self.mode} {self.config.label()}"
@@ -56,6 +61,11 @@ _current: list[tuple[Variant, AttentionPath]] = [(EXACT, AttentionPath.FAST)]
 # Attention outputs a study already computed, by layer: that layer returns it instead of
 # attending (hack_eval.calibrate measures each tensor's 2-bit output once, then its effect).
 _overrides: dict[int, torch.Tensor] = {}
+# The prompt's length while a pass scores a prompt and its answer (prompt_boundary): positions
+# from it on are decode steps, which static eviction restricts; None: no boundary.
+_prompt: list[int | None] = [None]
+# Collectors of each layer's kept pages under static eviction (record_kept).
+_kept_logs: list[dict[int, torch.Tensor]] = []
 # Callbacks that see every layer's attention inputs (layer, q, k, scale, window, logit_cap, v),
 # post-RoPE, before the variant's attention runs: how a study reads where the model looks.
 _probes: list[Callable[..., None]] = []
@@ -80,9 +90,31 @@ def _attention_fn(module, query, key, value, attention_mask, dropout=0.0, scalin
         cfg = cfg.for_layer(int(module.layer_idx), int(module.config.num_hidden_layers))
     sparse = var.sparse if var.sparse is not None and var.sparse.layer_is_sparse(int(module.layer_idx), window) \
         and mode != AttentionMode.EXACT else None
+    static = _static_cut(var, mode, int(module.layer_idx), window, query, key, scaling, softcap or 0.0,
+                         cfg.partition_size if cfg is not None else 0)
     out = study_attention(query, key, value, cfg, mode, scale=scaling, window=window,
-                          logit_cap=softcap or 0.0, path=path, tensors=tensors, sparse=sparse)
+                          logit_cap=softcap or 0.0, path=path, tensors=tensors, sparse=sparse, static=static)
     return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _static_cut(var: Variant, mode: AttentionMode, layer: int, window: int | None, query: torch.Tensor,
+                key: torch.Tensor, scaling: float | None, logit_cap: float,
+                page_size: int) -> tuple[torch.Tensor, int] | None:
+    """(the layer's kept prompt pages [H, N], the prompt's length) under the variant's static
+    eviction, or None where it does not apply (off, exact rows, window layers, no boundary, or
+    no position past the prompt in this pass)."""
+    plen = _prompt[-1]
+    st = var.static
+    if st is None or not st.enabled or mode == AttentionMode.EXACT or window is not None or plen is None \
+            or key.shape[2] <= plen or query.shape[2] != key.shape[2]:
+        return None
+    h, d = key.shape[1], key.shape[3]
+    q = query[0].reshape(h, query.shape[1] // h, query.shape[2], d)  # query head i reads KV head i // R
+    scale = d ** -0.5 if scaling is None else float(scaling)
+    kept = keep_mask(q, key[0], plen, page_size, st, scale, logit_cap)
+    for log in _kept_logs:
+        log[layer] = kept
+    return kept, plen
 
 
 def _register() -> None:
@@ -116,6 +148,34 @@ class use_variant:
 
     def __exit__(self, *exc) -> None:
         _current.pop()
+
+
+class prompt_boundary:
+    """Context manager: the passes inside score a prompt of `prompt_len` tokens followed by its
+    answer; positions from prompt_len on are decode steps (static eviction applies to them)."""
+
+    def __init__(self, prompt_len: int):
+        self.prompt_len = int(prompt_len)
+
+    def __enter__(self) -> int:
+        _prompt.append(self.prompt_len)
+        return self.prompt_len
+
+    def __exit__(self, *exc) -> None:
+        _prompt.pop()
+
+
+class record_kept:
+    """Context manager: a dict filled, per layer, with the kept prompt pages [H, N] of the
+    static eviction the passes inside apply (the last pass's, where several run)."""
+
+    def __enter__(self) -> dict[int, torch.Tensor]:
+        self.log: dict[int, torch.Tensor] = {}
+        _kept_logs.append(self.log)
+        return self.log
+
+    def __exit__(self, *exc) -> None:
+        del _kept_logs[next(i for i, log in enumerate(_kept_logs) if log is self.log)]
 
 
 class override_attention:

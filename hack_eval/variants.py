@@ -6,7 +6,7 @@ import re
 from hack_ops import HackConfig
 from hack_ops.config import RaisedTensors, raised_tensors
 from hack_ops.layout import model_bytes_per_token
-from hack_ops.modes import attention_mode
+from hack_ops.modes import AttentionMode, attention_mode
 from hack_ops.rotation import Rotation
 
 from .runner import EXACT, Variant
@@ -91,6 +91,18 @@ def sparse_variants(budgets: tuple[int, ...] | list[int], modes: list[str] | Non
     return [Variant(f"default, sparse decode {b} tokens" + (f", refine {r}" if r > 1 else ""), m, DEFAULT,
                     sparse=SparseConfig(budget_tokens=b, refine=r))
             for b in budgets for r in kinds for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
+
+
+def static_variants(base: list[Variant], keeps: "tuple | list") -> list[Variant]:
+    """Each 'dequant' row of `base` (with a config, no sparse decode) again under every static
+    eviction of `keeps` (hack_ops.static_keep.StaticKeep): the prompt's last queries choose the
+    closed pages every decode step reads. ValueError when `base` has no such row."""
+    rows = [Variant(f"{v.name}, {st.label()}", AttentionMode.DEQUANT, v.config, static=st)
+            for v in base if v.mode == AttentionMode.DEQUANT and v.config is not None and v.sparse is None
+            and v.layers is None and v.static is None for st in keeps]
+    if keeps and not rows:
+        raise ValueError("static eviction is studied on 'dequant' rows: select some (e.g. --modes dequant)")
+    return rows
 
 
 def rotation_variants() -> list[Variant]:

@@ -103,9 +103,41 @@ def request_bytes(layout: PageLayout, num_layers: int, tokens: int, hack_pages: 
     return num_layers * (page_bytes + tails + sinks)
 
 
+def kept_request_bytes(layout: PageLayout, tokens: int, kept: Sequence[bool] | Tensor) -> int:
+    """request_bytes (hack_pages, one layer) for a request whose closed pages travel only where
+    `kept` [tokens // page_size] is True (static eviction, hack_ops.static_keep): each run of
+    consecutive kept pages is one block with its last page in wire form; the open page (when a
+    receiver reads it), the tails and the sinks travel as before. All kept: request_bytes."""
+    p = layout.page_size
+    flags = [bool(x) for x in (kept.tolist() if isinstance(kept, Tensor) else kept)]
+    if len(flags) != tokens // p:
+        raise ValueError(f"kept names {len(flags)} closed pages; a request of {tokens} tokens has {tokens // p}")
+    if not open_page_unread(layout.config) and tokens % p:
+        flags.append(True)  # the open page travels, as the last page of the run before it
+    runs = sum(1 for i, f in enumerate(flags) if f and (i + 1 == len(flags) or not flags[i + 1]))
+    page_bytes = sum(flags) * layout.page_bytes - runs * (derived_bytes(layout.k) + derived_bytes(layout.v))
+    fp16_token = layout.num_heads * layout.head_dim * 2
+    tails = (tokens % p) * len(layout.tail_tensors) * fp16_token
+    sinks = 2 * layout.config.sink_tokens * fp16_token
+    return page_bytes + tails + sinks
+
+
 def model_request_bytes(config: HackConfig, num_layers: int, num_heads: int, head_dim: int, tokens: int,
                         hack_pages: bool = True) -> int:
     """request_bytes summed over a model's layers, each in its own format (HackConfig.for_layer:
     a per-layer config puts 4-bit pages in some layers and 2-bit pages in the rest)."""
     return sum(request_bytes(page_layout(config.for_layer(i, num_layers), num_heads, head_dim), 1, tokens,
                              hack_pages=hack_pages) for i in range(num_layers))
+
+
+def model_kept_request_bytes(config: HackConfig, num_layers: int, num_heads: int, head_dim: int, tokens: int,
+                             kept: dict[int, Tensor]) -> int:
+    """model_request_bytes (hack_pages) under static eviction: layer i sends the closed pages
+    kept[i] [heads, tokens // page_size] keeps for any of its heads (a page holds every KV head
+    of its layer, so it travels if one head keeps it); a layer not in `kept` sends every page."""
+    total = 0
+    for i in range(num_layers):
+        lay = page_layout(config.for_layer(i, num_layers), num_heads, head_dim)
+        total += (kept_request_bytes(lay, tokens, kept[i].any(0)) if i in kept
+                  else request_bytes(lay, 1, tokens))
+    return total

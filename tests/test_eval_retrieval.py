@@ -151,3 +151,48 @@ def test_served_contexts_past_the_models_length_are_refused_before_any_server():
     assert context_limit(prepare(log=lambda m: None)) == 8192  # SmolLM2
     with pytest.raises(ValueError, match="context length of 8192 tokens"):
         run_served_retrieval("smollm2", [4096, 8192], 1, ["hack"], log=lambda m: None)
+
+
+@pytest.mark.slow
+def test_cli_static_eviction_rows(tmp_path):
+    """--bits-plan --static-keep: the calibrated plan's 'dequant' row, then the same under static
+    eviction per unit; each static row reads about half of the prompt's closed pages and puts
+    fewer bytes on the wire than all of them (the page unit no more than the head unit)."""
+    js = tmp_path / "s.json"
+    subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "768", "--items", "1",
+                    "--threads", "2", "--bits-plan", "--modes", "dequant", "--static-keep", "0.5",
+                    "--static-unit", "page,head", "--out", "", "--json-out", str(js)],
+                   capture_output=True, text=True, timeout=900, check=True)
+    rows = json.loads(js.read_text())["rows"]
+    assert [r["variant"] for r in rows] == [
+        "exact", "default, calibrated bit plan", "default, calibrated bit plan, static keep 0.5 (page)",
+        "default, calibrated bit plan, static keep 0.5 (head)"]
+    page, head = rows[2]["static"], rows[3]["static"]
+    for st in (page, head):
+        # ~11 closed pages of the prompt: 6 kept, page 0 and the observed last one among them
+        assert st["pages_read"] == pytest.approx(6 / 11) and st["layers_evicting"] == 30
+        assert st["wire_vs_bf16"] < st["wire_all_pages_vs_bf16"] < 0.3 and 0 <= st["needle_kept"] <= 1
+        assert 0.5 < st["slots_needed"] <= 1
+    assert page["wire_vs_bf16"] <= head["wire_vs_bf16"]
+    assert page["wire_vs_all_pages"] < 0.75
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--static-keep", "1.0"], "strictly between 0 and 1"),
+    (["--static-keep", "half"], "comma-separated fractions"),
+    (["--static-keep", "0.5", "--static-unit", "token"], "--static-unit takes"),
+    (["--static-unit", "head"], "give --static-keep too"),
+    (["--static-keep", "0.5", "--served", "hack"], "--served measures servers"),
+    (["--bits-plan", "--variants", "paper"], "--bits-plan scores its own"),
+    (["--static-keep", "0.5", "--modes", "hack"], "'dequant' rows"),
+])
+def test_cli_static_flags_are_checked(flags, message):
+    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "256",
+                          "--items", "1", *flags], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and message in bad.stderr, bad.stderr[-500:]
+
+
+def test_accuracy_bits_plan_refuses_other_row_choices():
+    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--bits-plan", "--sparse-budgets",
+                          "1024"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--bits-plan scores its own three rows" in bad.stderr, bad.stderr[-500:]
