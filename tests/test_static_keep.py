@@ -27,6 +27,7 @@ def test_config_is_checked():
     assert st.enabled and not StaticKeep().enabled and st.unit is KeepUnit.PAGE
     assert st.observe_rows(1000) == 150 and st.observe_rows(3) == 1 and st.kept_count(7) == 4
     assert st.label() == "static keep 0.5 (page)"
+    assert StaticKeep(keep=0.5).observe_rows(4096) == 41  # the default window: the question at 4K
 
 
 def test_votes_are_attention_mass_and_find_a_planted_key():
