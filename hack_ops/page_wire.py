@@ -92,15 +92,20 @@ def request_bytes(layout: PageLayout, num_layers: int, tokens: int, hack_pages: 
     tensor with a tail, and its FP16 sinks (disagg.pd_state), all layers. A request whose pages
     are split into several runs sends each run's last page in its wire form."""
     p = layout.page_size
-    fp16_token = layout.num_heads * layout.head_dim * 2
     if hack_pages:
         pages = tokens // p if open_page_unread(layout.config) else -(-tokens // p)
         page_bytes = pages * layout.page_bytes - (derived_bytes(layout.k) + derived_bytes(layout.v) if pages else 0)
     else:
         page_bytes = -(-tokens // p) * layout.page_bytes
-    tails = (tokens % p) * len(layout.tail_tensors) * fp16_token
-    sinks = 2 * layout.config.sink_tokens * fp16_token
-    return num_layers * (page_bytes + tails + sinks)
+    return num_layers * (page_bytes + _state_bytes(layout, tokens))
+
+
+def _state_bytes(layout: PageLayout, tokens: int) -> int:
+    """The FP16 bytes a request sends beside its pages, one layer: the live tail slots of each
+    tensor with a tail and the sinks (disagg.pd_state)."""
+    fp16_token = layout.num_heads * layout.head_dim * 2
+    tails = (tokens % layout.page_size) * len(layout.tail_tensors) * fp16_token
+    return tails + 2 * layout.config.sink_tokens * fp16_token
 
 
 def kept_request_bytes(layout: PageLayout, tokens: int, kept: Sequence[bool] | Tensor) -> int:
@@ -116,10 +121,7 @@ def kept_request_bytes(layout: PageLayout, tokens: int, kept: Sequence[bool] | T
         flags.append(True)  # the open page travels, as the last page of the run before it
     runs = sum(1 for i, f in enumerate(flags) if f and (i + 1 == len(flags) or not flags[i + 1]))
     page_bytes = sum(flags) * layout.page_bytes - runs * (derived_bytes(layout.k) + derived_bytes(layout.v))
-    fp16_token = layout.num_heads * layout.head_dim * 2
-    tails = (tokens % p) * len(layout.tail_tensors) * fp16_token
-    sinks = 2 * layout.config.sink_tokens * fp16_token
-    return page_bytes + tails + sinks
+    return page_bytes + _state_bytes(layout, tokens)
 
 
 def model_request_bytes(config: HackConfig, num_layers: int, num_heads: int, head_dim: int, tokens: int,
