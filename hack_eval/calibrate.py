@@ -38,7 +38,8 @@ from hack_ops.layout import model_bytes_per_token
 
 from .attention_paths import study_attention
 from .calibration_text import CalibrationItem, build_items, text_path
-from .runner import EXACT, Variant, hidden_for, load_model, logits_from_hidden, override_attention, probe_attention
+from .runner import (EXACT, Variant, hidden_for, load_model, logits_from_hidden, model_geometry, override_attention,
+                     probe_attention)
 
 TENSORS = ("k", "v")
 KL_STRIDE = 4  # KL is scored at every 4th position (and every answer position): the ranking, not the value
@@ -59,13 +60,6 @@ class CalibrationSettings:
             raise ValueError(f"budget must be in (0, 1], got {self.budget_fraction}")
         if self.context < 256 or self.items < 1 or self.budget_context < 1:
             raise ValueError("calibration needs context >= 256, items >= 1 and budget_context >= 1")
-
-
-def _geometry(model: Any) -> tuple[int, int, int]:
-    c = model.config
-    heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-    return int(c.num_hidden_layers), heads, head_dim
 
 
 def _ratio(cfg: HackConfig, geo: tuple[int, int, int], context: int) -> float:
@@ -242,7 +236,7 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
     t_start = time.time()
     torch.manual_seed(settings.seed)
     model, tok = load_model(Path(model_path), threads=settings.threads)
-    geo = _geometry(model)
+    geo = model_geometry(model)
     n_layers, _, _ = geo
     items = build_items(tok, settings.context, settings.items, settings.seed)
     cfg = HackConfig()

@@ -22,7 +22,8 @@ from hack_ops.static_keep import StaticKeep
 
 from .attention_paths import AttentionPath, attention_path
 from .report import report_head
-from .runner import EXACT, Variant, probe_attention, prompt_boundary, record_kept, row_path, use_variant
+from .runner import (EXACT, Variant, model_geometry, probe_attention, prompt_boundary, record_kept, row_path,
+                     use_variant)
 from .workloads import encode, essay_stream
 
 # The classic passkey prompt (Mohtashami & Jaggi, 2023): the fact is stated twice so a small
@@ -181,10 +182,7 @@ def static_wire(model: Any, variant: Variant, prompt_len: int, kept: dict[int, t
     evicts)."""
     from hack_ops.page_wire import model_kept_request_bytes, model_request_bytes
 
-    cfg = model.config
-    layers = int(cfg.num_hidden_layers)
-    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
-    dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    layers, heads, dim = model_geometry(model)
     bf16 = 2 * 2 * layers * heads * dim * prompt_len
     full = model_request_bytes(variant.config, layers, heads, dim, prompt_len)
     sent = model_kept_request_bytes(variant.config, layers, heads, dim, prompt_len, kept)

@@ -206,6 +206,14 @@ class probe_attention:
         _probes.remove(self.callback)
 
 
+def model_geometry(model) -> tuple[int, int, int]:
+    """(layers, KV heads, head_dim) of a loaded transformers model."""
+    c = model.config
+    heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+    head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    return int(c.num_hidden_layers), heads, head_dim
+
+
 def load_model(path: Path, threads: int | None = None):
     """The HF folder in float32 with the study's attention function."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

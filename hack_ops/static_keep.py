@@ -3,8 +3,8 @@ closed pages its last queries attend to and drop the rest for every later decode
 
 The prompt's last `observe` fraction of queries (the observation window: for a question at the
 end of a document, the question itself; measured, a window of 1% keeps the pass keys that one of
-15%, MPCache's, loses, as the mean over hundreds of haystack rows drowns the question's) vote with their exact attention: a page's vote for a KV
-head is the attention mass the group's query heads put on the page's keys, the max over the
+15%, MPCache's, loses, as the mean over hundreds of haystack rows drowns the question's) vote
+with their exact attention: a page's vote for a KV head is the attention mass the group's query heads put on the page's keys, the max over the
 group's heads (a page one head needs is needed), averaged over the window's rows. Per KV head
 (KeepUnit.HEAD) each head keeps its own best pages; per page (KeepUnit.PAGE) a layer's page is
 kept or dropped for all of its KV heads at once, by the max of their votes: a HACK page holds
@@ -25,7 +25,7 @@ from enum import StrEnum
 import torch
 from torch import Tensor
 
-from .attention import soft_cap
+from .attention import soft_cap, visible
 
 
 class KeepUnit(StrEnum):
@@ -72,7 +72,7 @@ def page_votes(q: Tensor, k: Tensor, rows: Tensor, page_size: int, scale: float,
     keys (causal softmax over keys 0..row of each row), max over the R heads, mean over the rows."""
     n = k.shape[-2]
     s = soft_cap(q.float() @ k.float()[:, None].transpose(-1, -2) * scale, logit_cap)  # [H, R, m, n]
-    s = s.masked_fill(torch.arange(n)[None, :] > rows.to(torch.long)[:, None], float("-inf"))
+    s = s.masked_fill(~visible(torch.arange(n)[None, :], rows.to(torch.long)[:, None], None), float("-inf"))
     p = torch.softmax(s, -1)
     nc = n // page_size
     mass = p[..., :nc * page_size].reshape(*p.shape[:-1], nc, page_size).sum(-1)  # [H, R, m, N]
