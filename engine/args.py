@@ -15,6 +15,7 @@ from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode
 from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.rotation import Rotation
 from hack_ops.sparse import PageScore, SparseConfig
+from hack_ops.static_keep import KeepUnit, StaticKeep
 
 from .bit_plans import bits_spec
 from .layer_sets import LayerSet, LayerSpec, parse_layer_set
@@ -45,6 +46,16 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction, got {text!r}") from None
+    if not 0.0 < v <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {v}")
     return v
 
 
@@ -187,6 +198,22 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Sparse decode: the bound keeps R times the budget's free pages as candidates, and the budget goes "
              "to the candidates whose own keys score highest (the decode kernel's scores of each candidate "
              "page; default 1: the bound alone). Costs reading the candidates' K codes; one level only.")),
+    "hack_static_keep": ("--hack-static-keep", dict(
+        type=_fraction, metavar="FRACTION",
+        help="Look-once static eviction (MPCache): after a prompt is prefilled, its last queries (the last "
+             "--hack-static-observe of the prompt) vote with their attention, and every later decode step reads "
+             "only this fraction of the prompt's closed pages per layer (the first page, the window's own and the "
+             "best-voted rest), plus every page written since and the FP16 open page. Saves decode reads, not "
+             "memory. 1 (default): off. CPU path, colocated servers, --hack-attention hack only; refused "
+             "otherwise at startup.")),
+    "hack_static_observe": ("--hack-static-observe", dict(
+        type=_fraction, metavar="FRACTION",
+        help="Static eviction: the last fraction of the prompt whose queries vote (default 0.01, at least one "
+             "row: the question at the end of a document; 0.15, MPCache's, lost pass keys in the study).")),
+    "hack_static_unit": ("--hack-static-unit", dict(
+        choices=[u.value for u in KeepUnit],
+        help="Static eviction: page (default) keeps or drops a layer's page for all its KV heads; head lets "
+             "each KV head keep its own pages.")),
     "hack_page_tier": ("--hack-page-tier", dict(
         metavar="DIR",
         help="Keep the radix cache's pages in DIR too (the page tier): a prefix evicted from the pool comes back "
@@ -235,6 +262,13 @@ _SPARSE_FIELDS = {
     "hack_sparse_refine": "refine",
 }
 
+# StaticKeep fields set from options.
+_STATIC_FIELDS = {
+    "hack_static_keep": "keep",
+    "hack_static_observe": "observe",
+    "hack_static_unit": "unit",
+}
+
 # HackConfig fields only the dense reference implements (HackConfig.reference_only) -> flag.
 _REFERENCE_ONLY_FLAGS = {
     "k_outlier_channels": "--hack-k-outlier-channels",
@@ -275,6 +309,32 @@ def sparse_refusal(settings: EngineSettings) -> str | None:
     if sp.budget_tokens < 2 * cfg.partition_size:
         return (f"--hack-sparse-budget {sp.budget_tokens} is under two pages of {cfg.partition_size} tokens: the "
                 "first page and one more are always read")
+    return None
+
+
+def static_refusal(settings: EngineSettings, ns: Any = None) -> str | None:
+    """Why the static eviction options cannot run with the rest of the settings (and, given the
+    namespace, SGLang's own options), or None."""
+    st = settings.static
+    if not st.enabled:
+        if st.observe != StaticKeep().observe or st.unit != StaticKeep().unit:
+            return ("--hack-static-observe and --hack-static-unit shape static eviction, which is off: set "
+                    "--hack-static-keep FRACTION (< 1) to turn it on")
+        return None
+    if settings.attention != AttentionMode.HACK:
+        return (f"--hack-static-keep reads the kept pages' codes homomorphically; --hack-attention "
+                f"{settings.attention.value} (the strawman baseline) does not take it")
+    if settings.sparse.enabled:
+        return ("--hack-static-keep and --hack-sparse-budget each give decode its own page list; choosing "
+                "among the kept pages is not served yet. Give one of them")
+    mode = getattr(ns, "disaggregation_mode", None) if ns is not None else None
+    if mode in ("prefill", "decode"):
+        return ("--hack-static-keep is decided from the prompt's queries on the server that prefills and read by "
+                "the one that decodes; the PD transfer does not carry the kept pages yet. Serve it colocated, "
+                "or drop it")
+    if ns is not None and getattr(ns, "enable_mixed_chunk", False):
+        return ("--hack-static-keep decides a request's pages at its prefill chunks; --enable-mixed-chunk runs "
+                "decode requests through extend too. Drop one of them")
     return None
 
 
@@ -325,6 +385,11 @@ def settings_from_options(ns: Any, enabled: bool) -> EngineSettings:
         extra["sparse"] = SparseConfig(**sparse)
     except ValueError as exc:
         raise HackArgumentError(f"invalid sparse decode option: {exc}") from None
+    static = {f: getattr(ns, d) for d, f in _STATIC_FIELDS.items() if getattr(ns, d, None) is not None}
+    try:
+        extra["static"] = StaticKeep(**static)
+    except ValueError as exc:
+        raise HackArgumentError(f"invalid static eviction option: {exc}") from None
     return EngineSettings(enabled=enabled, config=cfg, **extra)
 
 
@@ -353,7 +418,7 @@ def check_combination(ns: Any, settings: EngineSettings | None) -> dict[str, Any
         raise HackArgumentError(f"--hack-4bit-tensors {cfg.raised_tensors.value} says which tensors of the raised "
                                 "layers take their bits; name those layers with --hack-4bit-layers or "
                                 "--hack-edge-layer-bits")
-    refusal = sparse_refusal(settings)
+    refusal = sparse_refusal(settings) or static_refusal(settings, ns)
     if refusal:
         raise HackArgumentError(refusal)
     refusal = layout_refusal(cfg) if settings.prefill == PrefillMode.INT8 else None

@@ -25,6 +25,12 @@ best-bounded rest up to the budget) through per-head page tables; one SparseDeco
 forward carries a selection across the layers that share it. Prefill reads every page; layers
 with a sliding window and the first `dense_layers` always do.
 
+Static eviction (`--hack-static-keep`, hack_ops.paged.static_keep): after each extend chunk
+stores its tokens, every layer without a sliding window decides, from the chunk's last queries,
+which of the request's closed pages later decode steps read; decode reads them through the same
+per-head page tables as sparse decode. Colocated CPU serving only (refused at startup
+otherwise).
+
 Layer features: each layer's sliding window (`sliding_window_size`), scaling and logit
 soft-cap go to the attention call. What no HACK path serves (cross-attention, encoder-only or
 non-causal layers, MLA) is refused at startup (engine.model_checks), never at a request.
@@ -44,6 +50,7 @@ from hack_ops.paged import extend_strawman
 from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 from hack_ops.paged.sparse import SparseDecode, SparseTotals
+from hack_ops.paged.static_keep import StaticKeepPages
 from hack_ops.rotation import Rotation, restore_output, rotate_qkv
 
 from . import fused_phases
@@ -106,6 +113,15 @@ class HackAttnBackend(AttentionBackend):
         if self.sparse.enabled and self.device.type == "cuda":
             raise NotImplementedError("--hack-sparse-budget runs on the CPU path: the GPU decode kernels do not "
                                       "take per-head page tables yet. Drop the option to serve on this GPU")
+        # Static eviction (--hack-static-keep): the kept pages of every request row, decided at
+        # prefill; its totals are what /server_info reports.
+        self.static_keep: Optional[StaticKeepPages] = None
+        if settings.static.enabled:
+            if self.device.type == "cuda":
+                raise NotImplementedError("--hack-static-keep runs on the CPU path: the GPU decode kernels do not "
+                                          "take per-head page tables yet. Drop the option to serve on this GPU")
+            self.static_keep = StaticKeepPages(settings.static, SparseTotals())
+        pool.static_totals = self.static_keep.totals if self.static_keep is not None else None
         self.gpu = None
         if self.device.type == "cuda":
             from .gpu_attention import GpuAttention
@@ -136,6 +152,11 @@ class HackAttnBackend(AttentionBackend):
                         "serves %d layer(s)", sp.budget_tokens, sp.recent_tokens, sp.score.value,
                         f", two levels over groups of {sp.group_pages} pages" if sp.group_pages else "",
                         sp.dense_layers - 1, sp.share_layers)
+        if self.static_keep is not None:
+            st = settings.static
+            logger.info("HACK static eviction: decode reads %g of each prompt's closed pages per layer (%s unit), "
+                        "voted by the prompt's last %g; sliding-window layers read their window", st.keep,
+                        st.unit.value, st.observe)
 
     # ---- plan (once per forward) -----------------------------------------------------------
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -162,6 +183,8 @@ class HackAttnBackend(AttentionBackend):
         else:
             plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
             self.forward_metadata = plan
+            if self.static_keep is not None and not mode.is_decode():
+                self.static_keep.begin_extend(plan)
             fused_phases.begin_forward(getattr(forward_batch, "rids", None), ext_lens, seq_lens)
 
     def init_forward_metadata_out_graph(self, forward_batch: "ForwardBatch", in_capture: bool = False) -> None:
@@ -210,6 +233,8 @@ class HackAttnBackend(AttentionBackend):
                 o = paged_extend(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
                                  prefill=self.prefill, scale=layer.scaling, generator=self.generator,
                                  window=window, logit_cap=cap, dense_dtype=self.dense_dtype)
+            if self.static_keep is not None and window is None:
+                self.static_keep.observe(self.store, lid, self.forward_metadata, q3, layer.scaling, cap)
         return restore_output(o.reshape(q3.shape), self.rotation).reshape(q3.shape[0], -1)
 
     def forward_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention",
@@ -223,6 +248,8 @@ class HackAttnBackend(AttentionBackend):
         else:  # the store step (HackKVStore.write) runs inside decode
             sparse = self.sparse_step if self.sparse_step is not None and self.sparse.layer_is_sparse(lid, window) \
                 else None
+            if self.static_keep is not None and window is None:
+                sparse = self.static_keep  # the kept pages, through the sparse decode's page tables
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,
                              scale=layer.scaling, generator=self.generator, window=window, logit_cap=cap,
                              sparse=sparse)

@@ -143,6 +143,8 @@ class HackKVPool(MHATokenToKVPool):
             "capacity": self.capacity_info if hasattr(self, "capacity_info") else None,
             # sparse decode (set by the attention backend when --hack-sparse-budget is on)
             "sparse": totals.as_dict() if (totals := getattr(self, "sparse_totals", None)) is not None else None,
+            # static eviction (set by the attention backend when --hack-static-keep is on)
+            "static_keep": st.as_dict() if (st := getattr(self, "static_totals", None)) is not None else None,
         }
 
     # ---- refused token-row paths -------------------------------------------------------------

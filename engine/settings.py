@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 from hack_ops import HackConfig
 from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
 from hack_ops.sparse import SparseConfig
+from hack_ops.static_keep import StaticKeep
 
 ENV_VAR = "SGLANG_HACK_ENGINE"
 KV_CACHE_DTYPE = "hack"
@@ -35,7 +36,9 @@ class EngineSettings:
     enabled: the server's KV cache is HACK (`--kv-cache-dtype hack`); False when only the
     budget was given for another KV dtype.
     sparse: sparse decode (`--hack-sparse-*`, hack_ops.sparse.SparseConfig; off by default):
-    each decode step reads the pages selected from the side tables, up to a token budget."""
+    each decode step reads the pages selected from the side tables, up to a token budget.
+    static: look-once static eviction (`--hack-static-*`, hack_ops.static_keep.StaticKeep; off
+    by default): decode reads the prompt pages its last queries voted for."""
 
     enabled: bool = True
     config: HackConfig = field(default_factory=HackConfig)
@@ -43,12 +46,15 @@ class EngineSettings:
     attention: AttentionMode = AttentionMode.HACK
     kv_budget_mb: float | None = None
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    static: StaticKeep = field(default_factory=StaticKeep)
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, HackConfig):
             raise ValueError(f"config must be a HackConfig, got {type(self.config).__name__}")
         if not isinstance(self.sparse, SparseConfig):
             raise ValueError(f"sparse must be a SparseConfig, got {type(self.sparse).__name__}")
+        if not isinstance(self.static, StaticKeep):
+            raise ValueError(f"static must be a StaticKeep, got {type(self.static).__name__}")
         object.__setattr__(self, "prefill", prefill_mode(self.prefill))  # frozen: set once, here
         if not isinstance(self.enabled, bool):
             raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
@@ -62,7 +68,7 @@ class EngineSettings:
         return self.config.partition_size
 
     def to_json(self) -> str:
-        return json.dumps({**asdict(self), "config": asdict(self.config), "sparse": asdict(self.sparse)}, sort_keys=True)
+        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> "EngineSettings":
@@ -75,7 +81,8 @@ class EngineSettings:
             raise ValueError(f"{ENV_VAR} has unknown keys {sorted(unknown)}")
         cfg = HackConfig(**raw.pop("config", {}))
         sparse = SparseConfig(**raw.pop("sparse", {}))
-        return cls(config=cfg, sparse=sparse, **raw)
+        static = StaticKeep(**raw.pop("static", {}))
+        return cls(config=cfg, sparse=sparse, static=static, **raw)
 
 
 def publish(settings: EngineSettings) -> None:

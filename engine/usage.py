@@ -123,8 +123,8 @@ def memory_sample(scheduler: Any) -> dict:
         tail_per_row = pool.store.nbytes()["tails"] // max(1, pool.store.num_rows)
         out.update(bytes_codes=pages * codes, bytes_side=pages * (pool.store.page_bytes() - codes),
                    bytes_tail=_rows_in_use(scheduler) * tail_per_row)
-        totals = getattr(pool, "sparse_totals", None)
-        if totals is not None:  # sparse decode: what a step read since the last sample
+        totals = getattr(pool, "sparse_totals", None) or getattr(pool, "static_totals", None)
+        if totals is not None:  # sparse decode or static eviction: what a step read since the last sample
             prev = getattr(pool, "_sparse_sampled", None) or type(totals)()
             out["pages_selected"], out["pages_visible"] = totals.per_layer_step_since(prev)
             pool._sparse_sampled = copy.copy(totals)

@@ -28,7 +28,11 @@ METHODS = {
 # linear page score instead of the bound (--hack-sparse-score linear)
 SPARSE_PREFIX = "hack-sparse-"
 SHARE_SUFFIX, REFINE_SUFFIX, LINEAR_SUFFIX = "share", "refine", "linear"
-METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{LINEAR_SUFFIX}]"]
+# hack-static-FRACTION: the default server with look-once static eviction keeping that fraction of
+# each prompt's closed pages (--hack-static-keep FRACTION)
+STATIC_PREFIX = "hack-static-"
+METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{LINEAR_SUFFIX}]",
+                f"{STATIC_PREFIX}FRACTION"]
 
 
 def _sparse_args(method: str) -> tuple[int, list[str]] | None:
@@ -61,8 +65,19 @@ def sparse_budget(method: str) -> int | None:
     return None if parsed is None else parsed[0]
 
 
+def static_keep(method: str) -> float | None:
+    """The fraction a hack-static-FRACTION method keeps (None: not such a method)."""
+    if not method.startswith(STATIC_PREFIX):
+        return None
+    try:
+        keep = float(method[len(STATIC_PREFIX):])
+    except ValueError:
+        return None
+    return keep if 0.0 < keep < 1.0 else None
+
+
 def is_method(method: str) -> bool:
-    return method in METHODS or sparse_budget(method) is not None
+    return method in METHODS or sparse_budget(method) is not None or static_keep(method) is not None
 
 
 def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None", raised: str = "kv") -> list[str]:
@@ -70,13 +85,17 @@ def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None
     or a set's name that the server resolves from the model's config; raised 'k' or 'v' gives
     only that tensor of those layers 4 bits: --hack-4bit-tensors; hack-sparse-TOKENS is the
     default server with --hack-sparse-budget TOKENS; -shareK adds --hack-sparse-share-layers K,
-    -refineR --hack-sparse-refine R, -linear --hack-sparse-score linear)."""
+    -refineR --hack-sparse-refine R, -linear --hack-sparse-score linear; hack-static-FRACTION the
+    default server with --hack-static-keep FRACTION)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors
 
     parsed = _sparse_args(method)
     if parsed is not None:
         return [*METHODS["hack"], *parsed[1]]
+    keep = static_keep(method)
+    if keep is not None:
+        return [*METHODS["hack"], "--hack-static-keep", f"{keep:g}"]
     if method not in METHODS:
         raise ValueError(f"unknown KV method {method!r}: choose from {', '.join(METHOD_NAMES)}")
     if method != "hack-4bit-layers":

@@ -99,11 +99,21 @@ def keep_pages(votes: Tensor, first_observed: int, page_size: int, cfg: StaticKe
     return kept.expand(h, n).clone()
 
 
+def keep_from_window(q_obs: Tensor, k: Tensor, page_size: int, cfg: StaticKeep, scale: float,
+                     logit_cap: float = 0.0) -> Tensor:
+    """keep_pages from the observation window's queries alone: q_obs [H, R, m, D], the window's
+    rows, which are the last m positions of the n keys k [H, n, D] (a server has only these rows
+    at hand after a prompt's last chunk). Returns bool [H, n // page_size]."""
+    n, m = k.shape[-2], q_obs.shape[-2]
+    if not 0 < m <= n:
+        raise ValueError(f"the observation window holds {m} rows of a {n}-token prompt")
+    votes = page_votes(q_obs, k, torch.arange(n - m, n), page_size, scale, logit_cap)
+    return keep_pages(votes, n - m, page_size, cfg)
+
+
 def keep_mask(q: Tensor, k: Tensor, prompt_len: int, page_size: int, cfg: StaticKeep, scale: float,
               logit_cap: float = 0.0) -> Tensor:
     """keep_pages for one layer of one request: q [H, R, >= prompt_len, D] and k [H, >= prompt_len, D]
     (positions from 0; only the prompt's are read). Returns bool [H, prompt_len // page_size]."""
     m = cfg.observe_rows(prompt_len)
-    rows = torch.arange(prompt_len - m, prompt_len)
-    votes = page_votes(q[:, :, prompt_len - m:prompt_len], k[:, :prompt_len], rows, page_size, scale, logit_cap)
-    return keep_pages(votes, prompt_len - m, page_size, cfg)
+    return keep_from_window(q[:, :, prompt_len - m:prompt_len], k[:, :prompt_len], page_size, cfg, scale, logit_cap)

@@ -81,6 +81,18 @@ def test_sparse_options_map_onto_settings(parser):
     assert not settings_mod.EngineSettings().sparse.enabled  # off by default
 
 
+def test_static_eviction_options_map_onto_settings(parser):
+    from hack_ops.static_keep import StaticKeep
+
+    ns = _parse(parser, "--kv-cache-dtype", "hack", "--hack-static-keep", "0.5", "--hack-static-observe", "0.05",
+                "--hack-static-unit", "head")
+    apply_cli_namespace(ns)
+    s = settings_mod.active()
+    assert s.static == StaticKeep(keep=0.5, observe=0.05, unit="head")
+    assert settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]) == s
+    assert not settings_mod.EngineSettings().static.enabled  # off by default
+
+
 def test_matching_page_size_and_backend_are_accepted(parser):
     ns = _parse(parser, "--kv-cache-dtype", "hack", "--page-size", "64", "--attention-backend", "hack")
     apply_cli_namespace(ns)
@@ -115,6 +127,16 @@ def test_matching_page_size_and_backend_are_accepted(parser):
     (["--kv-cache-dtype", "hack", "--hack-prefill", "int8", "--hack-tail-tensors", "per_channel"],
      "--hack-tail-tensors per_channel keeps V's as codes. Use --hack-prefill homomorphic"),
     (["--kv-cache-dtype", "hack", "--hack-sparse-share-layers", "2"], "sparse decode, which is off"),
+    (["--hack-static-keep", "0.5"], "only apply with --kv-cache-dtype hack"),
+    (["--kv-cache-dtype", "hack", "--hack-static-observe", "0.1"], "static eviction, which is off"),
+    (["--kv-cache-dtype", "hack", "--hack-static-keep", "0.5", "--hack-attention", "dequant"],
+     "--hack-attention dequant (the strawman baseline) does not take it"),
+    (["--kv-cache-dtype", "hack", "--hack-static-keep", "0.5", "--hack-sparse-budget", "1024"],
+     "--hack-static-keep and --hack-sparse-budget each give decode its own page list"),
+    (["--kv-cache-dtype", "hack", "--hack-static-keep", "0.5", "--disaggregation-mode", "prefill"],
+     "the PD transfer does not carry the kept pages yet"),
+    (["--kv-cache-dtype", "hack", "--hack-static-keep", "0.5", "--enable-mixed-chunk"],
+     "--enable-mixed-chunk runs decode requests through extend too"),
     (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", "--hack-sparse-refine", "2", "--hack-sparse-groups",
       "8"], "--hack-sparse-refine ranks the candidates of the one-level selection"),
 ])
@@ -140,6 +162,10 @@ def test_bad_combinations_are_refused(parser, argv, message):
     ["--kv-cache-dtype", "int3"],
     ["--hack-sparse-budget", "-1"],
     ["--hack-sparse-share-layers", "0"],
+    ["--hack-static-keep", "0"],
+    ["--hack-static-keep", "1.5"],
+    ["--hack-static-observe", "x"],
+    ["--hack-static-unit", "token"],
     ["--hack-sparse-refine", "0"],
     ["--hack-sparse-score", "mean"],
 ])

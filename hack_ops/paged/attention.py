@@ -33,6 +33,7 @@ from .chunk_codes import ChunkCodes, layout_refusal, quantize_chunks
 from .pages import RequestPages, TensorPages, request_pages
 from .plan import ForwardPlan
 from .sparse import PageSelection, SparseDecode
+from .static_keep import StaticKeepPages
 from ..attention import check_logit_cap, check_window
 from ..sparse import SparseConfig
 from ..modes import EXTEND_PREFILL_MODES, SERVING_MODES, AttentionMode, PrefillMode, attention_mode, prefill_mode
@@ -61,13 +62,14 @@ def decode(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tensor, k: Tens
            backend: str = "auto",
            generator: torch.Generator | None = None, dequant_dtype: torch.dtype = torch.bfloat16,
            window: int | None = None, logit_cap: float = 0.0,
-           sparse: SparseDecode | SparseConfig | None = None) -> Tensor:
+           sparse: SparseDecode | SparseConfig | StaticKeepPages | None = None) -> Tensor:
     """Decode attention: returns [B, Hq, D] in q's dtype. mode='dequant' dequantizes the
     visible pages to `dequant_dtype` and calls SDPA (the strawman baseline). window /
     logit_cap: the layer's sliding window and soft-cap (module docstring). sparse: read only
     the pages hack_ops.sparse selects for each (request, KV head) from this step's queries
     (a SparseDecode carries the selection across the layers of one forward; the caller decides
-    which layers are sparse: 'hack' mode, no window)."""
+    which layers are sparse: 'hack' mode, no window), or the pages static eviction kept
+    (StaticKeepPages, decided at prefill)."""
     if isinstance(sparse, SparseConfig):
         sparse = SparseDecode(sparse) if sparse.enabled else None
     window, logit_cap = check_window(window), check_logit_cap(logit_cap)

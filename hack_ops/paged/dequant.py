@@ -37,11 +37,12 @@ def _dequant_tensor(tl: TensorLayout, buf: Tensor, pages: Tensor, p: int, d: int
 
 
 def dense_kv(store, layer: int, plan: ForwardPlan, b: int, length: int, open_tokens: dict[str, Tensor],
-             dtype: torch.dtype, first: int = 0) -> dict[str, Tensor]:
+             dtype: torch.dtype, first: int = 0, names: tuple[str, ...] = ("k", "v")) -> dict[str, Tensor]:
     """Request b's keys and values at positions first..length-1 as a dequantizing system reads
     them, dense [H, length - first, D] in dtype: pages from their codes (none before `first`'s
     page), the open page from `open_tokens[name]` (its FP16 tokens from the page start to
-    `length`) for a tensor whose open partition is read in FP16, sinks in FP16."""
+    `length`) for a tensor whose open partition is read in FP16, sinks in FP16. `names`: the
+    tensors wanted ('k', 'v')."""
     cfg, lay = store.config_for(layer), store.layout_for(layer)
     p, d, h = cfg.partition_size, store.head_dim, store.num_heads
     gd = cfg.head_group(d)
@@ -51,6 +52,8 @@ def dense_kv(store, layer: int, plan: ForwardPlan, b: int, length: int, open_tok
     lo = first // p
     out = {}
     for name, tl, buf in (("k", lay.k, store.k_pages[layer]), ("v", lay.v, store.v_pages[layer])):
+        if name not in names:
+            continue
         fp16_open = cfg.open_mode(name) == OpenMode.FP16
         n_q = nc if fp16_open else npg  # pages read from their codes
         x = torch.empty(h, npg * p, d, dtype=dtype, device=buf.device)
