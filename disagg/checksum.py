@@ -41,8 +41,11 @@ def digest_items(ptrs: Sequence[int], item_lens: Sequence[int],
     return ((count & 0x3FFFFFFF) << 33) | (crc << 1) | 1
 
 
-def compute(computer, kv_page_indices: torch.Tensor, state_indices: torch.Tensor | None = None) -> int:
-    """Replacement body of sglang's KvChecksumComputer.compute for CPU tensors."""
+def compute(computer, kv_page_indices: torch.Tensor, state_indices: torch.Tensor | None = None,
+            per_buffer: dict[int, list[int]] | None = None) -> int:
+    """Replacement body of sglang's KvChecksumComputer.compute for CPU tensors. per_buffer: the
+    pages a K/V buffer's digest covers where they are not all of kv_page_indices (static
+    eviction: the pages its layer sent), by buffer address."""
     pages = _ints(kv_page_indices)
     from .transfer_codec import header_ptrs
 
@@ -50,7 +53,7 @@ def compute(computer, kv_page_indices: torch.Tensor, state_indices: torch.Tensor
     kv = [(p, n) for p, n in zip(computer._kv_data_ptrs, computer._kv_item_lens) if int(p) not in skip]
     ptrs = [p for p, _ in kv]
     lens = [n for _, n in kv]
-    idx: list[list[int]] = [pages] * len(ptrs)
+    idx: list[list[int]] = [(per_buffer or {}).get(int(p), pages) for p in ptrs]
     if computer._state_data_ptrs:
         sptrs = list(computer._state_data_ptrs)
         slens = list(computer._state_item_lens)

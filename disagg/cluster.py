@@ -25,7 +25,7 @@ from hack_metrics import rundir
 
 from . import netns, procs
 from .router import RouterOptions, router_command, wait_ready
-from .server_cmd import METHODS, server_command
+from .server_cmd import METHODS, STATIC_PREFIX, is_method, server_command
 
 
 def state_dir() -> Path:
@@ -67,8 +67,8 @@ class ClusterSpec:
     page_tier: str | None = None
 
     def validate(self) -> None:
-        if self.kv not in METHODS:
-            raise ValueError(f"--kv must be one of {', '.join(METHODS)}, got {self.kv!r}")
+        if not is_method(self.kv):
+            raise ValueError(f"--kv must be one of {', '.join(METHODS)}, {STATIC_PREFIX}FRACTION, got {self.kv!r}")
         if self.prefill < 1 or self.decode < 1:
             raise ValueError("need at least one prefill and one decode server")
         if self.link_mbps is not None and not self.link_mbps > 0:

@@ -4,12 +4,15 @@ In the spirit of a KV connector (vLLM v1's, for instance), it owns what disaggre
 a server, at the points of a request's life where SGLang lets it act:
   attach       both sides, at startup: describe the pool's per-request state (FP16 tails,
                sinks) to SGLang's transfer engine and register the format fingerprint;
-  stage        prefill, before the last chunk is sent: the request's sinks into its row;
+  stage        prefill, before the last chunk is sent: the request's sinks into its row, and
+               under static eviction its kept set (disagg.static_wire), whose dropped pages
+               the last chunk then leaves out;
   send         prefill: the pages travel coded when --hack-kv-codec asks for it (splitzip:
                disagg.transfer_codec; hack-pages: disagg.hack_wire, which also leaves the
                unread open page out of the last chunk);
-  install      decode, once the KV landed and before the first step: sinks into a slot,
-               coded pages decoded or K's code sums rebuilt (before SGLang's digest check);
+  install      decode, once the KV landed and before the first step: sinks into a slot, the
+               kept set into the attention backend's (static eviction), coded pages decoded
+               or K's code sums rebuilt (before SGLang's digest check);
   fingerprint  the page layout + model string both sides compare at bootstrap; a mismatch
                fails the pairing's requests with one sentence (`check_pairing`).
 `rows()` is its part of the project's hook table (engine.hooks: Hook/Use/Patch rows, each with
@@ -29,7 +32,7 @@ import torch
 from engine.hooks import Hook, HookSet, Patch, Use, option_error, register_extension
 
 from . import checksum as cpu_checksum
-from . import faults, hack_wire, pd_state, transfer_codec, wire_meter
+from . import faults, hack_wire, pd_state, static_wire, transfer_codec, wire_meter
 from .request_guard import check_bootstrap_fields, check_input_embeds, check_parallel_sampling, note_radix_cache_flag
 
 logger = logging.getLogger(__name__)
@@ -67,7 +70,10 @@ class PdConnector:
 
             MooncakeKVSender.supports_host_tensor_indices = False
         if pd_state.is_hack_pool(token_to_kv_pool):
-            pd_state.attach(kv_args, token_to_kv_pool)
+            req_to_token_pool = kw.get("req_to_token_pool", a[2] if len(a) > 2 else None)
+            width = getattr(req_to_token_pool, "req_to_token", None)
+            max_pages = None if width is None else -(-int(width.shape[1]) // int(token_to_kv_pool.page_size))
+            pd_state.attach(kv_args, token_to_kv_pool, max_pages)
             if transfer_codec.active() is transfer_codec.KvCodec.HACK_PAGES:
                 hack_wire.attach(kv_args, token_to_kv_pool)
         elif transfer_codec.active() is transfer_codec.KvCodec.SPLITZIP:
@@ -97,7 +103,10 @@ class PdConnector:
             kv_page_indices = kv_page_indices[:keep]
         if isinstance(kv_page_indices, torch.Tensor) and kv_page_indices.is_cuda:
             return original(computer, kv_page_indices, state_indices)
-        return cpu_checksum.compute(computer, kv_page_indices, state_indices)
+        # static eviction: each layer's buffers digest the pages it sent (both sides read the
+        # kept set from the request's staging row, which the digest covers too)
+        per_layer = static_wire.digest_filter(state_indices, kv_page_indices)
+        return cpu_checksum.compute(computer, kv_page_indices, state_indices, per_layer)
 
     # ---- stage and send (prefill) --------------------------------------------------------------
 
@@ -107,8 +116,9 @@ class PdConnector:
             return None
         pool = _kv_pool(scheduler)
         if pd_state.is_hack_pool(pool) and req.kv.req_pool_idx is not None:
-            pd_state.stage_sinks_for_send(pool, scheduler.req_to_token_pool.req_to_token,
-                                          int(req.kv.req_pool_idx))
+            row = int(req.kv.req_pool_idx)
+            pd_state.stage_sinks_for_send(pool, scheduler.req_to_token_pool.req_to_token, row)
+            static_wire.stage_for_send(pool, row, getattr(req, "bootstrap_room", None))
         return None
 
     @staticmethod
@@ -140,6 +150,7 @@ class PdConnector:
                 continue
             if hack:
                 pd_state.install_received_sinks(pool, req_to_token, int(req.kv.req_pool_idx))
+                static_wire.install_received(pool, int(req.kv.req_pool_idx), getattr(req, "rid", "?"))
             if wire is not None:
                 # Before SGLang digests the pages: K's code sums were not sent.
                 wire.rebuild(_received_pages(scheduler, req))
@@ -218,16 +229,18 @@ class PdConnector:
                  "or HACK pages without derived bytes)"),
             Hook("sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager.add_transfer_request", "AROUND",
                  hack_wire.around_add_transfer_request,
-                 "PD prefill with --hack-kv-codec hack-pages: the last chunk leaves out the unread open page"),
+                 "PD prefill with --hack-kv-codec hack-pages: the last chunk leaves out the unread open page, and "
+                 "under static eviction each layer's dropped pages"),
             Hook("sglang.srt.disaggregation.checksum.state_indices_for_request", "AROUND",
                  self.state_indices, "PD checksum: a HACK request's state is its request row"),
             Hook("sglang.srt.disaggregation.checksum.KvChecksumComputer.compute", "AROUND",
                  self.checksum, "PD checksum computed on the CPU"),
             Hook(f"{_PREFILL}.send_kv_chunk", "BEFORE", self.stage,
-                 "PD prefill: stage the request's FP16 sinks into its row before the last chunk"),
+                 "PD prefill: stage the request's FP16 sinks (and static eviction's kept set) into its row before "
+                 "the last chunk"),
             Hook(f"{_DECODE}._verify_kv_checksums", "BEFORE", self.install,
-                 "PD decode: install received sinks, decode coded pages / rebuild K's code sums before the "
-                 "digest and the first step"),
+                 "PD decode: install received sinks (and static eviction's kept sets), decode coded pages / "
+                 "rebuild K's code sums before the digest and the first step"),
             Hook("sglang.srt.disaggregation.decode.DecodePreallocQueue._ensure_prefill_info", "AROUND",
                  self.check_pairing, "PD decode: a format mismatch fails the pairing's requests with a clear reason"),
             Hook("sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request", "BEFORE",
@@ -249,7 +262,8 @@ class PdConnector:
             Use("sglang.srt.disaggregation.base.conn.StateType",
                 "DSA_TAIL carries the FP16 tails, REQUEST_ROW the sinks (disagg.pd_state)"),
             Use("sglang.srt.disaggregation.base.conn.StateType.DSA_TAIL", "the tails' state component"),
-            Use("sglang.srt.disaggregation.base.conn.StateType.REQUEST_ROW", "the sinks' state component"),
+            Use("sglang.srt.disaggregation.base.conn.StateType.REQUEST_ROW",
+                "the sinks' state component, and the kept sets' under static eviction"),
             Use("sglang.srt.disaggregation.utils.append_state_component",
                 "describe the tail and sink buffers to the transfer engine"),
             Use("sglang.srt.runtime_context.get_model", "the served model's folder (fingerprint, codebook)"),

@@ -17,6 +17,8 @@ What a plain HACK transfer sends and this one does not (hack_ops.page_wire owns 
     out of the last chunk (hook around MooncakeKVManager.add_transfer_request), and both sides
     leave it out of the digest (disagg.checksum via `digest_pages`).
 V pages are sent as SGLang sends them (a run of contiguous pages, one block).
+Under static eviction (`--hack-static-keep`, disagg.static_wire) the last chunk's indices say,
+per layer, which pages travel: a layer's runs are cut around the pages no KV head of it keeps.
 Nothing is staged or copied on the prefill side: every block is read straight from the pool.
 Both sides append `+hack-pages:<version>` to the KV format string compared at bootstrap, so a
 pairing where one side uses the transform and the other does not fails with a sentence.
@@ -48,30 +50,40 @@ class HackWire:
         self.skip_open = page_wire.open_page_unread(pool.store.config)
         tensors = {int(t.data_ptr()): lay.k for t, lay in zip(pool.k_buffer, self.layouts)}
         tensors.update({int(t.data_ptr()): lay.v for t, lay in zip(pool.v_buffer, self.layouts)})
+        layer_of = {int(t.data_ptr()): layer for layer, t in enumerate(pool.k_buffer)}
+        layer_of.update({int(t.data_ptr()): layer for layer, t in enumerate(pool.v_buffer)})
         self.ptrs = [int(p) for p in ptrs]
         self.item_lens = [int(n) for n in item_lens]
         unknown = [p for p in self.ptrs if p not in tensors]
         if unknown:
             raise RuntimeError(f"KV buffer at {unknown[0]:#x} is not one of the pool's K or V page buffers")
         self.wire_lens = [page_wire.wire_bytes(tensors[p]) for p in self.ptrs]
+        self.layers = [layer_of[p] for p in self.ptrs]
         for p, item, wire in zip(self.ptrs, self.item_lens, self.wire_lens):
             if wire > item:
                 raise RuntimeError(f"KV buffer at {p:#x}: items of {item} B are smaller than a page's wire form ({wire} B)")
         self.lock = threading.Lock()
         self.stats = {"pages": 0, "bytes_in": 0, "bytes_out": 0, "open_pages_skipped": 0, "send_s": 0.0,
-                      "rebuild_s": 0.0}
+                      "rebuild_s": 0.0, "evicted_layer_pages": 0}
 
     # ---- prefill -----------------------------------------------------------------------------
-    def blocks(self, src_pages: list[int], dst_ptrs: list[int], dst_pages: list[int]) -> list[tuple[int, int, int]]:
-        """(src address, dst address, length) of every block one chunk's pages travel as."""
+    def blocks(self, src_pages: list[int], dst_ptrs: list[int], dst_pages: list[int],
+               keep: Any = None) -> list[tuple[int, int, int]]:
+        """(src address, dst address, length) of every block one chunk's pages travel as.
+        keep: bool [layers, pages] or None (static eviction: the pages each layer sends)."""
         out: list[tuple[int, int, int]] = []
         n = min(len(src_pages), len(dst_pages))
         for e in range(len(self.ptrs)):
             item, wire, sbase, dbase = self.item_lens[e], self.wire_lens[e], self.ptrs[e], int(dst_ptrs[e])
+            sends = None if keep is None else keep[self.layers[e]]
             i = 0
             while i < n:  # runs of pages contiguous on both sides go as one block
+                if sends is not None and not sends[i]:
+                    i += 1
+                    continue
                 j = i + 1
-                while j < n and src_pages[j] == src_pages[j - 1] + 1 and dst_pages[j] == dst_pages[j - 1] + 1:
+                while (j < n and src_pages[j] == src_pages[j - 1] + 1 and dst_pages[j] == dst_pages[j - 1] + 1
+                       and (sends is None or sends[j])):
                     j += 1
                 # A K run ends at its last page's scale section; the sums of its other pages ride
                 # along (decode rebuilds them all): one block per run, not one per page.
@@ -84,12 +96,17 @@ class HackWire:
         if len(dst_ptrs) != len(self.ptrs):
             logger.error("decode registered %d KV buffers, this prefill sends %d", len(dst_ptrs), len(self.ptrs))
             return -1
+        keep = getattr(src_pages, "keep", None)  # static eviction (disagg.static_wire.KeptIndices)
         src = [int(p) for p in src_pages]
         dst = [int(d) for d in dst_pages]
+        if keep is not None and keep.shape[1] != len(src):
+            keep = None  # no longer lines up with the pages: send them all
         t0 = time.perf_counter()
-        blocks = self.blocks(src, dst_ptrs, dst)
+        blocks = self.blocks(src, dst_ptrs, dst, keep)
         with self.lock:
             self.stats["pages"] += min(len(src), len(dst))
+            if keep is not None:
+                self.stats["evicted_layer_pages"] += int((~keep[:, :min(len(src), len(dst))]).sum())
             self.stats["bytes_in"] += min(len(src), len(dst)) * sum(self.item_lens)
             self.stats["bytes_out"] += sum(b[2] for b in blocks)
             self.stats["send_s"] += time.perf_counter() - t0
@@ -165,9 +182,16 @@ def attach(kv_args: Any, pool: Any) -> HackWire:
 def around_add_transfer_request(original: Callable, manager: Any, bootstrap_room: int, kv_indices: Any,
                                 index_slice: slice, is_last_chunk: bool, *a: Any, **kw: Any) -> Any:
     """AROUND MooncakeKVManager.add_transfer_request (prefill): the last chunk leaves out the
-    open partition's page when decode does not read it."""
+    open partition's page when decode does not read it, and under static eviction says which
+    pages each layer sends (disagg.static_wire)."""
+    from . import static_wire
+
     wire = current()
+    mask = static_wire.pending.take(bootstrap_room) if is_last_chunk else None
     if wire is not None:
         num = kw.get("num_kv_tokens", a[2] if len(a) > 2 else None)
         kv_indices, index_slice = wire.trim_open_page(kv_indices, index_slice, is_last_chunk, num)
+        if mask is not None and len(kv_indices):
+            keep = static_wire.chunk_keep(mask, index_slice, len(kv_indices))
+            kv_indices = static_wire.KeptIndices.wrap(kv_indices, keep)
     return original(manager, bootstrap_room, kv_indices, index_slice, is_last_chunk, *a, **kw)

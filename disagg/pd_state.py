@@ -39,6 +39,7 @@ FINGERPRINT_PREFIX = "hack"
 # How the per-request state travels (bump when its buffers change: servers of different versions
 # then refuse to pair, by the layout hash). 2: all layers' K sinks in one buffer, V's in another.
 PD_STATE_VERSION = 2
+STATIC_TAG = "+static-keep:"  # the fingerprint's suffix when static eviction's kept sets travel
 
 
 @dataclass
@@ -94,17 +95,24 @@ def layout_fingerprint(pool: Any, model: str | None = None) -> str:
     desc = {**describe_layouts(pool.store), "pd_state": PD_STATE_VERSION}
     digest = hashlib.blake2b(json.dumps(desc, sort_keys=True).encode(), digest_size=4).hexdigest()
     model = model if model is not None else model_identity()
+    kept = getattr(pool, "disagg_kept_staging", None)
+    # static eviction: the kept set's staging row must be the same on both sides, and a decode
+    # server without it would read the pages prefill left off the wire
+    static = "" if kept is None else f"{STATIC_TAG}{kept.bits.shape[2]}x{kept.max_pages}"
     return (f"{FINGERPRINT_PREFIX}:v{desc['version']}:P{desc['partition_size']}:{digest}:"
-            f"{model}:L{pool.layer_num}")
+            f"{model}:L{pool.layer_num}{static}")
 
 
 def describe_fingerprint(fp: str) -> str:
+    fp, _, static = fp.partition(STATIC_TAG)
+    kept = (f"; static eviction on (kept sets of {static.split('x')[0]} row(s) per layer, up to "
+            f"{static.split('x')[-1]} pages)" if static else "")
     parts = fp.split(":")
     if len(parts) != 6 or parts[0] != FINGERPRINT_PREFIX:
         return f"kv_cache_dtype={fp}"
     _, ver, part, digest, model, layers = parts
     return (f"layout version {ver[1:]}, partition size {part[1:]}, layout hash {digest}, "
-            f"model {model} ({layers[1:]} layers)")
+            f"model {model} ({layers[1:]} layers){kept}")
 
 
 def _infos(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[int]]:
@@ -145,9 +153,11 @@ def state_indices(pool: Any, row: int, seq_len: int) -> HackStateIndices:
                             pool.page_size)
 
 
-def attach(kv_args: Any, pool: Any) -> None:
+def attach(kv_args: Any, pool: Any, max_pages: int | None = None) -> None:
     """Describe the HACK pool's per-request state to SGLang's transfer engine and put the
-    format fingerprint where the bootstrap exchange compares it. Same order on both sides."""
+    format fingerprint where the bootstrap exchange compares it. Same order on both sides.
+    max_pages: the most pages a request can hold (its req_to_token row), which sizes the kept
+    set's staging row under static eviction (disagg.static_wire)."""
     from sglang.srt.disaggregation.base.conn import StateType
     from sglang.srt.disaggregation.utils import append_state_component
 
@@ -163,9 +173,31 @@ def attach(kv_args: Any, pool: Any) -> None:
     sinks = sink_buffers(pool)
     if sinks:
         append_state_component(kv_args, StateType.REQUEST_ROW, *_infos(sinks))
+    kept = kept_staging(pool, max_pages)
+    if kept is not None:
+        from .static_wire import activate
+
+        append_state_component(kv_args, StateType.REQUEST_ROW, *_infos(kept.buffers()))
+        activate(pool, kept)
     kv_args.kv_cache_dtype_str = layout_fingerprint(pool)
     logger.info("sglang-hack PD: pages + %d tail and %d sink buffers per request; format %s",
                 len(tails), len(sinks), kv_args.kv_cache_dtype_str)
+
+
+def kept_staging(pool: Any, max_pages: int | None = None):
+    """The pool's staging rows of static eviction's kept sets (disagg.static_wire), made on
+    first use when --hack-static-keep is on; None when it is off."""
+    from .static_wire import KeptStaging
+
+    got = getattr(pool, "disagg_kept_staging", None)
+    settings = getattr(pool, "hack_settings", None)
+    if got is not None or settings is None or not settings.static.enabled:
+        return got
+    if max_pages is None:
+        raise RuntimeError("static eviction over PD sizes its per-request rows from the request table: "
+                           "SGLang did not pass it")
+    pool.disagg_kept_staging = KeptStaging.for_store(pool.store, settings.static.unit, max_pages)
+    return pool.disagg_kept_staging
 
 
 def _first_page(req_to_token: torch.Tensor, row: int, page_size: int) -> int:

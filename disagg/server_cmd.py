@@ -56,7 +56,30 @@ COMMON_FLAGS = [
 ]
 
 
+# hack-static-FRACTION: the hack method with look-once static eviction on both servers, keeping
+# that fraction of each prompt's closed pages (--hack-static-keep; `hack up --static-keep`)
+STATIC_PREFIX = "hack-static-"
+
+
+def static_keep_of(method: str) -> float | None:
+    """The fraction a hack-static-FRACTION method keeps (None: not such a method)."""
+    if not method.startswith(STATIC_PREFIX):
+        return None
+    try:
+        keep = float(method[len(STATIC_PREFIX):])
+    except ValueError:
+        return None
+    return keep if 0.0 < keep < 1.0 else None
+
+
+def is_method(method: str) -> bool:
+    return method in METHODS or static_keep_of(method) is not None
+
+
 def method_flags(method: str) -> list[str]:
+    keep = static_keep_of(method)
+    if keep is not None:
+        return [*method_flags("hack"), "--hack-static-keep", f"{keep:g}"]
     if method == "hack":
         return ["--kv-cache-dtype", "hack", *HACK_WIRE_FLAGS]
     if method == "hack-full-pages":
@@ -73,7 +96,7 @@ def method_flags(method: str) -> list[str]:
     if method == "fp8":
         return ["--kv-cache-dtype", "fp8_e4m3", "--attention-backend",
                 "torch_native", "--page-size", str(PAGE_SIZE)]
-    raise ValueError(f"unknown KV method {method!r}; choose one of {', '.join(METHODS)}")
+    raise ValueError(f"unknown KV method {method!r}; choose one of {', '.join(METHODS)}, {STATIC_PREFIX}FRACTION")
 
 
 def server_command(role: str, method: str, model_path: str, host: str, port: int,

@@ -49,7 +49,7 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
-def _fraction(text: str) -> float:
+def fraction(text: str) -> float:
     try:
         v = float(text)
     except ValueError:
@@ -199,15 +199,16 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "to the candidates whose own keys score highest (the decode kernel's scores of each candidate "
              "page; default 1: the bound alone). Costs reading the candidates' K codes; one level only.")),
     "hack_static_keep": ("--hack-static-keep", dict(
-        type=_fraction, metavar="FRACTION",
+        type=fraction, metavar="FRACTION",
         help="Look-once static eviction (MPCache): after a prompt is prefilled, its last queries (the last "
              "--hack-static-observe of the prompt) vote with their attention, and every later decode step reads "
              "only this fraction of the prompt's closed pages per layer (the first page, the window's own and the "
              "best-voted rest), plus every page written since and the FP16 open page. Saves decode reads, not "
-             "memory. 1 (default): off. CPU path, colocated servers, --hack-attention hack only; refused "
-             "otherwise at startup.")),
+             "memory. Over PD give it to both servers: the prefill server decides (its fraction counts) and "
+             "leaves each layer's dropped pages off the wire (with --hack-kv-codec hack-pages). 1 (default): off. "
+             "CPU path, --hack-attention hack only; refused otherwise at startup.")),
     "hack_static_observe": ("--hack-static-observe", dict(
-        type=_fraction, metavar="FRACTION",
+        type=fraction, metavar="FRACTION",
         help="Static eviction: the last fraction of the prompt whose queries vote (default 0.01, at least one "
              "row: the question at the end of a document; 0.15, MPCache's, lost pass keys in the study).")),
     "hack_static_unit": ("--hack-static-unit", dict(
@@ -328,10 +329,9 @@ def static_refusal(settings: EngineSettings, ns: Any = None) -> str | None:
         return ("--hack-static-keep and --hack-sparse-budget each give decode its own page list; choosing "
                 "among the kept pages is not served yet. Give one of them")
     mode = getattr(ns, "disaggregation_mode", None) if ns is not None else None
-    if mode in ("prefill", "decode"):
-        return ("--hack-static-keep is decided from the prompt's queries on the server that prefills and read by "
-                "the one that decodes; the PD transfer does not carry the kept pages yet. Serve it colocated, "
-                "or drop it")
+    if mode == "decode" and getattr(ns, "disaggregation_decode_enable_radix_cache", False):
+        return ("--hack-static-keep on a PD decode server leaves the pages prefill did not send unfilled; "
+                "--disaggregation-decode-enable-radix-cache would share them with later requests. Drop one of them")
     if ns is not None and getattr(ns, "enable_mixed_chunk", False):
         return ("--hack-static-keep decides a request's pages at its prefill chunks; --enable-mixed-chunk runs "
                 "decode requests through extend too. Drop one of them")

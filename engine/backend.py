@@ -28,8 +28,9 @@ with a sliding window and the first `dense_layers` always do.
 Static eviction (`--hack-static-keep`, hack_ops.paged.static_keep): after each extend chunk
 stores its tokens, every layer without a sliding window decides, from the chunk's last queries,
 which of the request's closed pages later decode steps read; decode reads them through the same
-per-head page tables as sparse decode. Colocated CPU serving only (refused at startup
-otherwise).
+per-head page tables as sparse decode. CPU path only (refused at startup on a GPU); over PD the
+prefill server's sets travel with the request and its dropped pages stay off the wire
+(disagg.static_wire).
 
 Layer features: each layer's sliding window (`sliding_window_size`), scaling and logit
 soft-cap go to the attention call. What no HACK path serves (cross-attention, encoder-only or
@@ -122,6 +123,7 @@ class HackAttnBackend(AttentionBackend):
                                           "take per-head page tables yet. Drop the option to serve on this GPU")
             self.static_keep = StaticKeepPages(settings.static, SparseTotals())
         pool.static_totals = self.static_keep.totals if self.static_keep is not None else None
+        pool.static_keep = self.static_keep  # PD: the prefill stages its kept sets, the decode installs them
         self.gpu = None
         if self.device.type == "cuda":
             from .gpu_attention import GpuAttention

@@ -11,7 +11,7 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
-from engine.args import LAYER_SPEC_METAVAR, layer_list
+from engine.args import LAYER_SPEC_METAVAR, fraction, layer_list
 from engine.layer_sets import resolve_for_model_path
 from disagg.server_cmd import METHODS
 from hack_eval.models import MODELS
@@ -50,6 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=[t.value for t in RaisedTensors], default="kv",
                    help="with --4bit-layers: kv (K and V at 4 bits, default), k (K alone) or v (V alone; "
                         "--hack-4bit-tensors)")
+    p.add_argument("--static-keep", dest="static_keep", type=fraction, default=None, metavar="FRACTION",
+                   help="with a HACK --kv method: look-once static eviction on both servers (--hack-static-keep): "
+                        "the prefill server keeps this fraction of each prompt's closed pages per layer and sends "
+                        "only those; the decode server reads only those")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="shape the prefill->decode link to N Mbit/s (root: network namespace + tc tbf)")
     p.add_argument("--prefill", type=int, default=1, help="number of prefill servers")
@@ -168,6 +172,11 @@ def spec_from_args(args: argparse.Namespace) -> "ClusterSpec":
         extra = ["--hack-4bit-layers", ",".join(map(str, layers)) or "none"]
         if getattr(args, "four_bit_tensors", "kv") != "kv":
             extra += ["--hack-4bit-tensors", args.four_bit_tensors]
+    keep = getattr(args, "static_keep", None)
+    if keep is not None and keep < 1:
+        if not args.kv.startswith("hack"):
+            raise ValueError(f"--static-keep drops HACK pages from decode's reads; --kv {args.kv} has none")
+        extra += ["--hack-static-keep", f"{keep:g}"]
     return cluster.ClusterSpec(model_path=_model_path(args.model), model=args.model, kv=args.kv,
                                extra_server_args=extra,
                                link_mbps=args.link_mbps, prefill=args.prefill, decode=args.decode,

@@ -29,7 +29,7 @@ METHODS = {
 SPARSE_PREFIX = "hack-sparse-"
 SHARE_SUFFIX, REFINE_SUFFIX, LINEAR_SUFFIX = "share", "refine", "linear"
 # hack-static-FRACTION: the default server with look-once static eviction keeping that fraction of
-# each prompt's closed pages (--hack-static-keep FRACTION)
+# each prompt's closed pages (--hack-static-keep FRACTION), as disagg.server_cmd names it
 STATIC_PREFIX = "hack-static-"
 METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{LINEAR_SUFFIX}]",
                 f"{STATIC_PREFIX}FRACTION"]
@@ -67,13 +67,9 @@ def sparse_budget(method: str) -> int | None:
 
 def static_keep(method: str) -> float | None:
     """The fraction a hack-static-FRACTION method keeps (None: not such a method)."""
-    if not method.startswith(STATIC_PREFIX):
-        return None
-    try:
-        keep = float(method[len(STATIC_PREFIX):])
-    except ValueError:
-        return None
-    return keep if 0.0 < keep < 1.0 else None
+    from disagg.server_cmd import static_keep_of  # the PD cluster's methods name it the same way
+
+    return static_keep_of(method)
 
 
 def is_method(method: str) -> bool:

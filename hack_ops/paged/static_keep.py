@@ -37,6 +37,15 @@ class KeptPages:
     prompt_pages: int
     positions: dict[int, Tensor] = field(default_factory=dict)
 
+    def page_mask(self, num_layers: int) -> Tensor:
+        """bool [num_layers, prompt_pages]: which prompt pages some KV head of each layer reads
+        (what PD must send); every page of a layer without a set."""
+        mask = torch.ones(num_layers, self.prompt_pages, dtype=torch.bool)
+        for layer, pos in self.positions.items():
+            mask[layer] = False
+            mask[layer, pos.reshape(-1)] = True
+        return mask
+
 
 class StaticKeepPages:
     """The kept sets of a server's request rows and the decode steps that read them. `totals`
@@ -52,6 +61,14 @@ class StaticKeepPages:
 
     def kept(self, row: int) -> KeptPages | None:
         return self._rows.get(int(row))
+
+    def install(self, row: int, kept: KeptPages | None) -> None:
+        """Set row's kept set as another server decided it (PD: the prefill server's, received
+        with the request's state); None: the row reads every page."""
+        if kept is None:
+            self._rows.pop(int(row), None)
+        else:
+            self._rows[int(row)] = kept
 
     def begin_extend(self, plan: ForwardPlan) -> None:
         """An extend forward is about to store new tokens for plan's rows: their old kept sets
