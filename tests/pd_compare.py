@@ -33,6 +33,13 @@ def cluster_runs(spec: Any, prompts: dict[int, list[int]], n_new: int, request: 
     return out
 
 
+def essay_prompts(model_path: str, lengths: tuple[int, ...]) -> dict[int, list[int]]:
+    """One essay prompt per length, each from its own essay: the prompts these tests send."""
+    from hack_eval.workloads import essay_ids
+
+    return {n: essay_ids(model_path, n, index=i) for i, n in enumerate(lengths)}
+
+
 Spawned = tuple[str, int, Path]  # (url, pid, log) of a server started without waiting for it
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_compare import assert_same_greedy_tokens, cluster_runs, spawn_colocated
+from pd_compare import assert_same_greedy_tokens, cluster_runs, essay_prompts, spawn_colocated
 from pd_compare import colocated_runs as colocated_runs_of
 
 pytestmark = [pytest.mark.memory_heavy, pytest.mark.integration, pytest.mark.slow, pytest.mark.e2e]
@@ -38,12 +38,6 @@ def model_path() -> str:
     return str(prepare("smollm2", log=lambda *a, **k: None))
 
 
-def _prompts(model_path: str) -> dict[int, list[int]]:
-    from hack_eval.workloads import essay_ids
-
-    return {n: essay_ids(model_path, n, index=i) for i, n in enumerate(PROMPT_LENGTHS)}
-
-
 @pytest.fixture(scope="module")
 def colocated_spawned(model_path, request):
     return spawn_colocated(model_path, "static-keep", ["--hack-static-keep", str(KEEP), *NO_RADIX],
@@ -61,12 +55,12 @@ def pd_runs(model_path, colocated_spawned, request) -> dict:
     assert spec.extra_server_args == ["--hack-static-keep", str(KEEP)]
     spec.extra_server_args += NO_RADIX
     spec.health_timeout_s = STARTUP_TIMEOUT_S
-    return cluster_runs(spec, _prompts(model_path), N_NEW, request)
+    return cluster_runs(spec, essay_prompts(model_path, PROMPT_LENGTHS), N_NEW, request)
 
 
 @pytest.fixture(scope="module")
 def colocated_runs(model_path, pd_runs, colocated_spawned) -> dict:
-    return colocated_runs_of(colocated_spawned, _prompts(model_path), N_NEW, STARTUP_TIMEOUT_S)
+    return colocated_runs_of(colocated_spawned, essay_prompts(model_path, PROMPT_LENGTHS), N_NEW, STARTUP_TIMEOUT_S)
 
 
 def test_pd_with_static_eviction_gives_the_colocated_greedy_tokens(pd_runs, colocated_runs):

@@ -9,11 +9,12 @@ pages. A decode step then reads, per request and KV head, the kept prompt pages,
 closed after the prompt and the FP16 open partition: a PageSelection, the shorter sequence the
 sparse decode kernels already read (hack_ops.paged.sparse). Nothing is freed: a page dropped
 for one layer is still held by the others (a slot holds every layer's page) and by the radix
-cache, so a prefix another request shares is read whole by that request.
+cache for the requests that share it, each of which decides its own kept set.
 
 Each extend forward recomputes the kept set of the rows it touches (a chunked prompt's last
-chunk decides, an earlier chunk's set is replaced); a row without one (a prompt under one page)
-reads every page.
+chunk decides, an earlier chunk's set is replaced); with a radix-cache hit the window is the
+rows the chunk has (at least one). A row without a set (a prompt under one page) reads every
+page.
 """
 from __future__ import annotations
 
