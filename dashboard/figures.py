@@ -185,7 +185,8 @@ def memory_figure(view: RunView, max_points: int = 1500) -> go.Figure:
     if not len(mem):
         return _empty(title, "no memory samples yet")
     servers = list(dict.fromkeys(mem["server"]))
-    # sparse decode: the pages a decode step read beside those it would read dense (right axis)
+    # sparse decode or static eviction: the pages a decode step read beside those it would read
+    # dense (right axis)
     sparse = bool(mem["pages_selected"].notna().any())
     fig = make_subplots(rows=len(servers), cols=1, shared_xaxes=True,
                         subplot_titles=servers, vertical_spacing=0.08,
@@ -205,7 +206,7 @@ def memory_figure(view: RunView, max_points: int = 1500) -> go.Figure:
         fig.update_yaxes(title_text="MiB", row=row, col=1)
         if sparse:
             for col, name, dash in (("pages_visible", "pages a dense decode step reads", "dot"),
-                                    ("pages_selected", "pages the sparse step read", "solid")):
+                                    ("pages_selected", "pages the step read (sparse / static eviction)", "solid")):
                 fig.add_trace(go.Scatter(x=m["t_s"], y=m[col], name=name, mode="lines",
                                          line=dict(color="#8c564b", dash=dash), legendgroup=col,
                                          showlegend=row == 1), row=row, col=1, secondary_y=True)

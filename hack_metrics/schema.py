@@ -55,7 +55,8 @@ SAMPLE_FIELDS = ("pages_used", "pages_total", "bytes_codes", "bytes_side", "byte
 # Columns each version added. Version 2: sparse decode's pages per decode step and sparse
 # layer over the sample's interval, summed over the batch: `pages_selected` (the closed pages
 # the selection read) and `pages_visible` (the closed pages a dense step reads there); null
-# without sparse decode or without a decode step in the interval.
+# without sparse decode or without a decode step in the interval. Static eviction
+# (--hack-static-keep) fills the same two: the kept pages read, against resident.
 # Version 3: the page tier (--hack-page-tier). On samples, the tier's bytes on disk and, since
 # the server started, the uncached pages new requests asked it for and the pages it found
 # (`tier_hit_pages / tier_asked_pages` is its hit rate); null without a tier. On a request's

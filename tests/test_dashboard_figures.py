@@ -85,14 +85,14 @@ def test_memory_figure_shows_the_pages_a_sparse_step_reads(tmp_path):
         ys = [np.asarray(t.y, dtype=float) for t in fig.data if t.name == name]
         return float(np.nanmax(np.concatenate(ys)))
 
-    sel = [t for t in fig.data if t.name == "pages the sparse step read"]
+    sel = [t for t in fig.data if t.name == "pages the step read (sparse / static eviction)"]
     bf16_axes = {t.yaxis for t in fig.data if t.name == "BF16 equivalent"}
     assert sel and not {t.yaxis for t in sel} & bf16_axes  # the right axis
-    assert peak("pages the sparse step read") <= peak("pages a dense decode step reads")
+    assert peak("pages the step read (sparse / static eviction)") <= peak("pages a dense decode step reads")
     dec = view.samples[view.samples["server"] == "decode-0"]
     assert peak("pages a dense decode step reads") == pytest.approx(float(dec["pages_visible"].max()))
     plain = write_synthetic_run(SyntheticSpec(requests=40, seed=3), root=tmp_path / "plain")
-    assert not any(t.name == "pages the sparse step read" for t in F.memory_figure(Source(str(plain), "dir").view()).data)
+    assert not any(t.name == "pages the step read (sparse / static eviction)" for t in F.memory_figure(Source(str(plain), "dir").view()).data)
 
 
 def test_latency_figure_equals_the_percentiles(runs):
