@@ -138,7 +138,9 @@ class PendingMasks:
             while len(self._masks) > self.MAX:
                 self._masks.popitem(last=False)
 
-    def take(self, room: int) -> torch.Tensor | None:
+    def take(self, room: int | None) -> torch.Tensor | None:
+        if room is None:
+            return None
         with self._lock:
             return self._masks.pop(int(room), None)
 
