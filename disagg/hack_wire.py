@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .pd_state import buffer_layers
 from .transfer_codec import HACK_PAGES_TAG, MAX_BATCH_BLOCKS
 
 logger = logging.getLogger(__name__)
@@ -50,8 +51,7 @@ class HackWire:
         self.skip_open = page_wire.open_page_unread(pool.store.config)
         tensors = {int(t.data_ptr()): lay.k for t, lay in zip(pool.k_buffer, self.layouts)}
         tensors.update({int(t.data_ptr()): lay.v for t, lay in zip(pool.v_buffer, self.layouts)})
-        layer_of = {int(t.data_ptr()): layer for layer, t in enumerate(pool.k_buffer)}
-        layer_of.update({int(t.data_ptr()): layer for layer, t in enumerate(pool.v_buffer)})
+        layer_of = buffer_layers(pool)
         self.ptrs = [int(p) for p in ptrs]
         self.item_lens = [int(n) for n in item_lens]
         unknown = [p for p in self.ptrs if p not in tensors]

@@ -123,6 +123,14 @@ def _infos(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[int]
             [t[0].nbytes for t in tensors])
 
 
+def buffer_layers(pool: Any) -> dict[int, int]:
+    """The layer each of the pool's K and V page buffers holds, by the buffer's address (what
+    the transfer engine names a buffer by)."""
+    out = {int(t.data_ptr()): layer for layer, t in enumerate(pool.k_buffer)}
+    out.update({int(t.data_ptr()): layer for layer, t in enumerate(pool.v_buffer)})
+    return out
+
+
 def tail_buffers(pool: Any) -> list[torch.Tensor]:
     """The FP16 tail rows [rows, Π, H, D] of each tail tensor ('k', 'v') and layer, in order."""
     store = pool.store
@@ -178,7 +186,7 @@ def attach(kv_args: Any, pool: Any, max_pages: int | None = None) -> None:
         from .static_wire import activate
 
         append_state_component(kv_args, StateType.REQUEST_ROW, *_infos(kept.buffers()))
-        activate(pool, kept)
+        activate(kept, buffer_layers(pool))
     kv_args.kv_cache_dtype_str = layout_fingerprint(pool)
     logger.info("sglang-hack PD: pages + %d tail and %d sink buffers per request; format %s",
                 len(tails), len(sinks), kv_args.kv_cache_dtype_str)

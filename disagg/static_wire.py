@@ -164,11 +164,10 @@ def chunk_keep(mask: torch.Tensor, index_slice: slice, n: int) -> np.ndarray:
 _active: list[tuple[KeptStaging, dict[int, int], int]] = []  # (staging, layer of each KV buffer address, layers)
 
 
-def activate(pool: Any, staging: KeptStaging) -> None:
-    """At attach, once the staging rows exist: which layer each K/V page buffer holds."""
-    layer_of = {int(t.data_ptr()): layer for layer, t in enumerate(pool.k_buffer)}
-    layer_of.update({int(t.data_ptr()): layer for layer, t in enumerate(pool.v_buffer)})
-    _active[:] = [(staging, layer_of, len(pool.k_buffer))]
+def activate(staging: KeptStaging, layer_of: dict[int, int]) -> None:
+    """At attach (disagg.pd_state), once the staging rows exist: the layer each K/V page
+    buffer holds, by address (pd_state.buffer_layers)."""
+    _active[:] = [(staging, dict(layer_of), staging.bits.shape[1])]
 
 
 def current() -> tuple[KeptStaging, dict[int, int], int] | None:

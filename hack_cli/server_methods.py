@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from disagg.server_cmd import STATIC_PREFIX, static_keep_of
+
 if TYPE_CHECKING:
     from engine.layer_sets import LayerSet
 
@@ -29,8 +31,8 @@ METHODS = {
 SPARSE_PREFIX = "hack-sparse-"
 SHARE_SUFFIX, REFINE_SUFFIX, LINEAR_SUFFIX = "share", "refine", "linear"
 # hack-static-FRACTION: the default server with look-once static eviction keeping that fraction of
-# each prompt's closed pages (--hack-static-keep FRACTION), as disagg.server_cmd names it
-STATIC_PREFIX = "hack-static-"
+# each prompt's closed pages (--hack-static-keep FRACTION), as disagg.server_cmd names the PD
+# cluster's methods (STATIC_PREFIX)
 METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{LINEAR_SUFFIX}]",
                 f"{STATIC_PREFIX}FRACTION"]
 
@@ -67,8 +69,6 @@ def sparse_budget(method: str) -> int | None:
 
 def static_keep(method: str) -> float | None:
     """The fraction a hack-static-FRACTION method keeps (None: not such a method)."""
-    from disagg.server_cmd import static_keep_of  # the PD cluster's methods name it the same way
-
     return static_keep_of(method)
 
 

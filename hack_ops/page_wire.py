@@ -92,12 +92,9 @@ def request_bytes(layout: PageLayout, num_layers: int, tokens: int, hack_pages: 
     tensor with a tail, and its FP16 sinks (disagg.pd_state), all layers. A request whose pages
     are split into several runs sends each run's last page in its wire form."""
     p = layout.page_size
-    if hack_pages:
-        pages = tokens // p if open_page_unread(layout.config) else -(-tokens // p)
-        page_bytes = pages * layout.page_bytes - (derived_bytes(layout.k) + derived_bytes(layout.v) if pages else 0)
-    else:
-        page_bytes = -(-tokens // p) * layout.page_bytes
-    return num_layers * (page_bytes + _state_bytes(layout, tokens))
+    if hack_pages:  # every closed page kept: one run
+        return num_layers * kept_request_bytes(layout, tokens, [True] * (tokens // p))
+    return num_layers * (-(-tokens // p) * layout.page_bytes + _state_bytes(layout, tokens))
 
 
 def _state_bytes(layout: PageLayout, tokens: int) -> int:

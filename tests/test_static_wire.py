@@ -98,7 +98,7 @@ def test_dropped_pages_stay_off_the_wire_and_the_digests_agree(active):
     for pool, pages, wire in ((pre_pool, src, pre), (dec_pool, dst, dec)):
         staging = KeptStaging.for_store(pool.store, KeepUnit.PAGE, 8)
         staging.stage(0, kept)
-        static_wire.activate(pool, staging)
+        static_wire.activate(staging, pd_state.buffer_layers(pool))
         hack_wire._wire[:] = [wire]
         state = HackStateIndices(row=0, live=n % 32, num_tail=0, page_size=32)
         digests.append(connector.PdConnector.checksum(None, _computer(pool), torch.tensor(pages), state))

@@ -26,7 +26,7 @@ from torch import Tensor
 from ..static_keep import StaticKeep, keep_from_window
 from .dequant import dense_kv
 from .plan import ForwardPlan
-from .sparse import PageSelection, SparseTotals
+from .sparse import PageSelection, SparseTotals, _as_table
 
 
 @dataclass
@@ -116,17 +116,10 @@ class StaticKeepPages:
         self._count(plan, int(count.sum()), int(resident.sum()))
         if bool((count == resident).all()):
             return None
-        b = len(per_req)
-        positions = torch.zeros(b, h, int(count.max()) + 1, dtype=torch.long)
+        index = torch.zeros(len(per_req), h, int(count.max()), dtype=torch.long)
         for i, x in enumerate(per_req):
-            positions[i, :, :x.shape[1]] = x
-            positions[i, :, x.shape[1]] = n_closed[i]  # the open page (read from the tail)
-        last = (plan.num_pages.to(torch.long) - 1).clamp(min=0)
-        lookup = torch.minimum(positions, last[:, None, None])
-        table = torch.gather(plan.page_table.to(torch.long)[:, None, :].expand(b, h, -1), 2, lookup)
-        seq = count * p + (plan.seq_lens.to(torch.long) - resident * p)
-        return PageSelection(page_size=p, positions=positions, table=table, n_closed=count, seq_lens=seq,
-                             resident=resident)
+            index[i, :, :x.shape[1]] = x
+        return _as_table(plan, index, count, resident, p)
 
     def _count(self, plan: ForwardPlan, read: int, resident: int) -> None:
         t = self.totals
