@@ -6,7 +6,8 @@ the portable path. Per layer, a format the CUDA kernel does not read (4-bit laye
 64, more than 8 query heads per KV head, ...) runs on Triton in either case
 (engine.gpu_attention). The environment variable HACK_GPU_DECODE overrides: `triton` never
 builds the CUDA kernel, `cuda` makes its absence an error at startup, `auto` (the default) is
-the choice above.
+the choice above. The dense prefill's store follows the same choice (engine.gpu_attention: the
+CUDA store on the formats it writes where the CUDA kernels were chosen, else the Triton store).
 """
 from __future__ import annotations
 

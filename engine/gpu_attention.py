@@ -10,7 +10,8 @@ take the same plan and cache. Extend runs HackPrefillAttention,
 which stores the chunk's pages, attends, then appends the tails (PrefillMode.HOMOMORPHIC), or
 (PrefillMode.DENSE) stores the chunk with the store kernel and attends densely: the chunk's
 own tokens in full precision, a cached prefix dequantized once per chunk, torch SDPA
-(hack_ops.paged.attention.dense_attend, the CPU path's dense prefill). Each call takes the layer's
+(hack_ops.paged.attention.dense_attend, the CPU path's dense prefill); where the CUDA kernels were
+chosen, the chunk's pages come from the CUDA store (hack_ops.cuda.store, same bytes). Each call takes the layer's
 scaling, sliding window and logit soft-cap (engine.backend.layer_features) and its own page
 layout (store.layout_for: layers may differ in bits, K's and V's apart); the kernels skip the
 pages before the window.
@@ -62,6 +63,7 @@ class GpuAttention:
         self.decode_kernel, why = choose_decode_kernel(self.device, decode_kernel_from_env())
         logger.info("HACK decode attention kernel: %s [%s]", self.decode_kernel.value, why)
         self._on_triton: dict[tuple[int, int, int], str] = {}  # layer formats the CUDA kernel does not take, and why
+        self._store_on_triton: dict[tuple, str] = {}  # (K bits, V bits, dtype) the CUDA store does not write, and why
 
     def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
         plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
@@ -143,6 +145,32 @@ class GpuAttention:
         return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer), window=window,
                         logit_cap=logit_cap)
 
+    def _store_chunk(self, lay: Any, batch: Any, k: Tensor, v: Tensor, cache: tuple) -> None:
+        """A prefill chunk's pages and tails. Where the CUDA kernels were chosen at startup and the
+        CUDA store writes the layer's format (hack_ops.cuda.store: the closing pages and sinks,
+        then the Triton store's tail phase), that; else the Triton store. A CUDA store that fails
+        (a build, a launch: nothing written) moves its format to Triton with a warning."""
+        from hack_ops.triton.store import store as triton_store
+
+        fmt = (lay.config.bits("k"), lay.config.bits("v"), k.dtype)
+        if self.decode_kernel == DecodeKernel.CUDA and fmt not in self._store_on_triton:
+            from hack_ops.cuda.store import store as cuda_store
+            from hack_ops.cuda.store import store_why_not
+
+            why = store_why_not(lay, k.dtype)
+            if why is None:
+                try:
+                    cuda_store(lay, batch, k, v, *cache)
+                    return
+                except RuntimeError as exc:
+                    why = f"the CUDA store failed: {exc}"
+                    logger.warning("HACK prefill store: K %d / V %d bits, %s tokens move to the Triton store: %s",
+                                   *fmt, exc)
+            else:
+                logger.info("HACK prefill store: K %d / V %d bits, %s tokens on the Triton store: %s", *fmt, why)
+            self._store_on_triton[fmt] = why
+        triton_store(lay, batch, k, v, *cache, phase="all")
+
     def _dense_extend(self, layer: int, plan: ForwardPlan, attn: Any, q: Tensor, k: Tensor, v: Tensor,
                       scale: float, window: int | None, logit_cap: float) -> Tensor:
         """PrefillMode.DENSE: the chunk stored by the store kernel (attn's plan gives the batch),
@@ -151,10 +179,8 @@ class GpuAttention:
         import torch
 
         from hack_ops.paged.attention import dense_attend, keep_open_tokens
-        from hack_ops.triton.store import store as store_tokens
 
         snaps = keep_open_tokens(self.store, layer, plan) if plan.has_prefix else {}
-        store_tokens(self.store.layout_for(layer), attn.batch, k.contiguous(), v.contiguous(), *self._cache(layer),
-                     phase="all")
+        self._store_chunk(self.store.layout_for(layer), attn.batch, k.contiguous(), v.contiguous(), self._cache(layer))
         dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
         return dense_attend(self.store, layer, plan, q, k, v, snaps, scale, dtype, window, logit_cap)

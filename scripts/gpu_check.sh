@@ -4,9 +4,12 @@
 # (default ./gpu-check), written as it happens, so a run stopped at a time limit keeps what it did.
 # In order, each phase within its own limit and all within TOTAL_SECONDS (default 480: 8 minutes;
 # a phase that would start with under 20 s left is skipped and says so):
-#   1. build   the CUDA decode kernel's libraries for this GPU, in parallel (90 s)     -> run.log
-#   2. tests   tests/test_cuda_decode.py (the cases marked cuda first) and the static checks (150 s)
-#                                                                             -> tests.log, failures.log
+#   1. build   the CUDA decode and store kernels' libraries for this GPU, in parallel (90 s) -> run.log
+#   2. tests   tests/test_cuda_decode.py, tests/test_cuda_store.py (the cases marked cuda first) and the
+#              static checks (150 s)                                           -> tests.log, failures.log
+#  2b. prefill python -m hack_cli.bench_prefill_cuda: the prefill `--hack-prefill auto` runs (CUDA store,
+#              then flash attention) and each store alone against BF16 flash prefill (60 s)
+#                                                                              -> prefill-cuda.json, run.log
 #   3. bench   python -m hack_cli.bench_decode_cuda: per cell the CUDA kernel, its fragment-order
 #              variant, the Triton kernel and BF16 (180 s)   -> decode-cuda.json (after every cell), run.log
 #  3b. splits  only with HACK_GPU_SPLITS_SECONDS > 0: the split-count sweep        -> splits.json
@@ -18,10 +21,11 @@
 #              (cuda-marked first) and `hack bench attention --device cuda`
 #                                                                 -> tests.log, attention-cuda.json, run.log
 # device.txt collects the GPU, the versions and every phase's exit status (8 files at most in all).
-# Phase limits: HACK_GPU_{BUILD,TEST,BENCH,MODEL,NCU}_SECONDS (0 skips a phase);
+# Phase limits: HACK_GPU_{BUILD,TEST,PREFILL,BENCH,MODEL,NCU}_SECONDS (0 skips a phase);
 # HACK_GPU_CPU_TESTS=0 leaves out the test pass CI also runs (the tests not marked cuda).
 # Back on a machine without a GPU: python -m hack_cli.bench_decode_cuda --from-json OUT_DIR/decode-cuda.json
-# writes docs/bench/decode-cuda.json and the table in docs/kernels.md.
+# writes docs/bench/decode-cuda.json and the table in docs/kernels.md; likewise
+# python -m hack_cli.bench_prefill_cuda --from-json OUT_DIR/prefill-cuda.json.
 # Usage: scripts/gpu_check.sh [OUT_DIR] [TOTAL_SECONDS] [extra bench_decode_cuda args...]
 set -u
 out=${1:-gpu-check}; total=${2:-480}; shift $(( $# < 2 ? $# : 2 ))
@@ -68,7 +72,7 @@ fi
 
 # 2. tests: the CUDA kernel on the GPU (cuda-marked first: what only a GPU shows), then the rest of
 # its files (they also run in CI, without a GPU).
-tests=(tests/test_cuda_decode.py tests/test_cuda_static.py)
+tests=(tests/test_cuda_decode.py tests/test_cuda_store.py tests/test_cuda_static.py)
 s=$(limit tests "${HACK_GPU_TEST_SECONDS:-150}" | tail -1)
 t0=$SECONDS
 passes=(cuda)
@@ -86,6 +90,14 @@ for pass in "${passes[@]}"; do
 done
 echo "CUDA kernel tests: $(grep -c ' PASSED' "$out/tests.log" 2>/dev/null) passed," \
      "$(grep -c ' FAILED' "$out/tests.log" 2>/dev/null) failed" | tee -a "$out/device.txt"
+
+# 2b. prefill: the GPU prefill `auto` picks, with the CUDA store, against BF16 (and the Triton store).
+s=$(limit prefill "${HACK_GPU_PREFILL_SECONDS:-60}" | tail -1)
+if (( s > 0 )); then
+  echo "=== bench_prefill_cuda ===" >>"$out/run.log"
+  timeout "$s" "$py" -m hack_cli.bench_prefill_cuda --out "$out/prefill-cuda.json" >>"$out/run.log" 2>&1
+  echo "bench_prefill_cuda: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
+fi
 
 # 3. bench: the decode grid against BF16, the JSON rewritten after every cell.
 s=$(limit bench "${HACK_GPU_BENCH_SECONDS:-180}" | tail -1)

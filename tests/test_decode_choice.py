@@ -3,6 +3,7 @@ engine.gpu_attention's per-layer use of it (formats the CUDA kernel does not rea
 a CUDA kernel that fails at its first call hands the layer to Triton)."""
 from __future__ import annotations
 
+import importlib
 import logging
 
 import pytest
@@ -60,3 +61,62 @@ def test_gpu_attention_sends_each_layer_format_to_a_kernel(monkeypatch, caplog):
     assert "HACK decode attention kernel: cuda [test]" in caplog.text
     assert caplog.text.count("4-bit K / 4-bit V") == 1
     assert "float32 activations" in caplog.text
+
+
+def test_gpu_prefill_store_takes_the_cuda_store_where_it_writes(monkeypatch, caplog):
+    """With the CUDA kernels chosen, a dense prefill chunk of a layer the CUDA store writes (2- or
+    4-bit, Π = 64, bf16 tokens) goes to it; float32 tokens go to the Triton store with the reason
+    logged once; a CUDA store that fails moves its format to Triton with a warning, for good."""
+    from engine import gpu_attention
+    from engine.settings import EngineSettings
+    from hack_ops import HackConfig, PrefillMode
+    from hack_ops.paged import HackKVStore
+
+    cuda_store = importlib.import_module("hack_ops.cuda.store")
+    triton_store = importlib.import_module("hack_ops.triton.store")  # the module: the package exports store()
+
+    calls = []
+    monkeypatch.setattr(gpu_attention, "choose_decode_kernel", lambda device, requested: (DecodeKernel.CUDA, "test"))
+    monkeypatch.setattr(cuda_store, "store", lambda lay, *a: calls.append(("cuda", lay.config.bits("k"))))
+    monkeypatch.setattr(triton_store, "store", lambda lay, *a, phase: calls.append(("triton", lay.config.bits("k"))))
+    store = HackKVStore(HackConfig(four_bit_layers=(1,)), 2, 2, 128, num_pages=4, num_rows=2)
+    k = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
+    two, four = store.layout_for(0), store.layout_for(1)
+    with caplog.at_level(logging.INFO, logger="engine.gpu_attention"):
+        gpu = gpu_attention.GpuAttention(store, EngineSettings(), PrefillMode.DENSE)
+        for lay, x in ((two, k), (four, k), (two, k.float()), (two, k.float())):
+            gpu._store_chunk(lay, None, x, x, ())
+        assert calls == [("cuda", 2), ("cuda", 4), ("triton", 2), ("triton", 2)]
+        assert caplog.text.count("on the Triton store: torch.float32 tokens") == 1
+
+        def fails(*a):
+            raise RuntimeError("the CUDA store kernel failed to launch: too many resources requested")
+
+        monkeypatch.setattr(cuda_store, "store", fails)
+        calls.clear()
+        gpu._store_chunk(four, None, k, k, ())
+        monkeypatch.setattr(cuda_store, "store", lambda lay, *a: calls.append(("cuda", 4)))
+        gpu._store_chunk(four, None, k, k, ())
+    assert calls == [("triton", 4), ("triton", 4)]
+    assert "move to the Triton store: the CUDA store kernel failed to launch" in caplog.text
+
+
+def test_gpu_prefill_store_stays_on_triton_when_triton_decode_was_chosen(monkeypatch):
+    from engine import gpu_attention
+    from engine.settings import EngineSettings
+    from hack_ops import HackConfig, PrefillMode
+    from hack_ops.paged import HackKVStore
+
+    cuda_store = importlib.import_module("hack_ops.cuda.store")
+    triton_store = importlib.import_module("hack_ops.triton.store")  # the module: the package exports store()
+
+    calls = []
+    monkeypatch.setattr(gpu_attention, "choose_decode_kernel",
+                        lambda device, requested: (DecodeKernel.TRITON, "HACK_GPU_DECODE=triton"))
+    monkeypatch.setattr(cuda_store, "store", lambda lay, *a: calls.append("cuda"))
+    monkeypatch.setattr(triton_store, "store", lambda lay, *a, phase: calls.append("triton"))
+    store = HackKVStore(HackConfig(), 2, 2, 128, num_pages=4, num_rows=2)
+    gpu = gpu_attention.GpuAttention(store, EngineSettings(), PrefillMode.DENSE)
+    k = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
+    gpu._store_chunk(store.layout_for(0), None, k, k, ())
+    assert calls == ["triton"]

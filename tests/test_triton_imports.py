@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MODULES = ["test_triton_store", "test_triton_decode", "test_triton_prefill", "test_triton_aot", "test_triton_imports",
            "hack_ops.triton.testing", "hack_ops.triton.aot", "hack_ops.triton.benchcases", "hack_cli.bench_attention_gpu",
            "hack_cli.bench_attention", "hack_cli.bench_attention_options", "hack_ops.kernel_device", "hack_ops.triton.sass_profile", "test_sass_profile",
-           # the CUDA decode kernel's tests, build and benchmark (scripts/gpu_check.sh runs them there)
+           # the CUDA decode and store kernels' tests, build and benchmarks (scripts/gpu_check.sh runs them there)
            "test_cuda_decode", "test_cuda_static", "hack_ops.cuda.build", "hack_ops.cuda.profile", "hack_ops.cuda.simt",
-           "hack_ops.cuda.emulate", "hack_cli.bench_decode_cuda", "hack_cli.bench_decode_model"]
+           "hack_ops.cuda.emulate", "hack_cli.bench_decode_cuda", "hack_cli.bench_decode_model",
+           "test_cuda_store", "hack_ops.cuda.store", "hack_cli.bench_prefill_cuda"]
 
 # Run in a fresh interpreter: load the allowed packages (and what they pull in), then refuse
 # every new top-level module that is neither stdlib nor this project's.

@@ -1,11 +1,14 @@
-"""Build the CUDA decode kernel with nvcc, once per machine, and cache it (hack_ops.cbuild's
+"""Build the CUDA decode and store kernels with nvcc, once per machine, and cache it (hack_ops.cbuild's
 pattern: the key covers the sources, the flags and the tools' versions; the file appears by an
 atomic rename, so concurrent builders never see half of one).
 
-Four products:
+Five products:
   library(variant, arch)  the kernel for one variant and GPU architecture, a shared library with
                           host launchers (ctypes, hack_ops.cuda.launch); nvcc's static CUDA
                           runtime, so nothing else is needed at run time
+  store_library(variant, arch)  the prefill store (csrc/hack_store.cu: head_dim and input dtype
+                          of the variant; hack_ops.cuda.store), built with -fmad=false so its
+                          bytes are hack_ops.quant's
   cubin(variant, arch)    the device code only, for the static checks (hack_ops.cuda.profile)
   host_library()          the kernel's per-thread arithmetic compiled for the CPU (the tests)
   simt_library(variant)   the whole kernel source compiled for the CPU, lanes as fibers (the tests)
@@ -36,9 +39,13 @@ from .fragment import CodeOrder
 
 SRC = Path(__file__).parent / "csrc"
 DECODE_SOURCE = SRC / "hack_decode.cu"
+STORE_SOURCE = SRC / "hack_store.cu"
 HOST_SOURCE = SRC / "hack_frag_host.cu"
 SIMT_SOURCE = SRC / "hack_simt_host.cpp"
-HEADERS = (SRC / "hack_frag.cuh", SRC / "hack_params.h", SRC / "hack_simt.cuh", DECODE_SOURCE)
+HEADERS = (SRC / "hack_frag.cuh", SRC / "hack_params.h", SRC / "hack_simt.cuh", DECODE_SOURCE, STORE_SOURCE,
+           SRC / "hack_store_params.h")
+# The store's arithmetic must be the reference's, operation for operation: no fused multiply-adds.
+STORE_FLAGS = ("-fmad=false",)
 BASE_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC")
 MIN_ARCH = 80  # mma.sync m16n8k16 f16, cp.async, movmatrix: Ampere and newer
 
@@ -136,11 +143,33 @@ def cubin(variant: Variant, arch: int) -> bytes:
     return path.read_bytes()
 
 
+def store_name(variant: Variant) -> str:
+    """The store depends on head_dim and the input dtype only."""
+    return f"d{variant.head_dim}-{variant.dtype.value}"
+
+
+def store_library(variant: Variant, arch: int) -> Path:
+    """The store kernel for `variant`'s head_dim and input dtype on sm_<arch>, with its launcher."""
+    flags = [*BASE_FLAGS, *STORE_FLAGS, "--shared", arch_flag(arch), *variant.defines()]
+    name = store_name(variant)
+    return _build(f"hack_store_{name}_sm{arch}", STORE_SOURCE, flags, ".so", f"the CUDA store kernel ({name})")
+
+
+def store_cubin(variant: Variant, arch: int) -> bytes:
+    """The store kernel's device code for sm_<arch>, for the static checks."""
+    flags = [*BASE_FLAGS, *STORE_FLAGS, "-cubin", arch_flag(arch), *variant.defines()]
+    name = store_name(variant)
+    path = _build(f"hack_store_{name}_sm{arch}", STORE_SOURCE, flags, ".cubin",
+                  f"the CUDA store kernel's cubin ({name}, sm_{arch})")
+    return path.read_bytes()
+
+
 def simt_library(variant: Variant) -> Path:
-    """The kernel's own source built for the CPU (csrc/hack_simt_host.cpp: lanes as fibers,
+    """The kernels' own sources built for the CPU (csrc/hack_simt_host.cpp: lanes as fibers,
     collectives emulated), for the CPU tests; nvcc drives the host compiler (-x c++), so the CUDA
     headers resolve as for the device build."""
-    flags = ["-std=c++20", "-O1", "-x", "c++", "-Xcompiler", "-fPIC", "--shared", "-cudart", "none", *variant.defines()]
+    flags = ["-std=c++20", "-O1", "-x", "c++", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off", "--shared",
+             "-cudart", "none", *variant.defines()]
     return _build(f"hack_simt_{variant.name}", SIMT_SOURCE, flags, ".so", f"the CUDA kernel's CPU harness ({variant.name})")
 
 
@@ -151,9 +180,12 @@ def host_library() -> Path:
 
 
 def prebuild(variants: Sequence[Variant], arch: int, workers: int | None = None) -> list[Path]:
-    """Build several variants at once (nvcc is single-threaded; a GPU machine has cores)."""
-    with ThreadPoolExecutor(max_workers=workers or min(len(variants), os.cpu_count() or 1) or 1) as ex:
-        return list(ex.map(lambda v: library(v, arch), variants))
+    """Build several variants at once (nvcc is single-threaded; a GPU machine has cores), and the
+    store of each head_dim and dtype among them."""
+    stores = list({store_name(v): v for v in variants}.values())
+    jobs = [(library, v) for v in variants] + [(store_library, v) for v in stores]
+    with ThreadPoolExecutor(max_workers=workers or min(len(jobs), os.cpu_count() or 1) or 1) as ex:
+        return list(ex.map(lambda job: job[0](job[1], arch), jobs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,8 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = [Variant(int(d), ActDtype(t), CodeOrder(o), bool(int(c)))
                 for d in args.head_dims.split(",") for t in args.dtypes.split(",")
                 for o in args.orders.split(",") for c in args.caps.split(",")]
-    for v, path in zip(variants, prebuild(variants, arch)):
-        print(f"{v.name} sm_{arch}: {path}")
+    for path in prebuild(variants, arch):
+        print(f"sm_{arch}: {path}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Run the CUDA decode kernel's own source on the CPU (csrc/hack_simt_host.cpp): every thread a
+"""Run the CUDA decode and store kernels' own sources on the CPU (csrc/hack_simt_host.cpp): every thread a
 fiber, the warp collectives (mma, movmatrix, shuffles) and barriers emulated, the same argument
 struct that run() fills. For the CPU tests of the kernel's control flow, indexing and arithmetic;
 slow (milliseconds per page), not a serving path.
@@ -9,10 +9,15 @@ import ctypes
 
 from torch import Tensor
 
+from ..layout import PageLayout
+from ..triton.batch import PagedBatch
+
 from ..cbuild import LibraryCache
 from .build import Variant, simt_library
 from .decode import CudaDecodeAttention
 from .launch import DecodeParams
+from .store import StoreParams
+from .store import prepare as prepare_store
 
 _WANTED: dict[str, Variant] = {}
 
@@ -20,6 +25,8 @@ _WANTED: dict[str, Variant] = {}
 def _declare(lib: ctypes.CDLL) -> None:
     lib.hack_simt_decode.argtypes = [ctypes.POINTER(DecodeParams)]
     lib.hack_simt_decode.restype = ctypes.c_int
+    lib.hack_simt_store.argtypes = [ctypes.POINTER(StoreParams)]
+    lib.hack_simt_store.restype = ctypes.c_int
 
 
 LIBS = LibraryCache(lambda key: simt_library(_WANTED[key]), _declare)
@@ -46,3 +53,17 @@ def run_on_cpu(att: CudaDecodeAttention, q: Tensor, k_buf: Tensor, v_buf: Tensor
         if err:
             raise RuntimeError({1: "a warp collective deadlocked (divergent lanes)", 2: "bad arguments"}.get(err, err))
     return call.out
+
+
+def store_on_cpu(layout: PageLayout, batch: PagedBatch, k: Tensor, v: Tensor, k_buf: Tensor, v_buf: Tensor,
+                 tail_k: Tensor, tail_v: Tensor | None = None, sink_k: Tensor | None = None,
+                 sink_v: Tensor | None = None) -> None:
+    """hack_ops.cuda.store.store_pages(...) with CPU tensors, through the kernel's source compiled
+    for the CPU: the closing pages and the sinks (the tails are read, not written)."""
+    if k.device.type != "cpu":
+        raise ValueError(f"the CPU harness takes CPU tensors, got k on {k.device}")
+    call = prepare_store(layout, batch, k, v, k_buf, v_buf, tail_k, tail_v, sink_k, sink_v)
+    if call.params is not None:
+        err = load(call.variant).hack_simt_store(ctypes.byref(call.params))
+        if err:
+            raise RuntimeError({1: "a block barrier deadlocked", 2: "bad arguments"}.get(err, err))

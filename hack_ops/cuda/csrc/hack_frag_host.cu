@@ -9,6 +9,7 @@
 
 #include "hack_frag.cuh"
 #include "hack_params.h"
+#include "hack_store_params.h"
 
 using namespace hack;
 
@@ -138,6 +139,16 @@ int hfh_param_layout(int64_t* out) {
   out[n++] = sizeof(DecodeParams);
 #define HACK_OFFSET(f) out[n++] = offsetof(DecodeParams, f);
   HACK_PARAM_FIELDS(HACK_OFFSET)
+#undef HACK_OFFSET
+  return n;
+}
+
+// sizeof(StoreParams), then the offset of each field in declaration order.
+int hfh_store_param_layout(int64_t* out) {
+  int n = 0;
+  out[n++] = sizeof(hack::StoreParams);
+#define HACK_OFFSET(f) out[n++] = offsetof(hack::StoreParams, f);
+  HACK_STORE_FIELDS(HACK_OFFSET)
 #undef HACK_OFFSET
   return n;
 }

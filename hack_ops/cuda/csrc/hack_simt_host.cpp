@@ -1,4 +1,4 @@
-// The decode kernel's own source (hack_decode.cu) run on the CPU: every thread of a block is a
+// The decode and store kernels' own sources (hack_decode.cu, hack_store.cu) run on the CPU: every thread of a block is a
 // fiber (ucontext), switched at each warp collective and barrier (hack_simt.cuh); blocks run one
 // after another, then the split-combining kernel. A test harness for the CPU tests
 // (tests/test_cuda_simt.py): it checks the kernel's control flow, indexing and arithmetic against
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hack_decode.cu"
+#include "hack_store.cu"
 
 namespace hack {
 namespace simt {
@@ -114,5 +115,18 @@ extern "C" int hack_simt_decode(const hack::DecodeParams* p) {
         if (!hack::simt::run_block({qh, b, 0}, HACK_D, nullptr, [&] { hack::hack_decode_combine<HACK_D>(*p); }))
           return 1;
   }
+  return 0;
+}
+
+// Run the store kernel on host memory, blocks one after another. 0: done; 1: a barrier
+// deadlocked; 2: bad arguments.
+extern "C" int hack_simt_store(const hack::StoreParams* p) {
+  if (p->k_bits < 1 || p->v_bits < 1 || p->batch < 0 || p->heads < 0) return 2;
+  std::vector<uint8_t> smem(hack::store::P * HACK_D);
+  for (int b = 0; b < p->batch; ++b)
+    for (int h = 0; h < p->heads; ++h)
+      for (int x = 0; x < p->max_touched; ++x)
+        if (!hack::simt::run_block({x, b, h}, HACK_D, smem.data(), [&] { hack::store::hack_store_kernel<HACK_D>(*p); }))
+          return 1;
   return 0;
 }
