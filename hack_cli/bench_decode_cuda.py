@@ -23,14 +23,13 @@ from pathlib import Path
 
 import torch
 
-from hack_cli.bench_doc import DOCS, replace_block
+from hack_cli.bench_doc import gpu_bench_cli, render_gpu_run
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # query heads, KV heads, head_dim
 BATCHES = (1, 8, 32, 128)
 CONTEXTS = (2048, 8192, 32768)
 REPEATS, WARMUP = 20, 3
 MEMORY_FACTOR = 2.4  # device memory per cell in units of its BF16 KV: the cache (twice while FlashInfer copies it), the pages twice
-DOC = DOCS / "kernels.md"
 DOC_BLOCK = "decode-cuda"
 METHODS = ("cuda", "cuda_fragment", "triton", "bf16")
 
@@ -317,15 +316,8 @@ def run(args: argparse.Namespace) -> int:
 
 def render_json(path: Path) -> int:
     """docs/kernels.md's CUDA decode table from a GPU run's JSON (no GPU needed)."""
-    doc = json.loads(path.read_text())
-    missing = [k for k in ("device", "date", "command", "results", "copy_bandwidth_gb_per_s") if k not in doc]
-    if missing:
-        raise ValueError(f"{path} is not a bench_decode_cuda result (missing {', '.join(missing)})")
-    (DOCS / "bench").mkdir(parents=True, exist_ok=True)
-    (DOCS / "bench" / "decode-cuda.json").write_text(json.dumps(doc, indent=1) + "\n")
-    replace_block(DOC, DOC_BLOCK, table(doc), heading="### CUDA decode kernel: measured on a GPU")
-    print(f"wrote docs/bench/decode-cuda.json and the table in {DOC} ({len(doc['results'])} cells, {doc['device']})")
-    return 0
+    return render_gpu_run(path, "bench_decode_cuda", "decode-cuda", DOC_BLOCK, table,
+                          "### CUDA decode kernel: measured on a GPU")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,18 +331,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated split counts: time the CUDA kernel at each (and at its own choice) "
                          "per cell instead of the method grid, to check the split rule")
     ap.add_argument("--from-json", type=Path, help="render a GPU run's JSON into docs/kernels.md (no GPU)")
-    argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv)
-    args.command_line = " ".join(["python -m hack_cli.bench_decode_cuda", *argv])
-    try:
-        if args.from_json:
-            return render_json(args.from_json)
-        if args.repeats <= 0:
-            raise ValueError("--repeats must be positive")
-        return run(args)
-    except (ValueError, RuntimeError) as exc:
-        print(f"bench_decode_cuda: error: {exc}", file=sys.stderr)
-        return 2
+    return gpu_bench_cli(ap, argv, run, render_json)
 
 
 if __name__ == "__main__":

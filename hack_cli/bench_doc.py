@@ -56,3 +56,39 @@ def publish(doc: dict, body: str, out: str, model: str, block: str, to_doc: bool
         path = Path(out.format(model=model))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def render_gpu_run(path: Path, bench: str, name: str, block: str, table, heading: str,
+                   page: str = "kernels.md") -> int:
+    """A GPU run's JSON (files come back from the GPU machine) made docs/bench/`name`.json and its
+    table in docs/`page` between the `block` markers, with no GPU. `table(doc)` renders it."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--from-json: cannot read {path}: {exc}") from None
+    missing = [k for k in ("device", "date", "command", "results", "copy_bandwidth_gb_per_s") if k not in doc]
+    if missing:
+        raise ValueError(f"--from-json: {path} is not a {bench} result (missing {', '.join(missing)})")
+    (DOCS / "bench").mkdir(parents=True, exist_ok=True)
+    (DOCS / "bench" / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    replace_block(DOCS / page, block, table(doc), heading=heading)
+    print(f"wrote docs/bench/{name}.json and the table in docs/{page} ({len(doc['results'])} cells, {doc['device']})")
+    return 0
+
+
+def gpu_bench_cli(ap, argv: list[str] | None, run, render) -> int:
+    """The command line of a GPU benchmark module (`python -m hack_cli.bench_*_cuda`): parse argv
+    (`--from-json` and `--repeats` among its options), then render a GPU run's JSON or measure;
+    a ValueError or RuntimeError is one line on stderr and exit status 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = ap.parse_args(argv)
+    args.command_line = " ".join([ap.prog, *argv])
+    try:
+        if args.from_json:
+            return render(args.from_json)
+        if args.repeats <= 0:
+            raise ValueError("--repeats must be positive")
+        return run(args)
+    except (ValueError, RuntimeError) as exc:
+        print(f"{ap.prog.rsplit('.', 1)[-1]}: error: {exc}", file=sys.stderr)
+        return 2

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from hack_cli.bench_doc import DOCS, replace_block
+from hack_cli.bench_doc import gpu_bench_cli, render_gpu_run
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # query heads, KV heads, head_dim
 PROMPTS = (2048, 8192, 32768)
 REPEATS, WARMUP = 20, 3
-DOC = DOCS / "kernels.md"
 DOC_BLOCK = "prefill-cuda"
 METHODS = ("bf16", "auto_cuda", "auto_triton", "store_cuda", "store_triton")
 AUTO_VS_BF16 = 0.9
@@ -145,18 +144,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render_json(path: Path) -> int:
     """docs/bench/prefill-cuda.json and the table in docs/kernels.md from a GPU run's JSON."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"--from-json: cannot read {path}: {exc}") from None
-    missing = [k for k in ("device", "date", "command", "results", "copy_bandwidth_gb_per_s") if k not in doc]
-    if missing:
-        raise ValueError(f"--from-json: {path} is not a bench_prefill_cuda result (missing {', '.join(missing)})")
-    dest = DOCS / "bench" / "prefill-cuda.json"
-    dest.write_text(json.dumps(doc, indent=1) + "\n")
-    replace_block(DOC, DOC_BLOCK, table(doc), heading="### GPU prefill measured")
-    print(f"wrote {dest} and the table in {DOC} ({len(doc['results'])} cells measured on {doc['device']})")
-    return 0
+    return render_gpu_run(path, "bench_prefill_cuda", "prefill-cuda", DOC_BLOCK, table, "### GPU prefill measured")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,18 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=REPEATS)
     ap.add_argument("--out", default="prefill-cuda.json", help="the JSON, rewritten after every cell")
     ap.add_argument("--from-json", type=Path, help="render a GPU run's JSON into docs/kernels.md (no GPU)")
-    argv = sys.argv[1:] if argv is None else argv
-    args = ap.parse_args(argv)
-    args.command_line = " ".join(["python -m hack_cli.bench_prefill_cuda", *argv])
-    try:
-        if args.from_json:
-            return render_json(args.from_json)
-        if args.repeats <= 0:
-            raise ValueError("--repeats must be positive")
-        return run(args)
-    except (ValueError, RuntimeError) as exc:
-        print(f"bench_prefill_cuda: error: {exc}", file=sys.stderr)
-        return 2
+    return gpu_bench_cli(ap, argv, run, render_json)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import torch
 
 from hack_cli import bench_decode_cuda as bench
+from hack_cli import bench_doc
 from hack_ops import HackConfig
 from hack_ops.layout import page_layout
 from hack_ops.triton import benchcases as bc
@@ -68,8 +69,7 @@ def test_from_json_renders_into_the_docs(tmp_path, monkeypatch, capsys):
     src.write_text(json.dumps(doc))
     kernels = tmp_path / "kernels.md"
     kernels.write_text("# Kernels\n\n<!-- bench-decode-cuda:begin -->\nold\n<!-- bench-decode-cuda:end -->\ntail\n")
-    monkeypatch.setattr(bench, "DOC", kernels)
-    monkeypatch.setattr(bench, "DOCS", tmp_path)
+    monkeypatch.setattr(bench_doc, "DOCS", tmp_path)
     assert bench.main(["--from-json", str(src)]) == 0
     text = kernels.read_text()
     assert "old" not in text and text.endswith("tail\n")

@@ -52,17 +52,19 @@ HACK_DEV float f16_down(float x) { return __half2float(__float2half_rd(x)); }
 HACK_DEV float f16_up(float x) { return __half2float(__float2half_ru(x)); }
 HACK_DEV float fp16_of(float x) { return __half2float(__float2half_rn(x)); }
 
-// The stored (min, scale) of a range [mn, mx]: min down and scale up to the meta dtype; an empty
-// range or a zero scale stores scale 1 (hack_ops.quant.quantize).
+// A range [lo, hi] as stored: min rounded down and scale (hi - min) / levels up to the meta dtype;
+// a scale <= 0 becomes 1 (hack_ops.quant).
+HACK_DEV void rounded_range(float lo, float hi, float levels, bool f16, float& lo_q, float& s_q) {
+  lo_q = f16 ? f16_down(lo) : lo;
+  s_q = div_rn(hi - lo_q, levels);
+  if (f16) s_q = f16_up(s_q);
+  if (s_q <= 0.f) s_q = 1.f;
+}
+
+// The stored (min, scale) of a group's chosen range [mn, mx]; an empty range stores scale 1.
 HACK_DEV void stored_meta(float mn, float mx, float levels, bool f16, float& mn_q, float& s_q) {
-  if (f16) {
-    mn_q = f16_down(mn);
-    s_q = f16_up(div_rn(mx - mn_q, levels));
-  } else {
-    mn_q = mn;
-    s_q = div_rn(mx - mn, levels);
-  }
-  if (s_q <= 0.f || mx <= mn) s_q = 1.f;
+  rounded_range(mn, mx, levels, f16, mn_q, s_q);
+  if (mx <= mn) s_q = 1.f;
 }
 
 // The code of x, clamp(rint((x - mn) / s), 0, levels) with an IEEE division, from one multiply by
@@ -88,14 +90,7 @@ HACK_DEV void search_range(const float (&x)[P], uint64_t valid, float& mn, float
     const float lo = mn + clip_grid(c / 5) * r;
     const float hi = mx - clip_grid(c % 5) * r;
     float lo_q, sc;
-    if (f16) {
-      lo_q = f16_down(lo);
-      sc = f16_up(div_rn(hi - lo_q, levels));
-    } else {
-      lo_q = lo;
-      sc = div_rn(hi - lo_q, levels);
-    }
-    if (sc <= 0.f) sc = 1.f;
+    rounded_range(lo, hi, levels, f16, lo_q, sc);
     const float inv = div_rn(1.f, sc);
     float err = 0.f;
 #pragma unroll
