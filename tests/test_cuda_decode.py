@@ -211,6 +211,16 @@ def test_gemma3_shape_window_and_cap():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3])
+def test_per_head_page_tables_on_the_gpu(splits):
+    """Sparse decode's per-head page tables on the GPU: each head's own pages, against the
+    reference over each head's shortened sequence (the case tests/test_cuda_simt.py runs on the CPU)."""
+    from test_cuda_simt import per_head_case
+
+    per_head_case(splits, "cuda")
+
+
+@pytest.mark.cuda
 def test_replays_inside_a_cuda_graph():
     """SGLang captures decode in CUDA graphs: the ctypes launch is captured and replays on new q."""
     lay = page_layout(HackConfig(), KV_HEADS, 128)

@@ -91,14 +91,27 @@ class CudaDecodeAttention:
         self.fixed_splits = num_splits
         self.order = CodeOrder(order)
         self.batch: PagedBatch | None = None
+        self.head_tables = False
         self._splits: dict[int, tuple[int, int]] = {}
         self._last: tuple | None = None  # (arguments' fingerprint, Call, library) of the last run
 
     def plan(self, kv_indptr: Tensor, kv_indices: Tensor, seq_lens: Tensor,
-             tail_rows: Tensor | None = None, sink_slots: Tensor | None = None) -> None:
+             tail_rows: Tensor | None = None, sink_slots: Tensor | None = None, head_tables: bool = False) -> None:
         """seq_lens count the new token. tail_rows: FP16 tail row per request (default: its
-        index); sink_slots: sink row per request (default: the sequence's first page)."""
+        index); sink_slots: sink row per request (default: the sequence's first page).
+        head_tables: kv_indices holds one page list per KV head (sparse decode: each head reads
+        its own selected pages, as many per head of a request): request b's n_b = kv_indptr[b+1]
+        - kv_indptr[b] pages of head h are kv_indices[kv_indptr[b] * H + h * n_b:][:n_b]
+        (hack_ops.paged.sparse.PageSelection.head_csr); sink_slots is then required."""
+        if head_tables:
+            if sink_slots is None:
+                raise ValueError("head_tables: pass sink_slots (the first page of each head's list is a selection)")
+            need = int(kv_indptr[-1]) * self.layout.num_heads
+            if kv_indices.numel() < need:
+                raise ValueError(f"head_tables: kv_indices has {kv_indices.numel()} entries, {self.layout.num_heads} "
+                                 f"KV heads x {int(kv_indptr[-1])} pages need {need}")
         self.batch = plan_batch(kv_indptr, kv_indices, seq_lens, PAGE, None, tail_rows, sink_slots)
+        self.head_tables = bool(head_tables)
         self._splits = {}
         self._last = None
 
@@ -205,4 +218,5 @@ class CudaDecodeAttention:
         p.rep, p.sinks = self.rep, lay.config.sink_tokens
         p.pages_per_split, p.num_splits = pps, n
         p.batch, p.kv_heads = b.batch_size, lay.num_heads
+        p.head_tables = int(self.head_tables)
         return p

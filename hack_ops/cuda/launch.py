@@ -22,12 +22,12 @@ FIELDS = (
     ("kv_indptr", _P), ("kv_indices", _P), ("seq_lens", _P), ("tail_rows", _P), ("sink_slots", _P),
     ("out", _P), ("o_sb", _I64), ("o_sh", _I64), ("o_part", _P), ("m_part", _P), ("l_part", _P),
     ("sm_scale", _F32), ("logit_cap", _F32), ("window", _I32), ("rep", _I32), ("sinks", _I32),
-    ("pages_per_split", _I32), ("num_splits", _I32), ("batch", _I32), ("kv_heads", _I32),
+    ("pages_per_split", _I32), ("num_splits", _I32), ("batch", _I32), ("kv_heads", _I32), ("head_tables", _I32),
 )
 
 
 class DecodeParams(ctypes.Structure):
-    _fields_ = [*FIELDS, ("pad_", _I32)]
+    _fields_ = list(FIELDS)
 
 
 # variant key -> (Variant, arch), filled before LibraryCache.load asks for the build

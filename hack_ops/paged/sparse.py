@@ -49,6 +49,19 @@ class PageSelection:
     def batch_size(self) -> int:
         return int(self.n_closed.shape[0])
 
+    def head_csr(self) -> tuple[Tensor, Tensor]:
+        """The selection as one page list per (request, KV head), CSR over requests (what
+        hack_ops.cuda.CudaDecodeAttention.plan(head_tables=True) reads): indptr int32 [B+1] counts
+        each request's pages per head (its selected closed pages, then the open page when it holds
+        tokens); indices int32 [indptr[-1] * H], request b's heads' lists one after another."""
+        b, h, w = self.table.shape
+        has_open = self.seq_lens > self.n_closed * self.page_size
+        n = self.n_closed + has_open.to(self.n_closed.dtype)
+        indptr = torch.zeros(b + 1, dtype=torch.int32, device=n.device)
+        indptr[1:] = torch.cumsum(n, 0)
+        mask = torch.arange(w, device=n.device)[None, None, :] < n[:, None, None]
+        return indptr, self.table[mask.expand(b, h, w)].to(torch.int32)
+
     def heads_pages(self, b: int) -> Tensor:
         """Request b's page ids per KV head [H, n]: the n pages its heads read (closed, then
         the open page when it holds tokens)."""

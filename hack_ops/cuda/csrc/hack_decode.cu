@@ -361,7 +361,9 @@ HACK_GLOBAL void HACK_BOUNDS(WARPS * 32) hack_decode_kernel(const DecodeParams p
   // read 32 at a time, one per lane, and passed around by shuffles.
   const int n_my = warp_pages(R, warp);
   uint8_t* ring = smem + warp * STAGES * G::STAGE;
-  const int32_t* table = p.kv_indices + p.kv_indptr[b];
+  const int32_t* table = p.kv_indices + (p.head_tables ? static_cast<int64_t>(p.kv_indptr[b]) * p.kv_heads +
+                                                             static_cast<int64_t>(h) * (p.kv_indptr[b + 1] - p.kv_indptr[b])
+                                                       : p.kv_indptr[b]);
   int ids = 0, id_base = -32;
   auto issue = [&](int i) {
     if (i - id_base >= 32) {  // warp-uniform

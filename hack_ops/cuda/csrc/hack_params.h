@@ -40,7 +40,8 @@ struct DecodeParams {
   int32_t num_splits;
   int32_t batch;
   int32_t kv_heads;
-  int32_t pad_;
+  int32_t head_tables;           // 1: kv_indices holds a page list per KV head (sparse decode): request b's
+                                 // head h reads kv_indices[kv_indptr[b] * kv_heads + h * n_b ..], n_b its pages
 };
 
 #define HACK_PARAM_FIELDS(X)                                                                                   \
@@ -48,6 +49,6 @@ struct DecodeParams {
   X(vs_off) X(tail_k) X(tail_v) X(t_row) X(t_tok) X(t_head) X(sink_k) X(sink_v) X(s_slot) X(s_tok) X(s_head)   \
   X(kv_indptr) X(kv_indices) X(seq_lens) X(tail_rows) X(sink_slots) X(out) X(o_sb) X(o_sh) X(o_part) X(m_part) \
   X(l_part) X(sm_scale) X(logit_cap) X(window) X(rep) X(sinks) X(pages_per_split) X(num_splits) X(batch)       \
-  X(kv_heads)
+  X(kv_heads) X(head_tables)
 
 }  // namespace hack
