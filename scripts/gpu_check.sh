@@ -4,14 +4,14 @@
 # (default ./gpu-check), written as it happens, so a run stopped at a time limit keeps what it did.
 # In order, each phase within its own limit and all within TOTAL_SECONDS (default 480: 8 minutes;
 # a phase that would start with under 20 s left is skipped and says so):
-#   1. build   the CUDA decode and store kernels' libraries for this GPU, in parallel (90 s) -> run.log
+#   1. build   the CUDA decode and store kernels' libraries for this GPU, in parallel (120 s) -> run.log
 #   2. tests   tests/test_cuda_decode.py, tests/test_cuda_store.py (the cases marked cuda first) and the
 #              static checks (150 s)                                           -> tests.log, failures.log
 #  2b. prefill python -m hack_cli.bench_prefill_cuda: the prefill `--hack-prefill auto` runs (CUDA store,
 #              then flash attention) and each store alone against BF16 flash prefill (60 s)
 #                                                                              -> prefill-cuda.json, run.log
 #   3. bench   python -m hack_cli.bench_decode_cuda: per cell the CUDA kernel, its fragment-order
-#              variant, the Triton kernel and BF16 (180 s)   -> decode-cuda.json (after every cell), run.log
+#              variant, the Triton kernel and BF16 (150 s)   -> decode-cuda.json (after every cell), run.log
 #  3b. splits  only with HACK_GPU_SPLITS_SECONDS > 0: the split-count sweep        -> splits.json
 #   4. model   python -m hack_cli.bench_decode_model: Llama-3-8B shapes at 32K, tokens/s of BF16 and
 #              HACK KV at equal KV memory (120 s)                            -> decode-model.json, run.log
@@ -63,7 +63,7 @@ limit() {
 }
 
 # 1. build: every variant the tests and the benchmarks load, for this GPU, before anything times it.
-s=$(limit build "${HACK_GPU_BUILD_SECONDS:-90}" | tail -1)
+s=$(limit build "${HACK_GPU_BUILD_SECONDS:-120}" | tail -1)
 if (( s > 0 )); then
   timeout "$s" "$py" -m hack_ops.cuda.build --head-dims 64,128,256 --dtypes bf16,fp16 --orders token,fragment \
     --caps 0,1 >"$out/run.log" 2>&1
@@ -100,7 +100,7 @@ if (( s > 0 )); then
 fi
 
 # 3. bench: the decode grid against BF16, the JSON rewritten after every cell.
-s=$(limit bench "${HACK_GPU_BENCH_SECONDS:-180}" | tail -1)
+s=$(limit bench "${HACK_GPU_BENCH_SECONDS:-150}" | tail -1)
 if (( s > 0 )); then
   echo "=== bench_decode_cuda ===" >>"$out/run.log"
   timeout "$s" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@" >>"$out/run.log" 2>&1
