@@ -96,10 +96,11 @@ def table(doc: dict) -> str:
     for r in doc["results"]:
         ms = r["ms"]
         missed = [k for k, ok in r["targets"].items() if not ok]
-        lines.append(f"| {r['shape']} | {r['prompt']} | {ms['bf16']:.3f} | {ms['auto_cuda']:.3f} | {ms['auto_triton']:.3f} "
-                     f"| {ms['store_cuda']:.3f} | {ms['store_triton']:.3f} | x{r['auto_cuda_vs_bf16']:.2f} "
-                     f"| {r['store_cuda_gb_per_s']:.0f} ({100 * r['store_cuda_of_copy']:.0f}%) "
-                     f"| {'yes' if r['stores_identical'] else 'NO'} | {'met' if not missed else 'missed: ' + ', '.join(missed)} |")
+        verdict = "met" if not missed else "missed: " + ", ".join(missed)
+        lines.append(f"| {r['shape']} | {r['prompt']} | {ms['bf16']:.3f} | {ms['auto_cuda']:.3f} "
+                     f"| {ms['auto_triton']:.3f} | {ms['store_cuda']:.3f} | {ms['store_triton']:.3f} "
+                     f"| x{r['auto_cuda_vs_bf16']:.2f} | {r['store_cuda_gb_per_s']:.0f} "
+                     f"({100 * r['store_cuda_of_copy']:.0f}%) | {'yes' if r['stores_identical'] else 'NO'} | {verdict} |")
     return "\n".join(lines)
 
 

@@ -138,7 +138,8 @@ def test_bad_input_is_refused_before_anything_is_written():
 
     lay = page_layout(HackConfig(), 2, 64)
     bufs = new_buffers(lay, 4, 1, 4)
-    b = plan_batch(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([80]), PAGE, qo_indptr=torch.tensor([0, 80]))
+    b = plan_batch(torch.tensor([0, 2]), torch.tensor([0, 1]), torch.tensor([80]), PAGE,
+                   qo_indptr=torch.tensor([0, 80]))
     k, v = _kv(80, 64, 0, 2, torch.bfloat16)
     with pytest.raises(ValueError, match="k must be"):
         store_on_cpu(lay, b, k[:79], v, **cache_kwargs(bufs))
