@@ -62,6 +62,18 @@ limit() {
   else echo "$want"; fi
 }
 
+# phase NAME SECONDS CMD...: CMD within the phase's limit (0 skips it), its output appended to
+# run.log, its exit status to device.txt.
+phase() {
+  local name=$1 s
+  s=$(limit "$name" "$2" | tail -1)
+  shift 2
+  (( s > 0 )) || return 0
+  echo "=== $name: ${*:2} ===" >>"$out/run.log"
+  timeout "$s" "$@" >>"$out/run.log" 2>&1
+  echo "$name: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
+}
+
 # 1. build: every variant the tests and the benchmarks load, for this GPU, before anything times it.
 s=$(limit build "${HACK_GPU_BUILD_SECONDS:-120}" | tail -1)
 if (( s > 0 )); then
@@ -92,39 +104,20 @@ echo "CUDA kernel tests: $(grep -c ' PASSED' "$out/tests.log" 2>/dev/null) passe
      "$(grep -c ' FAILED' "$out/tests.log" 2>/dev/null) failed" | tee -a "$out/device.txt"
 
 # 2b. prefill: the GPU prefill `auto` picks, with the CUDA store, against BF16 (and the Triton store).
-s=$(limit prefill "${HACK_GPU_PREFILL_SECONDS:-60}" | tail -1)
-if (( s > 0 )); then
-  echo "=== bench_prefill_cuda ===" >>"$out/run.log"
-  timeout "$s" "$py" -m hack_cli.bench_prefill_cuda --out "$out/prefill-cuda.json" >>"$out/run.log" 2>&1
-  echo "bench_prefill_cuda: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
-fi
+phase prefill "${HACK_GPU_PREFILL_SECONDS:-60}" "$py" -m hack_cli.bench_prefill_cuda --out "$out/prefill-cuda.json"
 
 # 3. bench: the decode grid against BF16, the JSON rewritten after every cell.
-s=$(limit bench "${HACK_GPU_BENCH_SECONDS:-150}" | tail -1)
-if (( s > 0 )); then
-  echo "=== bench_decode_cuda ===" >>"$out/run.log"
-  timeout "$s" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@" >>"$out/run.log" 2>&1
-  echo "bench_decode_cuda: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
-fi
+phase bench "${HACK_GPU_BENCH_SECONDS:-150}" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@"
 
 # 3b. splits, only with HACK_GPU_SPLITS_SECONDS > 0: the kernel at each split count against the
 # count hack_ops.cuda.decode.choose_splits picks, per cell of the small-batch grid.
-s=0
-(( ${HACK_GPU_SPLITS_SECONDS:-0} > 0 )) && s=$(limit splits "$HACK_GPU_SPLITS_SECONDS" | tail -1)
-if (( s > 0 )); then
-  echo "=== bench_decode_cuda --sweep-splits ===" >>"$out/run.log"
-  timeout "$s" "$py" -m hack_cli.bench_decode_cuda --out "$out/splits.json" --batches 1,8,32 --contexts 8192,32768 \
-    --repeats 10 --sweep-splits 1,2,3,4,6,8,12,16,24,32,48,64 >>"$out/run.log" 2>&1
-  echo "splits sweep: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
+if (( ${HACK_GPU_SPLITS_SECONDS:-0} > 0 )); then
+  phase splits "$HACK_GPU_SPLITS_SECONDS" "$py" -m hack_cli.bench_decode_cuda --out "$out/splits.json" \
+    --batches 1,8,32 --contexts 8192,32768 --repeats 10 --sweep-splits 1,2,3,4,6,8,12,16,24,32,48,64
 fi
 
 # 4. model: tokens/s at equal KV memory (HACK's batch against BF16's), Llama-3-8B shapes at 32K.
-s=$(limit model "${HACK_GPU_MODEL_SECONDS:-120}" | tail -1)
-if (( s > 0 )); then
-  echo "=== bench_decode_model ===" >>"$out/run.log"
-  timeout "$s" "$py" -m hack_cli.bench_decode_model --out "$out/decode-model.json" >>"$out/run.log" 2>&1
-  echo "bench_decode_model: exit $? (124: stopped at ${s}s)" | tee -a "$out/device.txt"
-fi
+phase model "${HACK_GPU_MODEL_SECONDS:-120}" "$py" -m hack_cli.bench_decode_model --out "$out/decode-model.json"
 
 # 5. ncu: what bounds one launch (memory or issue), when the tool is here.
 s=$(limit ncu "${HACK_GPU_NCU_SECONDS:-60}" | tail -1)
