@@ -4,7 +4,9 @@
 // K and V 2- or 4-bit each, fp16 or fp32 side tables, K and V with FP16 tails (tail_tensors
 // 'kv'), the range search on or off. The bytes are hack_ops.quant's: same operations in the
 // same order (the library is built with -fmad=false), IEEE division, round-half-even codes,
-// min rounded down and scale up to fp16.
+// min rounded down and scale up to fp16. One order differs, as in the Triton store: a candidate's
+// squared error is summed token by token here, so two candidates whose errors tie to the last
+// bit could resolve the other way (none did in the tests).
 //
 // Grid (touched page, request, KV head), HACK_D threads. Why this shape, and not the Triton
 // kernel's tile per program: the range search tries 25 clipped ranges per group, and each group
