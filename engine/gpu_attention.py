@@ -64,6 +64,8 @@ class GpuAttention:
         logger.info("HACK decode attention kernel: %s [%s]", self.decode_kernel.value, why)
         self._on_triton: dict[tuple[int, int, int], str] = {}  # layer formats the CUDA kernel does not take, and why
         self._store_on_triton: dict[tuple, str] = {}  # (K bits, V bits, dtype) the CUDA store does not write, and why
+        if self.decode_kernel == DecodeKernel.CUDA and self.device.type == "cuda":
+            self.prepare_store()
 
     def plan(self, req_to_token: Tensor, rows: list[int], seq_lens: list[int], ext_lens: list[int]) -> ForwardPlan:
         plan = self.store.plan(req_to_token, rows, seq_lens, ext_lens)
@@ -144,6 +146,25 @@ class GpuAttention:
             return self._dense_extend(layer, plan, attn, q, k, v, scale, window, logit_cap)
         return attn.run(q.contiguous(), k.contiguous(), v.contiguous(), *self._cache(layer), window=window,
                         logit_cap=logit_cap)
+
+    def prepare_store(self) -> None:
+        """Build the CUDA store for this pool's head_dim and bf16 tokens (the usual activations)
+        at startup, so the first prefill does not wait for nvcc (~10 s, once per machine: cached).
+        A build that fails is logged here; its formats then take the Triton store at the first
+        chunk (_store_chunk)."""
+        import torch
+
+        from hack_ops.cuda.build import ActDtype, Variant, device_arch
+        from hack_ops.cuda.store import load, store_why_not
+
+        layouts = {id(lay): lay for lay in self.store.layouts}.values()
+        if all(store_why_not(lay, torch.bfloat16) is not None for lay in layouts):
+            return
+        try:
+            load(Variant(self.store.head_dim, ActDtype.BF16), device_arch(self.device))
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the Triton store, never the server down
+            logger.warning("HACK prefill store: the CUDA store could not be built (%s); prefill stores with Triton",
+                           str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     def _store_chunk(self, lay: Any, batch: Any, k: Tensor, v: Tensor, cache: tuple) -> None:
         """A prefill chunk's pages and tails. Where the CUDA kernels were chosen at startup and the

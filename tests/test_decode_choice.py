@@ -120,3 +120,37 @@ def test_gpu_prefill_store_stays_on_triton_when_triton_decode_was_chosen(monkeyp
     k = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
     gpu._store_chunk(store.layout_for(0), None, k, k, ())
     assert calls == ["triton"]
+
+
+def test_the_cuda_store_is_built_at_startup_and_a_failed_build_is_only_logged(monkeypatch, caplog):
+    """GpuAttention.prepare_store builds the store for the pool's head_dim before the first
+    prefill; a build that fails is a warning, not a failed server (the formats take Triton)."""
+    from engine import gpu_attention
+    from engine.settings import EngineSettings
+    from hack_ops import HackConfig, PrefillMode
+    from hack_ops.cuda import build
+    from hack_ops.paged import HackKVStore
+
+    cuda_store = importlib.import_module("hack_ops.cuda.store")
+    built = []
+    monkeypatch.setattr(gpu_attention, "choose_decode_kernel", lambda device, requested: (DecodeKernel.CUDA, "test"))
+    monkeypatch.setattr(build, "device_arch", lambda device=None: 90)
+    monkeypatch.setattr(cuda_store, "load", lambda variant, arch: built.append((variant.head_dim, arch)))
+    store = HackKVStore(HackConfig(), 2, 2, 64, num_pages=4, num_rows=2)
+    gpu = gpu_attention.GpuAttention(store, EngineSettings(), PrefillMode.DENSE)
+    assert built == []  # a CPU device: nothing to build
+    gpu.prepare_store()
+    assert built == [(64, 90)]
+
+    def fails(variant, arch):
+        raise RuntimeError("the CUDA store kernel (d64-bf16@sm90) is unavailable: nvcc not found")
+
+    monkeypatch.setattr(cuda_store, "load", fails)
+    with caplog.at_level(logging.WARNING, logger="engine.gpu_attention"):
+        gpu.prepare_store()
+    assert "the CUDA store could not be built (the CUDA store kernel (d64-bf16@sm90) is unavailable" in caplog.text
+    built.clear()
+    monkeypatch.setattr(cuda_store, "load", lambda variant, arch: built.append(variant.head_dim))
+    gpu.store = HackKVStore(HackConfig(partition_size=32), 2, 2, 64, num_pages=4, num_rows=2)
+    gpu.prepare_store()  # Π = 32: no layer the CUDA store writes, nothing built
+    assert built == []
