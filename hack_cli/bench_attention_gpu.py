@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hack_cli.bench_doc import DOCS, command_line, replace_block
+from hack_cli.bench_doc import DOCS, command_line, gpu_run_header, replace_block
 
 GPU_SHAPES = {  # (query heads, kv heads, head_dim)
     "llama3-8b": (32, 8, 128),
@@ -144,14 +144,7 @@ def row_from(cell: Cell, times: dict[str, float], nbytes: dict[str, int], copy_b
 def table(doc: dict) -> str:
     """The markdown the docs quote: header lines (device, date, command, baseline) and one row
     per cell."""
-    bw = doc["copy_bandwidth_gb_per_s"]
-    lines = [f"Measured on {doc['device']} ({doc['date']}) with `{doc['command']}`; BF16 baseline: "
-             f"**{doc['bf16_baseline']}**; triton {doc['triton']}, torch {doc['torch']}. Median of "
-             f"{doc['repeats']} CUDA-event timings after {doc['warmup']} warm-up calls, methods alternating, L2 "
-             f"flushed before each call. Copy bandwidth (read + write) measured in the same run: {bw:.0f} GB/s.",
-             ""]
-    if doc.get("complete") is False:
-        lines[-1:] = [f"Stopped early: {doc['cells_done']} of {doc['cells_planned']} planned cells measured.", ""]
+    lines = gpu_run_header(doc, f"triton {doc['triton']}, torch {doc['torch']}")
     lines += ["| phase | shape | batch | context | HACK ms | BF16 ms | dequant ms | vs BF16 | vs dequant "
              "| HACK GB/s (of copy) | BF16 GB/s (of copy) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

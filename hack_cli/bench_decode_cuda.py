@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hack_cli.bench_doc import gpu_bench_cli, render_gpu_run
+from hack_cli.bench_doc import gpu_bench_cli, gpu_run_header, render_gpu_run
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # query heads, KV heads, head_dim
 BATCHES = (1, 8, 32, 128)
@@ -131,13 +131,7 @@ def row_from(cell: Cell, times: dict[str, float], nbytes: dict[str, int], copy_b
 
 
 def table(doc: dict) -> str:
-    lines = [f"Measured on {doc['device']} ({doc['date']}) with `{doc['command']}`; BF16 baseline: "
-             f"**{doc['bf16_baseline']}**; torch {doc['torch']}, triton {doc['triton']}, nvcc {doc.get('nvcc', '?')}. "
-             f"Median of {doc['repeats']} CUDA-event timings after {doc['warmup']} warm-up calls, methods alternating, "
-             f"L2 flushed before each call. Copy bandwidth (read + write) in the same run: "
-             f"{doc['copy_bandwidth_gb_per_s']:.0f} GB/s.", ""]
-    if doc.get("complete") is False:
-        lines[-1:] = [f"Stopped early: {doc['cells_done']} of {doc['cells_planned']} planned cells measured.", ""]
+    lines = gpu_run_header(doc, f"torch {doc['torch']}, triton {doc['triton']}, nvcc {doc.get('nvcc', '?')}")
     lines += ["| shape | batch | context | CUDA ms | fragment ms | Triton ms | BF16 ms | CUDA vs BF16 | fragment vs BF16 "
               "| CUDA GB/s (of copy) | BF16 GB/s (of copy) | targets |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]

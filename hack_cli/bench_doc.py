@@ -92,3 +92,16 @@ def gpu_bench_cli(ap, argv: list[str] | None, run, render) -> int:
     except (ValueError, RuntimeError) as exc:
         print(f"{ap.prog.rsplit('.', 1)[-1]}: error: {exc}", file=sys.stderr)
         return 2
+
+
+def gpu_run_header(doc: dict, versions: str, baseline_note: str = "") -> list[str]:
+    """The paragraph above a GPU benchmark's table (card, date, command, the BF16 baseline, the
+    tools' `versions`, how it timed, the copy bandwidth of the run) and, for a run stopped at its
+    time limit, how many cells it measured; then a blank line."""
+    lines = [f"Measured on {doc['device']} ({doc['date']}) with `{doc['command']}`; BF16 baseline: "
+             f"**{doc['bf16_baseline']}**{baseline_note}; {versions}. Median of {doc['repeats']} CUDA-event timings "
+             f"after {doc['warmup']} warm-up calls, methods alternating, L2 flushed before each call. Copy bandwidth "
+             f"(read + write) in the same run: {doc['copy_bandwidth_gb_per_s']:.0f} GB/s.", ""]
+    if doc.get("complete") is False:
+        lines[-1:] = [f"Stopped early: {doc['cells_done']} of {doc['cells_planned']} planned cells measured.", ""]
+    return lines

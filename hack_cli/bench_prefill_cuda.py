@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from hack_cli.bench_doc import gpu_bench_cli, render_gpu_run
+from hack_cli.bench_doc import gpu_bench_cli, gpu_run_header, render_gpu_run
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128)}  # query heads, KV heads, head_dim
 PROMPTS = (2048, 8192, 32768)
@@ -82,14 +82,8 @@ def measure(shape: str, n: int, baseline, device: torch.device, repeats: int, co
 
 
 def table(doc: dict) -> str:
-    bw = doc["copy_bandwidth_gb_per_s"]
-    lines = [f"Measured on {doc['device']} ({doc['date']}) with `{doc['command']}`; BF16 baseline: "
-             f"**{doc['bf16_baseline']}** (attention only, no KV written); torch {doc['torch']}, triton "
-             f"{doc['triton']}. Median of {doc['repeats']} CUDA-event timings after {WARMUP} warm-up calls, methods "
-             f"alternating, L2 flushed before each call. Copy bandwidth (read + write) in the same run: {bw:.0f} GB/s.",
-             ""]
-    if doc.get("complete") is False:
-        lines[-1:] = [f"Stopped early: {doc['cells_done']} of {doc['cells_planned']} planned cells measured.", ""]
+    lines = gpu_run_header(doc, f"torch {doc['torch']}, triton {doc['triton']}",
+                           " (attention only, no KV written)")
     lines += ["| shape | prompt | BF16 ms | auto (CUDA store) ms | auto (Triton store) ms | CUDA store ms "
               "| Triton store ms | auto vs BF16 | CUDA store GB/s (of copy) | stores identical | targets |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -127,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     flush, copy_bps = bc.l2_flush(device), bc.copy_bandwidth(device)
     head = {"device": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
             "command": args.command_line, "bf16_baseline": baseline.value, "torch": torch.__version__,
-            "triton": triton.__version__, "repeats": args.repeats, "copy_bandwidth_gb_per_s": round(copy_bps / 1e9, 1)}
+            "triton": triton.__version__, "repeats": args.repeats, "warmup": WARMUP,
+            "copy_bandwidth_gb_per_s": round(copy_bps / 1e9, 1)}
     cells = [(s, n) for s in shapes for n in prompts]
     out, results = Path(args.out), []
     print(f"prefill on {head['device']}: copy bandwidth {copy_bps / 1e9:.0f} GB/s; BF16 baseline: {baseline.value}")

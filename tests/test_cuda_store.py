@@ -218,7 +218,7 @@ def test_prefill_benchmark_renders_a_gpu_run_and_refuses_a_cpu(tmp_path, monkeyp
            "auto_cuda_vs_bf16": 0.8, "store_cuda_gb_per_s": 168.0, "store_cuda_of_copy": 0.06, "stores_identical": True,
            "targets": {"auto_ge_0.9x_bf16": False, "store_ge_half_copy_bw": False}}
     doc = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-29", "command": "python -m hack_cli.bench_prefill_cuda",
-           "bf16_baseline": "sdpa-flash", "torch": "2.11", "triton": "3.6", "repeats": 20,
+           "bf16_baseline": "sdpa-flash", "torch": "2.11", "triton": "3.6", "repeats": 20, "warmup": 3,
            "copy_bandwidth_gb_per_s": 2964.0, "complete": False, "cells_done": 1, "cells_planned": 6, "results": [row]}
     text = bench.table(doc)
     assert "Stopped early: 1 of 6" in text and "| llama3-8b | 2048 | 0.200 | 0.250 |" in text

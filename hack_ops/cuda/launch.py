@@ -8,6 +8,8 @@ process and not retried.
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
+from typing import Any, Callable
 
 from ..cbuild import LibraryCache
 from .build import Variant, library
@@ -30,8 +32,24 @@ class DecodeParams(ctypes.Structure):
     _fields_ = list(FIELDS)
 
 
-# variant key -> (Variant, arch), filled before LibraryCache.load asks for the build
-_WANTED: dict[str, tuple[Variant, int]] = {}
+class KernelLibraries:
+    """The libraries of one kernel's variants, built on first use (build(*args), hack_ops.cuda.build)
+    and loaded once per process each, by name, through hack_ops.cbuild.LibraryCache (a failed build is
+    reported once and not retried). `what` names the kernel in the error."""
+
+    def __init__(self, what: str, build: Callable[..., Path], declare: Callable[[ctypes.CDLL], None]) -> None:
+        self.what = what
+        self._args: dict[str, tuple] = {}  # filled before LibraryCache.load asks for the build
+        self.cache = LibraryCache(lambda name: build(*self._args[name]), declare)
+
+    def load(self, name: str, *args: Any) -> ctypes.CDLL:
+        """The library `name`, built with build(*args) if needed; RuntimeError with the reason when
+        that is impossible (no nvcc, a compile error)."""
+        self._args[name] = args
+        lib = self.cache.load(name)
+        if lib is None:
+            raise RuntimeError(f"{self.what} ({name}) is unavailable: {self.cache.errors.get(name)}")
+        return lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -45,7 +63,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hack_cuda_error_string.restype = ctypes.c_char_p
 
 
-LIBS = LibraryCache(lambda key: library(*_WANTED[key]), _declare)
+LIBS = KernelLibraries("the CUDA decode kernel", library, _declare)
 
 
 def key(variant: Variant, arch: int) -> str:
@@ -55,12 +73,7 @@ def key(variant: Variant, arch: int) -> str:
 def load(variant: Variant, arch: int) -> ctypes.CDLL:
     """The library of `variant` for sm_<arch>, built if needed; RuntimeError with the reason when
     that is impossible (no nvcc, a compile error)."""
-    k = key(variant, arch)
-    _WANTED[k] = (variant, arch)
-    lib = LIBS.load(k)
-    if lib is None:
-        raise RuntimeError(f"the CUDA decode kernel ({k}) is unavailable: {LIBS.errors.get(k)}")
-    return lib
+    return LIBS.load(key(variant, arch), variant, arch)
 
 
 def built_variant(lib: ctypes.CDLL) -> dict[str, int]:

@@ -11,15 +11,11 @@ from torch import Tensor
 
 from ..layout import PageLayout
 from ..triton.batch import PagedBatch
-
-from ..cbuild import LibraryCache
 from .build import Variant, simt_library
 from .decode import CudaDecodeAttention
-from .launch import DecodeParams
+from .launch import DecodeParams, KernelLibraries
 from .store import StoreParams
 from .store import prepare as prepare_store
-
-_WANTED: dict[str, Variant] = {}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -29,16 +25,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hack_simt_store.restype = ctypes.c_int
 
 
-LIBS = LibraryCache(lambda key: simt_library(_WANTED[key]), _declare)
+LIBS = KernelLibraries("the CUDA kernel's CPU harness", simt_library, _declare)
 
 
 def load(variant: Variant) -> ctypes.CDLL:
-    _WANTED[variant.name] = variant
-    lib = LIBS.load(variant.name)
-    if lib is None:
-        raise RuntimeError(f"the CUDA kernel's CPU harness ({variant.name}) is unavailable: "
-                           f"{LIBS.errors.get(variant.name)}")
-    return lib
+    return LIBS.load(variant.name, variant)
 
 
 def run_on_cpu(att: CudaDecodeAttention, q: Tensor, k_buf: Tensor, v_buf: Tensor, tail_k: Tensor,

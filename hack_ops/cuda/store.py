@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..cbuild import LibraryCache
 from ..layout import PageLayout
 from ..triton.batch import PagedBatch
 from ..triton.spec import CacheArgs, cache_args
 from .build import ActDtype, Variant, device_arch, store_library, store_name
 from .fragment import HEAD_DIMS, PAGE
+from .launch import KernelLibraries
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32
 
@@ -69,9 +69,6 @@ def store_why_not(layout: PageLayout, dtype: torch.dtype) -> str | None:
     return None
 
 
-_WANTED: dict[str, tuple[Variant, int]] = {}
-
-
 def _declare(lib: ctypes.CDLL) -> None:
     lib.hack_cuda_store.argtypes = [ctypes.POINTER(StoreParams), ctypes.c_int, ctypes.c_void_p]
     lib.hack_cuda_store.restype = ctypes.c_int
@@ -83,18 +80,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.hack_cuda_store_error_string.restype = ctypes.c_char_p
 
 
-LIBS = LibraryCache(lambda key: store_library(*_WANTED[key]), _declare)
+LIBS = KernelLibraries("the CUDA store kernel", store_library, _declare)
 
 
 def load(variant: Variant, arch: int) -> ctypes.CDLL:
     """The store library for `variant`'s head_dim and dtype on sm_<arch>, built if needed;
     RuntimeError with the reason when that is impossible."""
-    key = f"{store_name(variant)}@sm{arch}"
-    _WANTED[key] = (variant, arch)
-    lib = LIBS.load(key)
-    if lib is None:
-        raise RuntimeError(f"the CUDA store kernel ({key}) is unavailable: {LIBS.errors.get(key)}")
-    return lib
+    return LIBS.load(f"{store_name(variant)}@sm{arch}", variant, arch)
 
 
 def kernel_attributes(lib: ctypes.CDLL, device: int) -> dict[str, int]:
