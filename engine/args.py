@@ -191,13 +191,15 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "page) or linear (MPCache's stand-in, q.(0.6 max + 0.4 min)).")),
     "hack_sparse_groups": ("--hack-sparse-groups", dict(
         type=_non_negative_int, metavar="PAGES",
-        help="Sparse decode: score groups of this many pages first and choose pages within the best groups "
-             "(MPCache's two levels; default 0: one level).")),
+        help="Sparse decode: score groups of this many pages first (their boxes kept per request, computed "
+             "once a group closes) and choose pages within the best groups (MPCache's two levels; default 0: "
+             "one level).")),
     "hack_sparse_refine": ("--hack-sparse-refine", dict(
         type=_positive_int, metavar="R",
         help="Sparse decode: the bound keeps R times the budget's free pages as candidates, and the budget goes "
              "to the candidates whose own keys score highest (the decode kernel's scores of each candidate "
-             "page; default 1: the bound alone). Costs reading the candidates' K codes; one level only.")),
+             "page; default 1: the bound alone). Costs reading the candidates' K codes; with --hack-sparse-groups, "
+             "the candidates come from the kept groups.")),
     "hack_static_keep": ("--hack-static-keep", dict(
         type=fraction, metavar="FRACTION",
         help="Look-once static eviction (MPCache): after a prompt is prefilled, its last queries (the last "
@@ -304,9 +306,6 @@ def sparse_refusal(settings: EngineSettings) -> str | None:
     if cfg.orientation != "channel_k":
         return (f"--hack-sparse-budget scores pages from K's per-channel min and scale; --hack-orientation "
                 f"{cfg.orientation} quantizes K per token. Use channel_k (the default)")
-    if sp.refine > 1 and sp.group_pages:
-        return ("--hack-sparse-refine ranks the candidates of the one-level selection; --hack-sparse-groups "
-                f"{sp.group_pages} chooses in two levels. Give one of them")
     if sp.budget_tokens < 2 * cfg.partition_size:
         return (f"--hack-sparse-budget {sp.budget_tokens} is under two pages of {cfg.partition_size} tokens: the "
                 "first page and one more are always read")

@@ -49,6 +49,7 @@ from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
 from hack_ops.paged import extend_strawman
 from hack_ops.paged.chunk_codes import layout_refusal
+from hack_ops.paged.group_boxes import GroupBoxCache
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 from hack_ops.paged.sparse import SparseDecode, SparseTotals
 from hack_ops.paged.static_keep import StaticKeepPages
@@ -110,6 +111,8 @@ class HackAttnBackend(AttentionBackend):
         self.sparse = settings.sparse
         self.sparse_totals = SparseTotals()
         self.sparse_step: Optional[SparseDecode] = None
+        # two levels (--hack-sparse-groups): each running request's group boxes, kept across steps
+        self.group_boxes = GroupBoxCache(self.sparse.group_pages) if self.sparse.group_pages else None
         pool.sparse_totals = self.sparse_totals if self.sparse.enabled else None
         if self.sparse.enabled and self.device.type == "cuda":
             raise NotImplementedError("--hack-sparse-budget runs on the CPU path: the GPU decode kernels do not "
@@ -178,7 +181,9 @@ class HackAttnBackend(AttentionBackend):
                         if forward_batch.extend_seq_lens_cpu is not None
                         else _host_list(forward_batch.extend_seq_lens))
         req_to_token = self.req_to_token_pool.req_to_token
-        self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals)
+        rids = getattr(forward_batch, "rids", None)
+        keys = list(rids) if rids is not None and len(rids) == len(rows) else None  # else the rows key the boxes
+        self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys)
                             if self.sparse.enabled and mode.is_decode() else None)
         if self.gpu is not None:
             self.forward_metadata = self.gpu.plan(req_to_token, rows, seq_lens, ext_lens)

@@ -149,7 +149,7 @@ LAYER_ATTRS = ("layer_id", "scaling", "logit_cap", "logit_capping_method", "slid
 
 # Fields of upstream dataclasses read directly (class, field).
 DIRECT_FIELDS = (
-    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases -> requests
+    ("sglang.srt.model_executor.forward_batch_info.ForwardBatch", "rids"),  # fused phases; group-box cache keys
     ("sglang.srt.managers.io_struct.GenerateReqInput", "top_logprobs_num"),  # request checks
     ("sglang.srt.managers.io_struct.GenerateReqInput", "lora_id"),
     ("sglang.srt.managers.io_struct.GenerateReqInput", "return_hidden_states"),

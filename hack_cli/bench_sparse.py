@@ -97,6 +97,7 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
 
     from hack_ops.paged import decode
     from hack_ops.paged.benchcases import DecodeCase
+    from hack_ops.paged.group_boxes import GroupBoxCache
     from hack_ops.paged.sparse import SparseDecode, select_for_decode
     from hack_ops.sparse import SparseConfig
 
@@ -108,9 +109,13 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
     read = {}
     for b in budgets:
         cfg = SparseConfig(budget_tokens=b, dense_layers=0, score=score, group_pages=groups, refine=refine)
-        fns[f"sparse-{b}"] = lambda cfg=cfg: decode(case.store, 0, case.plan, case.q, sparse=SparseDecode(cfg))
-        fns[f"select-{b}"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg)
-        probe = SparseDecode(cfg)
+        # two levels read the boxes a server keeps across steps (computed by the probe below)
+        boxes = GroupBoxCache(groups) if groups else None
+        fns[f"sparse-{b}"] = lambda cfg=cfg, boxes=boxes: decode(case.store, 0, case.plan, case.q,
+                                                                 sparse=SparseDecode(cfg, boxes=boxes))
+        fns[f"select-{b}"] = lambda cfg=cfg, boxes=boxes: select_for_decode(case.store, 0, case.plan, case.q, cfg,
+                                                                            boxes)
+        probe = SparseDecode(cfg, boxes=boxes)
         decode(case.store, 0, case.plan, case.q, sparse=probe)
         read[b] = round(probe.pages_read / max(1, probe.pages_resident), 4)
     ms = _medians(fns, repeats, clock)

@@ -50,7 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--bits-plan", action="store_true",
                      help="score exactly three rows instead of a selection: exact, the plain 2-bit default and the "
                           "default with the model's calibrated bit plan (what a server's --hack-bits auto loads; "
-                          "`hack calibrate`), in the --modes given (default hack)")
+                          "`hack calibrate`), in the --modes given (default hack); with --sparse-budgets, the plan's "
+                          "format under sparse decode as well")
     acc.add_argument("--sparse-budgets", default=None, metavar="TOKENS[,TOKENS]",
                      help="also score the default format under sparse decode at these token budgets (the server's "
                           "--hack-sparse-budget): every position reads the closed pages its own selection keeps, "
@@ -108,6 +109,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sel.add_argument("--seed", type=int, default=0, help="seed of keys and haystacks (default 0)")
     sel.add_argument("--budgets", default="1024,2048", metavar="TOKENS[,TOKENS]",
                      help="sparse budgets in tokens (the server's --hack-sparse-budget; default 1024,2048)")
+    sel.add_argument("--scores", default=None, metavar="SCORE[,SCORE]",
+                     help="the selections to measure (default: all), of page, box32, box16, linear, refine2, "
+                          "refine4, groups8, groups8-refine4, oracle-max, oracle-mass")
     _add_report_flags(sel, "selection", attention_path=False)
     sel.set_defaults(func=_selection)
 
@@ -236,12 +240,14 @@ def _accuracy(args: argparse.Namespace) -> int:
         raise ValueError("need a context of at least 2 tokens and at least one window")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.bits_plan:
-        if args.variants or args.quick or args.core or args.four_bit_layers or args.sparse_budgets:
-            raise ValueError("--bits-plan scores its own three rows; drop --variants/--quick/--core/--4bit-layers/"
-                             "--sparse-budgets")
+        if args.variants or args.quick or args.core or args.four_bit_layers:
+            raise ValueError("--bits-plan scores its own three rows (and --sparse-budgets' rows over the plan); "
+                             "drop --variants/--quick/--core/--4bit-layers")
+        rows = _plan_variants(args.model, _csv(args.modes), sparse_budgets=_sparse_budgets(args),
+                              sparse_refine=_sparse_refine(args))
         res = run_study(context=args.context, essays=args.essays, plays=args.plays, gen_prompts=args.gen_prompts,
                         gen_tokens=args.gen_tokens, threads=args.threads, log=log, model_name=args.model,
-                        path=args.attention_path, variants=_plan_variants(args.model, _csv(args.modes)))
+                        path=args.attention_path, variants=rows)
         _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
         return 0
     res = run_study(context=args.context, essays=args.essays, plays=args.plays,
@@ -255,11 +261,14 @@ def _accuracy(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_variants(model: str, modes: list[str] | None, plain: bool = True) -> list:
+def _plan_variants(model: str, modes: list[str] | None, plain: bool = True,
+                   sparse_budgets: tuple[int, ...] = (), sparse_refine: int = 1) -> list:
     """exact, the plain default (unless not `plain`) and the default with the model's bit plan, in
-    `modes` (default hack)."""
+    `modes` (default hack); with sparse_budgets, the plan's format under sparse decode at each
+    budget too (refined as well with sparse_refine > 1), in the same modes."""
     from hack_eval.models import prepare
     from hack_eval.runner import EXACT, Variant
+    from hack_eval.variants import sparse_variants
     from hack_ops import HackConfig
     from hack_ops.bit_plan import find_plan
 
@@ -272,6 +281,9 @@ def _plan_variants(model: str, modes: list[str] | None, plain: bool = True) -> l
     for mode in modes or ["hack"]:
         rows += [Variant("default, plain 2-bit", mode.strip(), HackConfig())] if plain else []
         rows += [Variant("default, calibrated bit plan", mode.strip(), plan.apply(HackConfig()))]
+    if sparse_budgets:
+        rows += sparse_variants(sparse_budgets, modes or ["hack"], sparse_refine, base=plan.apply(HackConfig()),
+                                name="default, calibrated bit plan")
     return rows
 
 
@@ -454,8 +466,15 @@ def _selection(args: argparse.Namespace) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
     if args.context < 256 or args.items < 1 or not budgets or min(budgets) < 128:
         raise ValueError("need a context of at least 256 tokens, at least one item and budgets of at least two pages")
+    from hack_eval.selection import Score
+
+    names = [x.strip() for x in (args.scores or "").split(",") if x.strip()]
+    unknown = [x for x in names if x not in {k.value for k in Score}]
+    if unknown:
+        raise ValueError(f"--scores takes {', '.join(k.value for k in Score)}, got {', '.join(unknown)}")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    res = run_selection(args.model, args.context, args.items, budgets, seed=args.seed, threads=args.threads, log=log)
+    res = run_selection(args.model, args.context, args.items, budgets, seed=args.seed, threads=args.threads, log=log,
+                        scores=[Score(x) for x in names] or None)
     _write_reports(args, "selection", [args.context], res, render_selection(res, _rerun_command("selection")))
     return 0
 

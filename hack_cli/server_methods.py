@@ -26,19 +26,22 @@ METHODS = {
 
 # hack-sparse-TOKENS: the default server with sparse decode at that budget (--hack-sparse-budget);
 # suffixes: -shareK, one selection serving K layers (--hack-sparse-share-layers K); -refineR, R
-# candidates per free page ranked by their own keys (--hack-sparse-refine R); -linear, MPCache's
-# linear page score instead of the bound (--hack-sparse-score linear)
+# candidates per free page ranked by their own keys (--hack-sparse-refine R); -groupsG, two levels
+# over groups of G pages (--hack-sparse-groups G); -linear, MPCache's linear page score instead of
+# the bound (--hack-sparse-score linear)
 SPARSE_PREFIX = "hack-sparse-"
-SHARE_SUFFIX, REFINE_SUFFIX, LINEAR_SUFFIX = "share", "refine", "linear"
+SHARE_SUFFIX, REFINE_SUFFIX, GROUPS_SUFFIX, LINEAR_SUFFIX = "share", "refine", "groups", "linear"
 # hack-static-FRACTION: the default server with look-once static eviction keeping that fraction of
 # each prompt's closed pages (--hack-static-keep FRACTION), as disagg.server_cmd names the PD
 # cluster's methods (STATIC_PREFIX)
-METHOD_NAMES = [*METHODS, f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{LINEAR_SUFFIX}]",
+METHOD_NAMES = [*METHODS,
+                f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{GROUPS_SUFFIX}G][-{LINEAR_SUFFIX}]",
                 f"{STATIC_PREFIX}FRACTION"]
 
 
 def _sparse_args(method: str) -> tuple[int, list[str]] | None:
-    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-refineR][-linear] method (None: not one)."""
+    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-refineR][-groupsG][-linear] method
+    (None: not one)."""
     if not method.startswith(SPARSE_PREFIX):
         return None
     budget, *rest = method[len(SPARSE_PREFIX):].split("-")
@@ -55,6 +58,11 @@ def _sparse_args(method: str) -> tuple[int, list[str]] | None:
         if not r.isdigit() or int(r) < 1:
             return None
         opts += ["--hack-sparse-refine", r] if int(r) > 1 else []
+    if rest and rest[0].startswith(GROUPS_SUFFIX):
+        g = rest.pop(0)[len(GROUPS_SUFFIX):]
+        if not g.isdigit() or int(g) < 1:
+            return None
+        opts += ["--hack-sparse-groups", g]
     if rest and rest[0] == LINEAR_SUFFIX:
         rest.pop(0)
         opts += ["--hack-sparse-score", "linear"]
@@ -81,7 +89,8 @@ def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None
     or a set's name that the server resolves from the model's config; raised 'k' or 'v' gives
     only that tensor of those layers 4 bits: --hack-4bit-tensors; hack-sparse-TOKENS is the
     default server with --hack-sparse-budget TOKENS; -shareK adds --hack-sparse-share-layers K,
-    -refineR --hack-sparse-refine R, -linear --hack-sparse-score linear; hack-static-FRACTION the
+    -refineR --hack-sparse-refine R, -groupsG --hack-sparse-groups G, -linear --hack-sparse-score
+    linear; hack-static-FRACTION the
     default server with --hack-static-keep FRACTION)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors

@@ -23,7 +23,8 @@ from torch import Tensor
 from hack_ops.attention import k_pages_quantized, soft_cap, visible
 from hack_ops.config import HackConfig
 from hack_ops.quant import dequantize
-from hack_ops.sparse import PageScore, SparseConfig, page_best, page_scores, refine_scores, select_pages
+from hack_ops.sparse import (PageScore, SparseConfig, kept_group_pages, page_best, page_scores, refine_scores,
+                             select_pages)
 
 from .retrieval import Item, build_items
 from .runner import EXACT, probe_attention, use_variant
@@ -38,11 +39,14 @@ class Score(StrEnum):
     LINEAR = "linear"  # MPCache's stand-in, q.(alpha max + (1 - alpha) min) over the page's box
     REFINE2 = "refine2"  # --hack-sparse-refine 2: the bound's 2x candidates ranked by their own keys
     REFINE4 = "refine4"  # ... 4x
+    GROUPS8 = "groups8"  # --hack-sparse-groups 8: pages chosen among the groups their boxes' bound keeps
+    GROUPS8_REFINE4 = "groups8-refine4"  # ... and refined four times among those
     ORACLE_MAX = "oracle-max"  # the page's best true q.k over its quantized keys
     ORACLE_MASS = "oracle-mass"  # the exact attention mass the page receives (no page choice keeps more)
 
 
-REFINE = {Score.REFINE2: 2, Score.REFINE4: 4}
+REFINE = {Score.REFINE2: 2, Score.REFINE4: 4, Score.GROUPS8_REFINE4: 4}
+GROUPED = {Score.GROUPS8: 8, Score.GROUPS8_REFINE4: 8}  # two levels: pages a group
 RANKED = (Score.PAGE, Score.BOX16, Score.ORACLE_MAX)  # scores whose needle-page rank is reported
 
 
@@ -157,14 +161,21 @@ def run_selection(model_name: str, context: int, per_cell: int, budgets: list[in
             probs = torch.softmax(s, -1)  # [R, S, n]
             needle_mass = probs[..., item.needle_start:item.needle_start + item.needle_len].sum(-1).amax(0)  # [S]
             plain = {kind: scores_of(kind, qg, kq, qt.codes[head], mn, scl, bits, p, probs)
-                     for kind in {*[kd for kd in scores if kd not in REFINE], Score.PAGE, Score.ORACLE_MAX}}
+                     for kind in {*[kd for kd in scores if kd not in REFINE and kd not in GROUPED], Score.PAGE,
+                                  Score.ORACLE_MAX}}
             for budget in budgets:
                 bp = SparseConfig(budget_tokens=budget).budget_pages(p)
                 recent_from = n_closed - min(base.recent_pages(p), bp - 1)
                 for kind in scores:
-                    sc = plain[kind] if kind not in REFINE else refine_scores(
-                        plain[Score.PAGE][:, None], plain[Score.ORACLE_MAX][:, None], n_closed, bp, recent_from,
-                        REFINE[kind])[:, 0]
+                    sc = plain[kind] if kind not in REFINE and kind not in GROUPED else plain[Score.PAGE]
+                    if kind in GROUPED:  # the first level: the pages of the kept groups, as served
+                        two = SparseConfig(budget_tokens=budget, group_pages=GROUPED[kind])
+                        kept_pages = kept_group_pages(qg.transpose(0, 1)[:, None], mn[None, None], scl[None, None],
+                                                      bits, n_closed, two, p)[:, 0]  # [S, N]
+                        sc = sc.masked_fill(~kept_pages, float("-inf"))
+                    if kind in REFINE:
+                        sc = refine_scores(sc[:, None], plain[Score.ORACLE_MAX][:, None], n_closed, bp, recent_from,
+                                           REFINE[kind])[:, 0]
                     idx, count = select_pages(sc[:, None, :], n_closed, bp, recent_from)
                     kept = torch.zeros(len(rows), npg + 1, dtype=torch.bool)
                     for r in range(len(rows)):
@@ -184,7 +195,7 @@ def run_selection(model_name: str, context: int, per_cell: int, budgets: list[in
                         lay = tally.layers.setdefault((kind.value, budget, layer), [0, 0])
                         lay[0] += hit
                         lay[1] += 1
-            for kind in RANKED:  # the needle page's rank among the pages a selection chooses from
+            for kind in [kd for kd in RANKED if kd in plain]:  # the needle page's rank among the candidates
                 for r in range(len(rows)):
                     nc = int(n_closed[r])
                     cand = torch.arange(1, max(1, nc - min(base.recent_pages(p), nc - 1)))
@@ -215,6 +226,8 @@ DESCRIPTIONS = {
     Score.LINEAR: "MPCache's linear stand-in",
     Score.REFINE2: "`--hack-sparse-refine 2`",
     Score.REFINE4: "`--hack-sparse-refine 4`",
+    Score.GROUPS8: "`--hack-sparse-groups 8` (two levels)",
+    Score.GROUPS8_REFINE4: "`--hack-sparse-groups 8 --hack-sparse-refine 4`",
     Score.ORACLE_MAX: "oracle: each page's true best q.k",
     Score.ORACLE_MASS: "oracle: each page's exact attention mass",
 }

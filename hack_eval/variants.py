@@ -78,17 +78,18 @@ def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | 
 
 
 def sparse_variants(budgets: tuple[int, ...] | list[int], modes: list[str] | None = None,
-                    refine: int = 1) -> list[Variant]:
-    """The default format read by sparse decode (hack_ops.sparse, the server's
-    --hack-sparse-budget with its other defaults) at each token budget, in 'hack' and 'dequant'
-    or only the given modes; with refine > 1, each budget also refined (--hack-sparse-refine).
-    Every scored position reads as a decode step would: the closed pages its own selection
-    keeps (not the first two layers, nor sliding-window ones)."""
+                    refine: int = 1, base: HackConfig = DEFAULT, name: str = "default") -> list[Variant]:
+    """The format `base` (the plain default unless given, e.g. a model's bit plan applied) read
+    by sparse decode (hack_ops.sparse, the server's --hack-sparse-budget with its other
+    defaults) at each token budget, in 'hack' and 'dequant' or only the given modes; with
+    refine > 1, each budget also refined (--hack-sparse-refine). Every scored position reads as
+    a decode step would: the closed pages its own selection keeps (not the first two layers,
+    nor sliding-window ones). `name` starts each row's name."""
     from hack_ops.sparse import SparseConfig
 
     wanted = None if modes is None else {attention_mode(m.strip()) for m in modes if m.strip()}
     kinds = [1] + ([refine] if refine > 1 else [])
-    return [Variant(f"default, sparse decode {b} tokens" + (f", refine {r}" if r > 1 else ""), m, DEFAULT,
+    return [Variant(f"{name}, sparse decode {b} tokens" + (f", refine {r}" if r > 1 else ""), m, base,
                     sparse=SparseConfig(budget_tokens=b, refine=r))
             for b in budgets for r in kinds for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
 

@@ -185,9 +185,32 @@ def refine_scores(scores: Tensor, best: Tensor, n_closed: Tensor, budget: int, r
     s = scores.float().cpu().masked_fill(~middle[:, None, :], float("-inf"))
     order = torch.argsort(s, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, pos.expand(b, h, n).contiguous())
-    is_cand = (rank < cand[:, None, None]) & middle[:, None, :]
+    # a page the bound ruled out (-inf: outside the kept groups of a two-level selection) is no candidate
+    is_cand = (rank < cand[:, None, None]) & middle[:, None, :] & (s > float("-inf"))
     out = torch.where(is_cand, best.float().cpu(), torch.full_like(s, _NOT_CANDIDATE))
     return torch.where(middle[:, None, :], out, scores.float().cpu())
+
+
+def kept_group_pages(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tensor, cfg: SparseConfig,
+                     page_size: int) -> Tensor:
+    """The first level of a two-level selection (cfg.group_pages pages a group): bool [B, H, N],
+    True for the pages of the groups kept per (request, KV head): the first group, the recent
+    pages' groups and the best of the rest by the bound over each group's box, group_keep x the
+    budget's pages in all. Arguments as select's."""
+    g = cfg.group_pages
+    n_closed = n_closed.to(torch.long).cpu()
+    budget = cfg.budget_pages(page_size)
+    recent_from = n_closed - min(cfg.recent_pages(page_size), budget - 1)
+    gmin, gscale = group_boxes(minimum, scale, bits, g)
+    gscores = page_scores(q, gmin, gscale, bits, cfg.score)  # [B, H, G]
+    # the best groups for the budget, beside the groups the first and the recent pages hold
+    recent_groups = -(-min(cfg.recent_pages(page_size), budget - 1) // g) + 1
+    keep_groups = -(-int(cfg.group_keep * budget) // g) + 1 + recent_groups
+    gidx, gcount = select_pages(gscores, -(-n_closed // g), keep_groups, recent_from.clamp(min=0) // g)
+    kept = torch.zeros(gscores.shape, dtype=torch.bool)
+    taken = torch.arange(gidx.shape[-1])[None, None, :] < gcount[:, None, None]
+    kept.scatter_(-1, gidx, taken.expand(gidx.shape))
+    return kept.repeat_interleave(g, -1)[..., :minimum.shape[-2]]
 
 
 def select(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tensor, cfg: SparseConfig,
@@ -196,30 +219,20 @@ def select(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tenso
     head's group), the closed pages' K minimum and scale [B, H, N, D], n_closed [B]. One level,
     or two with cfg.group_pages: groups scored by the bound over their box first, the best
     (and the first, and the recent pages' ones) kept, then pages chosen among theirs. With
-    cfg.refine > 1, `best` [B, H, N] holds each page's page_best. Returns select_pages' (index,
+    cfg.refine > 1, `best` [B, H, N] holds each page's page_best, and the bound's candidates
+    (among the kept groups' pages) are ranked by it. Returns select_pages' (index,
     count)."""
     n_closed = n_closed.to(torch.long).cpu()
     budget = cfg.budget_pages(page_size)
     recent_from = n_closed - min(cfg.recent_pages(page_size), budget - 1)  # the first page stays in
     scores = page_scores(q, minimum, scale, bits, cfg.score)  # [B, H, N]
-    if cfg.refine > 1:
-        if best is None:
-            raise ValueError("a refined selection needs each page's best score over its own keys (page_best)")
-        if cfg.group_pages:
-            raise ValueError("refinement is for the one-level selection (--hack-sparse-groups 0)")
-        return select_pages(refine_scores(scores, best, n_closed, budget, recent_from, cfg.refine), n_closed,
-                            budget, recent_from)
-    g = cfg.group_pages
-    if g and minimum.shape[-2] > g:
-        gmin, gscale = group_boxes(minimum, scale, bits, g)
-        gscores = page_scores(q, gmin, gscale, bits, cfg.score)  # [B, H, G]
-        # the best groups for the budget, beside the groups the first and the recent pages hold
-        recent_groups = -(-min(cfg.recent_pages(page_size), budget - 1) // g) + 1
-        keep_groups = -(-int(cfg.group_keep * budget) // g) + 1 + recent_groups
-        gidx, gcount = select_pages(gscores, -(-n_closed // g), keep_groups, recent_from.clamp(min=0) // g)
-        kept = torch.zeros(gscores.shape, dtype=torch.bool)
-        kept.scatter_(-1, gidx, torch.arange(gidx.shape[-1])[None, None, :] < gcount[:, None, None])
-        scores = scores.cpu().masked_fill(~kept.repeat_interleave(g, -1)[..., :scores.shape[-1]], float("-inf"))
+    if cfg.refine > 1 and best is None:
+        raise ValueError("a refined selection needs each page's best score over its own keys (page_best)")
+    if cfg.group_pages and minimum.shape[-2] > cfg.group_pages:
+        kept = kept_group_pages(q, minimum, scale, bits, n_closed, cfg, page_size)
+        scores = scores.cpu().masked_fill(~kept, float("-inf"))
+    if cfg.refine > 1:  # the candidates: the bound's best pages (of the kept groups, with two levels)
+        scores = refine_scores(scores, best, n_closed, budget, recent_from, cfg.refine)
     return select_pages(scores, n_closed, budget, recent_from)
 
 

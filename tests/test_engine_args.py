@@ -137,8 +137,6 @@ def test_matching_page_size_and_backend_are_accepted(parser):
       "--disaggregation-decode-enable-radix-cache"], "would share them with later requests"),
     (["--kv-cache-dtype", "hack", "--hack-static-keep", "0.5", "--enable-mixed-chunk"],
      "--enable-mixed-chunk runs decode requests through extend too"),
-    (["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", "--hack-sparse-refine", "2", "--hack-sparse-groups",
-      "8"], "--hack-sparse-refine ranks the candidates of the one-level selection"),
 ])
 def test_bad_combinations_are_refused(parser, argv, message):
     ns = _parse(parser, *argv)

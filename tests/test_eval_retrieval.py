@@ -193,6 +193,24 @@ def test_cli_static_flags_are_checked(flags, message):
 
 
 def test_accuracy_bits_plan_refuses_other_row_choices():
-    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--bits-plan", "--sparse-budgets",
-                          "1024"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--bits-plan", "--4bit-layers",
+                          "1,2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--bits-plan scores its own three rows" in bad.stderr, bad.stderr[-500:]
+
+
+def test_accuracy_bits_plan_sparse_rows_read_the_plan():
+    """--bits-plan --sparse-budgets: the sparse rows take the plan's format (its 4-bit layers),
+    in the modes asked, refined too; a refinement without budgets is still refused."""
+    from hack_cli.cmd_eval import _plan_variants
+
+    rows = _plan_variants("smollm2", ["dequant"], sparse_budgets=(1024,), sparse_refine=2)
+    plan = [r for r in rows if r.name == "default, calibrated bit plan"][0]
+    sparse = [r for r in rows if r.sparse is not None]
+    assert [r.name for r in sparse] == ["default, calibrated bit plan, sparse decode 1024 tokens",
+                                        "default, calibrated bit plan, sparse decode 1024 tokens, refine 2"]
+    assert all(r.config == plan.config and r.mode == plan.mode == "dequant" for r in sparse)
+    assert plan.config.four_bit_layers or plan.config.label() != "channel_k-P64-2bit-sink1"
+    assert [r.sparse.refine for r in sparse] == [1, 2] and all(r.sparse.budget_tokens == 1024 for r in sparse)
+    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--bits-plan", "--sparse-refine",
+                          "2"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "give --sparse-budgets too" in bad.stderr, bad.stderr[-500:]

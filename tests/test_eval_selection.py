@@ -55,6 +55,22 @@ def test_cli_reports_every_score(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "selection", "--budgets", "64"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "at least two pages" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "selection", "--scores", "page,groups9"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--scores takes page, box32" in bad.stderr
+
+
+def test_cli_measures_the_scores_asked_for(tmp_path):
+    """--scores: only those rows, each over the same needle cells; the two-level rows at 2,048
+    tokens (32 pages in 4 groups of 8; a 256-token budget keeps 3 of them, the first and the
+    recent ones among them)."""
+    js = tmp_path / "s.json"
+    subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "selection", "--context", "2048", "--items", "1",
+                    "--budgets", "256", "--threads", "2", "--scores", "page,groups8,refine4,groups8-refine4",
+                    "--out", "", "--json-out", str(js)], capture_output=True, text=True, timeout=900, check=True)
+    rows = {r["score"]: r for r in json.loads(js.read_text())["rows"]}
+    assert set(rows) == {"page", "groups8", "refine4", "groups8-refine4"}
+    assert all(r["needle_cells"] == rows["page"]["needle_cells"] > 0 for r in rows.values())
 
 
 def test_study_rows_of_sparse_decode_refined():

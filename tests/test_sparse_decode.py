@@ -148,15 +148,18 @@ def _decode_step(cfg: HackConfig, d: int, rep: int, seed: int):
     return case, plan, q
 
 
+@pytest.mark.parametrize("groups", [0, 2], ids=lambda g: f"groups{g}")
 @pytest.mark.parametrize("geometry", [(64, 3), (128, 4)], ids=lambda g: f"d{g[0]}-rep{g[1]}")
 @pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4)],
                          ids=lambda kw: make_cfg(partition_size=P, **kw).label())
-def test_compiled_refinement_ranks_candidates_as_the_reference(kw, geometry):
+def test_compiled_refinement_ranks_candidates_as_the_reference(kw, geometry, groups):
     """hack_select.c's refinement scores each candidate with the decode kernel's INT8 scores;
     the PyTorch path with the float scores of the dequantized keys. Both read the same
-    candidates and keep the same counts; where their choices differ, the pages swapped score
-    within the INT8 round-off of each other."""
+    candidates (with two levels: the kept groups' pages, from the cached boxes) and keep the
+    same counts; where their choices differ, the pages swapped score within the INT8 round-off
+    of each other."""
     _need_kernel("native")
+    from hack_ops.paged.group_boxes import GroupBoxCache
     from hack_ops.paged.sparse import closed_page_best, closed_page_meta, kernel_select
 
     d, rep = geometry
@@ -164,12 +167,14 @@ def test_compiled_refinement_ranks_candidates_as_the_reference(kw, geometry):
     mn, sc, n_closed = closed_page_meta(case.store, 0, plan)
     bits = case.store.layout_for(0).k.bits
     best = closed_page_best(case.store, 0, plan, q)
-    plain = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P)
+    two = dict(group_pages=groups, group_keep=1.5) if groups else {}
+    plain = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, **two)
     bound_idx, _ = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, plain, P)
+    boxes = GroupBoxCache(groups) if groups else None
     for refine in (2, 3):
-        sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, refine=refine)
+        sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, refine=refine, **two)
         idx, count = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, sparse, P, best)
-        compiled = kernel_select(case.store, 0, plan, q, sparse)
+        compiled = kernel_select(case.store, 0, plan, q, sparse, boxes)
         assert torch.equal(compiled.n_closed, count)
         changed = 0
         for b in range(4):
@@ -344,6 +349,74 @@ def test_compiled_selection_equals_the_reference(kw, score, geometry):
             assert torch.equal(getattr(compiled, name), getattr(torch_path, name)), name
 
 
+@pytest.mark.parametrize("score", ["bound", "linear"])
+@pytest.mark.parametrize("kw", [dict(sink_tokens=4), dict(sink_tokens=0, k_bits=4)],
+                         ids=lambda kw: make_cfg(partition_size=P, **kw).label())
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"d{g[0]}-rep{g[1]}")
+@pytest.mark.parametrize("groups", [2, 3])
+def test_compiled_two_level_selection_from_cached_boxes_equals_the_reference(groups, geometry, kw, score):
+    """hack_select.c's two levels, from the cached group boxes (hack_ops.paged.group_boxes):
+    the same per-head page table as the PyTorch path's hack_ops.sparse.select with
+    group_pages, which recomputes every box; and again on the next step from the boxes kept.
+    Groups of 2 and 3 pages over requests of 3 to 20 closed pages: some groups dropped, the
+    recent pages' group kept whatever its score."""
+    _need_kernel("native")
+    from hack_ops.paged.group_boxes import GroupBoxCache
+    from hack_ops.paged.sparse import _as_table, closed_page_meta, keep_groups, kernel_select
+
+    d, rep = geometry
+    case, plan, q = _decode_step(make_cfg(partition_size=P, **kw), d, rep, seed=12)
+    mn, sc, n_closed = closed_page_meta(case.store, 0, plan)
+    bits = case.store.layout_for(0).k.bits
+    sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, score=score, group_pages=groups, group_keep=1.0)
+    idx, count = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, sparse, P)
+    torch_path = _as_table(plan, idx, count, n_closed, P)
+    assert keep_groups(sparse, P) < -(-int(n_closed.max()) // groups)  # groups are dropped: both levels act
+    cache = GroupBoxCache(groups)
+    assert kernel_select(case.store, 0, plan, q, sparse) is None  # two levels read cached boxes only
+    for step in range(2):
+        cache.begin(plan, ["a", "b", "c", "d"])
+        compiled = kernel_select(case.store, 0, plan, q, sparse, cache)
+        for name in ("positions", "table", "n_closed", "seq_lens", "resident"):
+            assert torch.equal(getattr(compiled, name), getattr(torch_path, name)), (step, name)
+        # request i's middle groups: those before its recent pages' first group
+        assert cache.computed == sum(max(0, (nc - 2) // groups) for nc in n_closed.tolist())
+    sel = SparseDecode(sparse, boxes=cache, keys=["a", "b", "c", "d"]).select(case.store, 0, plan, q)
+    assert torch.equal(sel.table, torch_path.table)
+
+
+def test_group_box_cache_starts_over_where_the_pages_changed():
+    """An entry whose request now holds other pages at the cached positions is computed anew; a
+    request absent from a forward loses its entry; keys must match the requests."""
+    _need_kernel("native")
+    from hack_ops.paged.group_boxes import GroupBoxCache
+    from hack_ops.paged.sparse import _as_table, closed_page_meta, kernel_select
+
+    case, plan, q = _decode_step(make_cfg(partition_size=P), 64, 3, seed=13)
+    sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, group_pages=3, group_keep=1.0)
+    cache = GroupBoxCache(3)
+    cache.begin(plan, ["a", "b", "c", "d"])
+    first = kernel_select(case.store, 0, plan, q, sparse, cache)
+    assert len(cache) == 3  # request c (3 closed pages) has no middle group
+    # the same requests, request a's pages 3..5 swapped for request d's (other keys there)
+    table = plan.page_table.clone()
+    table[0, 3:6] = plan.page_table[3, 3:6]
+    moved = type(plan)(**{f: getattr(plan, f) for f in plan.__dataclass_fields__ if f != "memo"})
+    moved.page_table = table
+    before = cache.computed
+    cache.begin(moved, ["a", "b", "c", "d"])
+    again = kernel_select(case.store, 0, moved, q, sparse, cache)
+    assert cache.computed - before == max(0, (int(moved.seq_lens[0]) // P - 2) // 3)  # a's boxes only
+    mn, sc, n_closed = closed_page_meta(case.store, 0, moved)
+    idx, count = select(q.reshape(4, 2, 3, -1), mn, sc, 2, n_closed, sparse, P)
+    want = _as_table(moved, idx, count, n_closed, P)
+    assert torch.equal(again.table, want.table) and torch.equal(first.table[1:], again.table[1:])
+    cache.begin(plan, ["x", "b", "c", "y"])
+    assert len(cache) == 1  # only b is still running
+    with pytest.raises(ValueError, match="request keys"):
+        cache.begin(moved, ["a"])
+
+
 def test_sparse_methods_of_the_served_benchmarks():
     from hack_cli.server_methods import is_method, method_args, sparse_budget
 
@@ -359,9 +432,14 @@ def test_sparse_methods_of_the_served_benchmarks():
     assert method_args("hack-sparse-1024-share2-refine4-linear", None)[-6:] == [
         "--hack-sparse-share-layers", "2", "--hack-sparse-refine", "4", "--hack-sparse-score", "linear"]
     assert method_args("hack-sparse-1024-refine1", None)[-1] == "1024"
+    assert method_args("hack-sparse-2048-refine2-groups8", None)[-4:] == [
+        "--hack-sparse-refine", "2", "--hack-sparse-groups", "8"]
+    assert method_args("hack-sparse-2048-groups8-linear", None)[-4:] == [
+        "--hack-sparse-groups", "8", "--hack-sparse-score", "linear"]
     for bad in ("hack-sparse", "hack-sparse-1024-share0", "hack-sparse-1024-share", "hack-sparse-1024-sharex",
                 "hack-sparse-1024-linear-share2", "hack-sparse-1024-x", "hack-sparse-1024-",
-                "hack-sparse-1024-refine0", "hack-sparse-1024-refine", "hack-sparse-1024-refine2-share2"):
+                "hack-sparse-1024-refine0", "hack-sparse-1024-refine", "hack-sparse-1024-refine2-share2",
+                "hack-sparse-1024-groups0", "hack-sparse-1024-groups8-refine2"):
         assert not is_method(bad)
         with pytest.raises(ValueError, match="unknown KV method"):
             method_args(bad, None)
@@ -413,3 +491,15 @@ def test_study_fast_dequant_path_with_sparse_equals_the_reference(refine):
     assert float((fast - dense).abs().max()) > 1e-2  # the selection did drop pages
     with pytest.raises(ValueError, match="sparse decode"):
         study_attention(q, k, v, cfg, "dequant", sparse=sp, window=40)
+
+
+def test_sparse_benchmark_cell_with_two_levels():
+    """`hack bench sparse --groups 8` times the two levels from the boxes a server keeps: a cell
+    reports each budget's speed-up, its selection's share and the pages read."""
+    _need_kernel("native")
+    from hack_cli.bench_sparse import measure
+
+    r = measure("smollm2", 1, 8192, [1024], "bound", 8, 1)
+    assert set(r["ms"]) == {"dense", "bf16", "sparse-1024", "select-1024"}
+    assert 0.05 < r["pages_read_fraction"][1024] < 0.2  # 16 of 128 pages: not timed, counted
+    assert r["selection_share"][1024] > 0 and r["speedup"][1024] > 0  # times are the benchmark's to judge

@@ -147,3 +147,34 @@ def test_the_metrics_samples_show_pages_read_against_visible(servers):
     assert len(samples), "no sample carried sparse decode's pages"
     assert (samples["pages_selected"] <= samples["pages_visible"]).all()
     assert (samples["pages_selected"] < samples["pages_visible"]).any()
+
+
+def test_two_level_server_reads_cached_group_boxes(servers, model_path, tmp_path):
+    """`--hack-sparse-groups 1`: groups of one page make the first level keep the pages the
+    bound ranks first, more than the budget, so the second level chooses what one level does:
+    the server answers token for token as the one-level server, through the whole two-level path
+    (each request's boxes cached per layer, the compiled selection reading them). A 3,000-token
+    prompt's boxes are computed once per layer and page, not per step: 16 decode steps compute
+    about what one step needs, and the next request its own."""
+    server = SGLangServer(model_path, [*servers["common"], *servers["sparse_args"], "--hack-sparse-groups", "1"],
+                          log_path=tmp_path / "groups.log")
+    ids = essay_ids(model_path, 3000, index=2)
+    prompts = [ids, *(recall_prompt(model_path, i, n_new=NEW_TOKENS).ids for i in range(3))]
+    try:
+        server.start()
+        server.wait_ready()
+        first = server.generate(ids, 16, ignore_eos=True)["output_ids"]
+        stats = server.kv_usage()["hack"]["sparse"]
+        two = [first, *(server.generate(p, NEW_TOKENS)["output_ids"] for p in prompts[1:])]
+        after = server.kv_usage()["hack"]["sparse"]
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+    one = [servers["sparse"].generate(p, 16 if p is ids else NEW_TOKENS, ignore_eos=p is ids)["output_ids"]
+           for p in prompts]
+    assert two == one
+    # 46 closed pages: 45 middle groups in each of 28 sparse layers (one tensor for the 3 KV heads)
+    assert 44 * 28 <= stats["group_boxes"] <= 46 * 28, stats
+    assert stats["box_requests"] == 1 and after["box_requests"] <= 1, after
+    read = stats["pages_read"] / stats["pages_resident"]
+    assert 0 < read <= 0.15, stats

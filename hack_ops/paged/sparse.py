@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ..packing import unpack
 from ..sparse import LINEAR_ALPHA, PageScore, SparseConfig, page_best, select
+from .group_boxes import GroupBoxCache
 from .plan import ForwardPlan
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
@@ -113,7 +114,8 @@ def closed_page_best(store, layer: int, plan: ForwardPlan, q: Tensor) -> Tensor:
 class _ChooseArgs(ctypes.Structure):  # hack_choose_args of csrc/hack_select.c
     _fields_ = [("s", _SelArgs), ("budget", _I64), ("out_width", _I64)] + [
         (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")] + [
-        (n, _I64) for n in ("refine", "page_size", "k_bits", "group", "k_codes_off", "k_sums_off", "k_sums_bytes")]
+        (n, _I64) for n in ("refine", "page_size", "k_bits", "group", "k_codes_off", "k_sums_off", "k_sums_bytes",
+                            "sel_group", "keep_groups")] + [("boxes", _P), ("box_cap", _P)]
 
 
 _typed: set[int] = set()  # libraries whose selection entry points have their ctypes signatures
@@ -168,25 +170,56 @@ def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
     return got
 
 
-def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str, keep: list) -> _SelArgs:
-    """The scoring kernel's arguments; `keep` holds the tensors their pointers point into."""
-    lay = store.layout_for(layer)
+@dataclass(frozen=True)
+class _LayerConsts:
+    """What the compiled selection reads of a layer's K pages: fixed for the store's life, so
+    looked up once per layer (every sparse layer of every step passes them)."""
+
+    buf: Tensor  # the layer's K pages
+    page_bytes: int
+    min_off: int
+    scale_off: int
+    meta_fp32: int
+    bits: int
+    codes_off: int
+    sums_off: int
+    sums_bytes: int
+    group: int  # K's quantization group in channels (the decode kernel's, for the refinement)
+
+
+def _layer_consts(store, layer: int) -> _LayerConsts:
+    cache = store.__dict__.setdefault("_select_consts", {})
+    got = cache.get(layer)
+    if got is None or got.buf is not store.k_pages[layer]:  # (a store that replaced its buffers looks again)
+        lay = store.layout_for(layer)
+        buf = store.k_pages[layer]
+        if not buf.is_contiguous():
+            raise RuntimeError("the K pages must be contiguous")
+        got = cache[layer] = _LayerConsts(
+            buf=buf, page_bytes=lay.k.page_bytes, min_off=lay.k.minimum.offset, scale_off=lay.k.scale.offset,
+            meta_fp32=int(lay.k.minimum.dtype == torch.float32), bits=lay.k.bits, codes_off=lay.k.codes.offset,
+            sums_off=lay.k.sums.offset, sums_bytes=lay.k.sums.dtype.itemsize,
+            group=store.config_for(layer).head_group(store.head_dim))
+    return got
+
+
+def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str, keep: list,
+                scores: bool = True) -> _SelArgs:
+    """The scoring kernel's arguments; `keep` holds the tensors their pointers point into.
+    scores=False: no score per closed page is written (the two levels score only some)."""
+    lc = _layer_consts(store, layer)
     b, hq, d = q.shape
     h = store.num_heads
     pin = _plan_inputs(plan, store.page_size)
     qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
-    out = torch.empty(b, h, pin.width, dtype=torch.float32)
-    buf = store.k_pages[layer]
-    if not buf.is_contiguous():
-        raise RuntimeError("the K pages must be contiguous")
-    keep += [pin.n_closed, pin.table, qf, out, buf]
+    out = torch.empty(b, h, pin.width if scores else 1, dtype=torch.float32)
+    keep += [pin.n_closed, pin.table, qf, out, lc.buf]
     threads = max(1, min(torch.get_num_threads(), b * h * pin.width // PAIRS_PER_THREAD))
     return _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=pin.table.shape[1], width=pin.width,
-                    k_page_bytes=lay.k.page_bytes, k_min_off=lay.k.minimum.offset, k_scale_off=lay.k.scale.offset,
-                    meta_fp32=int(lay.k.minimum.dtype == torch.float32),
-                    score=int(PageScore(score) != PageScore.BOUND), nthreads=threads,
-                    levels=float((1 << lay.k.bits) - 1), alpha=LINEAR_ALPHA, n_closed=pin.n_closed.data_ptr(),
-                    page_table=pin.table.data_ptr(), k_pages=buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
+                    k_page_bytes=lc.page_bytes, k_min_off=lc.min_off, k_scale_off=lc.scale_off,
+                    meta_fp32=lc.meta_fp32, score=int(PageScore(score) != PageScore.BOUND), nthreads=threads,
+                    levels=float((1 << lc.bits) - 1), alpha=LINEAR_ALPHA, n_closed=pin.n_closed.data_ptr(),
+                    page_table=pin.table.data_ptr(), k_pages=lc.buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
 
 
 SEL_MAX_QD = 16384  # csrc/hack_select.c: query heads x head_dim of one request
@@ -214,46 +247,96 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
     return keep[3]
 
 
-def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
-    """The one-level selection of select_for_decode in one compiled call (scores, top-k, the
-    per-head page table), or None where the kernel is not available."""
-    if not _usable(store, layer, q) or (cfg.refine > 1 and store.head_dim % 64):
-        return None  # the refinement scores pages with the decode kernel, whose heads are 64-channel multiples
-    p = store.page_size
+def keep_groups(cfg: SparseConfig, page_size: int) -> int:
+    """Groups a two-level selection keeps per (request, KV head): group_keep x the budget's
+    pages in groups, plus the first group and the recent pages' (hack_ops.sparse.select)."""
+    budget, g = cfg.budget_pages(page_size), cfg.group_pages
+    recent_groups = -(-min(cfg.recent_pages(page_size), budget - 1) // g) + 1
+    return -(-int(cfg.group_keep * budget) // g) + 1 + recent_groups
+
+
+@dataclass
+class _SelectCall:
+    """One forward's compiled-selection arguments for a SparseConfig: what the plan fixes (batch,
+    page tables, counts, the recent pages, the scores' scratch) set once in `args`; each layer
+    then sets only its own fields (its pages, its queries, its outputs) before the call."""
+
+    args: _ChooseArgs
+    keep: list  # the tensors args points into
+    width: int  # the output tables' last dimension
+    need: list[int]  # two levels: each request's middle groups, whose boxes the call reads
+
+
+def _select_call(store, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> _SelectCall:
+    key = ("sparse_call", id(store), cfg, tuple(q.shape))
+    got = plan.memo.get(key)
+    if got is not None:
+        return got
+    p, g = store.page_size, cfg.group_pages
     keep: list = []
-    s = _score_args(store, layer, plan, q, cfg.score, keep)
+    s = _score_args(store, 0, plan, q, cfg.score, keep, scores=not g)  # layer fields are set per call
     pin = _plan_inputs(plan, p)
     budget = cfg.budget_pages(p)
-    key = ("sparse_recent_from", p, budget, cfg.recent_pages(p))
-    recent_from = plan.memo.get(key)
-    if recent_from is None:
-        recent_from = plan.memo[key] = (pin.n_closed - min(cfg.recent_pages(p), budget - 1)).contiguous()
-    b, h = s.batch, s.heads
+    recent_from = (pin.n_closed - min(cfg.recent_pages(p), budget - 1)).contiguous()
+    keep.append(recent_from)
     width = min(pin.width, budget) + 1
-    positions = torch.empty(b, h, width, dtype=torch.int64)
-    table = torch.empty(b, h, width, dtype=torch.int64)
-    count = torch.empty(b, dtype=torch.int64)
-    lay, cfg_l = store.layout_for(layer), store.config_for(layer)
-    a = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
-                    num_pages=pin.num_pages.data_ptr(), positions=positions.data_ptr(), table=table.data_ptr(),
-                    count=count.data_ptr(), refine=cfg.refine, page_size=p, k_bits=lay.k.bits,
-                    group=cfg_l.head_group(store.head_dim), k_codes_off=lay.k.codes.offset,
-                    k_sums_off=lay.k.sums.offset, k_sums_bytes=torch.tensor([], dtype=lay.k.sums.dtype).element_size())
+    args = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
+                       num_pages=pin.num_pages.data_ptr(), refine=cfg.refine, page_size=p, sel_group=g,
+                       keep_groups=keep_groups(cfg, p) if g else 0)
+    need = (recent_from.clamp(min=0) // g).tolist() if g else []
+    got = plan.memo[key] = _SelectCall(args=args, keep=keep, width=width, need=need)
+    return got
+
+
+def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig,
+                  boxes: GroupBoxCache | None = None) -> PageSelection | None:
+    """The selection of select_for_decode in one compiled call (scores, top-k, the per-head page
+    table), or None where the kernel is not available. Two levels (cfg.group_pages) need
+    `boxes`, the cached group boxes: only the best groups' pages are scored."""
+    if not _usable(store, layer, q) or (cfg.refine > 1 and store.head_dim % 64):
+        return None  # the refinement scores pages with the decode kernel, whose heads are 64-channel multiples
+    if cfg.group_pages and (boxes is None or boxes.group_pages != cfg.group_pages):
+        return None
+    p = store.page_size
+    call = _select_call(store, plan, q, cfg)
+    a, width = call.args, call.width
+    b, h = a.s.batch, a.s.heads
+    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    out = torch.empty(2 * b * h * width + b, dtype=torch.int64)  # one allocation for the three outputs
+    positions = out[:b * h * width].view(b, h, width)
+    table = out[b * h * width:2 * b * h * width].view(b, h, width)
+    count = out[2 * b * h * width:]
+    lc = _layer_consts(store, layer)
+    sa = a.s  # this layer's pages and queries
+    sa.k_page_bytes, sa.k_min_off, sa.k_scale_off, sa.meta_fp32 = lc.page_bytes, lc.min_off, lc.scale_off, lc.meta_fp32
+    sa.levels, sa.k_pages, sa.q = float((1 << lc.bits) - 1), lc.buf.data_ptr(), qf.data_ptr()
+    a.k_bits, a.group, a.k_codes_off, a.k_sums_off, a.k_sums_bytes = (lc.bits, lc.group, lc.codes_off, lc.sums_off,
+                                                                       lc.sums_bytes)
+    a.positions, a.table, a.count = positions.data_ptr(), table.data_ptr(), count.data_ptr()
+    alive: list = []
+    if cfg.group_pages:  # each request's middle groups (before its recent pages' first group) need boxes
+        box_ptrs, box_cap, alive = boxes.pointers(store, layer, plan, call.need)
+        alive += [box_ptrs, box_cap]
+        a.boxes, a.box_cap = box_ptrs.data_ptr(), box_cap.data_ptr()
     rc = _library().hack_select_pages(ctypes.byref(a))
     if rc == -2:
         raise MemoryError("the page-selection kernel could not allocate its heap")
     if rc != 0:
         raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    del alive, qf  # (held until the call returned)
+    pin = _plan_inputs(plan, p)
     return PageSelection(page_size=p, positions=positions, table=table, n_closed=count,
                          seq_lens=count * p + pin.open_tokens, resident=pin.n_closed)
 
 
-def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> PageSelection | None:
+def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig,
+                      boxes: GroupBoxCache | None = None) -> PageSelection | None:
     """The pages a decode step of `plan` reads at `layer` under `cfg`, for queries q [B, Hq, D]
     (scaled or not: the ranking is the same). None when no request has more closed pages than
-    the budget (every page is read: dense decode). One level: the compiled page scores where
-    available; two levels (cfg.group_pages) and the portable path gather the side tables."""
+    the budget (every page is read: dense decode). The compiled selection where available (two
+    levels, cfg.group_pages, from the cached group `boxes`); else the portable path, which
+    gathers the side tables (and computes the group boxes anew)."""
     if not plan.is_decode:
         raise ValueError("sparse selection is for decode steps (one new token per request)")
     p = store.page_size
@@ -263,10 +346,9 @@ def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: Spar
     budget = cfg.budget_pages(p)
     if _plan_inputs(plan, p).most_closed <= budget:
         return None
-    if not cfg.group_pages:
-        sel = kernel_select(store, layer, plan, q, cfg)
-        if sel is not None:
-            return sel
+    sel = kernel_select(store, layer, plan, q, cfg, boxes)
+    if sel is not None:
+        return sel
     mn, sc, n_closed = closed_page_meta(store, layer, plan)
     b, hq, d = q.shape
     qg = q.float().reshape(b, h, hq // h, d).to(mn.device)
@@ -305,12 +387,15 @@ class SparseTotals:
     selections: int = 0
     steps: int = 0  # decode forwards with at least one sparse layer
     layer_steps: int = 0  # (decode forward, sparse layer) pairs
+    group_boxes: int = 0  # two levels: group boxes computed (each once per request and layer)
+    box_requests: int = 0  # two levels: requests whose boxes are kept now
 
     def as_dict(self) -> dict:
         frac = self.pages_read / self.pages_resident if self.pages_resident else None
         return {"pages_read": self.pages_read, "pages_resident": self.pages_resident, "selections": self.selections,
                 "steps": self.steps, "layer_steps": self.layer_steps,
-                "read_fraction": None if frac is None else round(frac, 4)}
+                "read_fraction": None if frac is None else round(frac, 4),
+                "group_boxes": self.group_boxes, "box_requests": self.box_requests}
 
     def per_layer_step_since(self, before: "SparseTotals") -> tuple[int | None, int | None]:
         """(pages selected, pages visible) per (decode step, sparse layer) since `before`, summed
@@ -329,9 +414,14 @@ class SparseDecode:
     what was read (pages selected and resident, summed over layers and heads), into `totals`
     as well when given."""
 
-    def __init__(self, cfg: SparseConfig, totals: SparseTotals | None = None) -> None:
+    def __init__(self, cfg: SparseConfig, totals: SparseTotals | None = None, boxes: GroupBoxCache | None = None,
+                 keys: list | None = None) -> None:
+        """boxes: the cached group boxes a two-level selection reads (kept across forwards by
+        the caller; None: computed anew each step); keys: the forward's request ids for it."""
         self.cfg = cfg
         self.totals = totals
+        self.boxes = boxes
+        self.keys = keys
         self._plan: ForwardPlan | None = None
         self._last: PageSelection | None = None
         self._reuse_left = 0
@@ -353,11 +443,15 @@ class SparseDecode:
             self._reuse_left -= 1
             sel = self._last
         else:
-            sel = select_for_decode(store, layer, plan, q, self.cfg)
+            if self.boxes is not None:
+                self.boxes.begin(plan, self.keys)
+            sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes)
             self._plan, self._last, self._reuse_left = plan, sel, self.cfg.share_layers - 1
             self.selections += 1
             if t is not None:
                 t.selections += 1
+                if self.boxes is not None:
+                    t.group_boxes, t.box_requests = self.boxes.computed, len(self.boxes)
         resident = _plan_inputs(plan, store.page_size).closed_total
         read = resident if sel is None else int(sel.n_closed.sum())
         self.pages_resident += resident

@@ -181,6 +181,23 @@ int hack_page_scores(const hack_select_args *a) {
     return 0;
 }
 
+/* One (closed page, KV head)'s score from the side tables inside the page (what
+ * hack_page_scores computes for it). mn, sc: MAX_D floats of scratch. */
+static inline float page_bound(const hack_select_args *a, const uint8_t *page, int64_t h, const float *qh,
+                               const float *ph, float *mn, float *sc) {
+    const int64_t d = a->head_dim, meta_bytes = a->meta_fp32 ? 4 : 2;
+#if HACK_SIMD
+    if (!a->meta_fp32 && (d == 64 || d == 128)) {
+        const uint16_t *m16 = (const uint16_t *)(page + a->k_min_off) + h * d;
+        const uint16_t *s16 = (const uint16_t *)(page + a->k_scale_off) + h * d;
+        return d == 64 ? head_bound_4(m16, s16, qh, ph, a->rep) : head_bound_8(m16, s16, qh, ph, a->rep);
+    }
+#endif
+    load_meta(page, a->k_min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
+    load_meta(page, a->k_scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
+    return head_bound_any(mn, sc, qh, ph, a->rep, d);
+}
+
 /* The whole one-level selection in one call (hack_ops.sparse.select_pages on page_scores, the
  * reference): for each (request, KV head) the scores of its closed pages, then the first page
  * and the pages from recent_from[b] on kept, the best-scored rest up to budget (a min-heap), the
@@ -199,6 +216,14 @@ typedef struct {
      * slots go to the candidates whose best score over their own keys (the decode kernel's INT8
      * scores of the page, max over the group's query heads) is highest. 1: the bound alone. */
     int64_t refine, page_size, k_bits, group, k_codes_off, k_sums_off, k_sums_bytes;
+    /* two levels (sel_group > 0 pages a group): group boxes[b] points at request b's cached boxes,
+     * float [heads, box_cap[b], 2, head_dim] (the group's minimum, then its scale, as
+     * hack_ops.sparse.group_boxes makes them), holding at least its middle groups (those before
+     * the recent pages' first group); the best keep_groups groups (the first and the recent
+     * ones among them) are kept, and only their pages are scored (and refined, with refine > 1).
+     * 0: one level. */
+    int64_t sel_group, keep_groups;
+    const int64_t *boxes, *box_cap;
 } hack_choose_args;
 
 static void sift_down(float *hs, int64_t *hi, int64_t n, int64_t i) {
@@ -210,6 +235,19 @@ static void sift_down(float *hs, int64_t *hi, int64_t n, int64_t i) {
         float ts = hs[i]; hs[i] = hs[m]; hs[m] = ts;
         int64_t ti = hi[i]; hi[i] = hi[m]; hi[m] = ti;
         i = m;
+    }
+}
+
+/* Offers (v, p) to a min-heap of at most cap entries (the best cap scores seen; ties: the
+ * earlier page), m its current size. */
+static inline void heap_offer(float *hs, int64_t *hi, int64_t *m, int64_t cap, float v, int64_t p) {
+    if (*m < cap) {
+        hs[*m] = v; hi[*m] = p; (*m)++;
+        if (*m == cap)
+            for (int64_t i = *m / 2 - 1; i >= 0; i--) sift_down(hs, hi, *m, i);
+    } else if (v > hs[0] || (v == hs[0] && p < hi[0])) {
+        hs[0] = v; hi[0] = p;
+        sift_down(hs, hi, *m, 0);
     }
 }
 
@@ -243,6 +281,87 @@ static float page_best(const hack_decode_args *dec, int64_t b, int64_t h, int64_
     return best;
 }
 
+/* Two levels for (request b, KV head h): the closed pages beside the first and the recent ones
+ * (pos[0..*n) on entry) chosen up to k, only among the pages of the kept groups (see
+ * hack_choose_args). Mirrors hack_ops.sparse.select with group_pages: the groups' own select
+ * (the first group and the recent pages' groups kept, the best middle groups by their boxes'
+ * bound up to keep_groups), then the best middle pages of the kept groups. Returns -2 where the
+ * heap cannot be allocated. */
+static int choose_two_level(const hack_choose_args *c, const hack_decode_args *dec, int64_t b, int64_t h, int64_t rf,
+                            int64_t k, int64_t *pos, int64_t *n) {
+    const hack_select_args *a = &c->s;
+    const int64_t H = a->heads, rep = a->rep, d = a->head_dim, G = c->sel_group, nc = a->n_closed[b];
+    const int64_t free_k = k - *n;
+    if (free_k <= 0) return 0;
+    const float *qh = a->q + (b * H + h) * rep * d;
+    float qp[MAX_REP * MAX_D], mn[MAX_D], scr[MAX_D];
+    const float mul = a->score == 0 ? (float)a->levels : (float)(a->alpha * a->levels);
+    for (int64_t j = 0; j < rep * d; j++) qp[j] = mul * (a->score == 0 ? (qh[j] > 0.0f ? qh[j] : 0.0f) : qh[j]);
+    const int64_t ng = (nc + G - 1) / G, rg = (c->recent_from[b] > 0 ? c->recent_from[b] : 0) / G;
+    const int64_t mid_end = rg < ng ? rg : ng; /* middle groups: [1, mid_end) */
+    const int64_t forced = (ng > 0) + (ng > (rg > 1 ? rg : 1) ? ng - (rg > 1 ? rg : 1) : 0);
+    const int64_t count_g = ng < c->keep_groups ? ng : c->keep_groups;
+    int64_t free_g = count_g - forced;
+    const int64_t cap_g = free_g > 0 ? free_g : 1, cand_k = c->refine * free_k; /* the bound's candidates */
+    const int64_t heap = cap_g > cand_k ? cap_g : cand_k;
+    float *hs = (float *)malloc(sizeof(float) * (size_t)heap);
+    int64_t *hi = (int64_t *)malloc(sizeof(int64_t) * (size_t)heap);
+    unsigned char *kept = (unsigned char *)calloc((size_t)(ng > 0 ? ng : 1), 1);
+    if (!hs || !hi || !kept) { free(hs); free(hi); free(kept); return -2; }
+    for (int64_t g = 0; g < ng; g++) kept[g] = g == 0 || g >= rg;
+    int64_t m = 0;
+    if (free_g > 0) {
+        const float *box = (const float *)(intptr_t)c->boxes[b];
+        const int64_t cap = c->box_cap[b];
+        for (int64_t g = 1; g < mid_end; g++) {
+            const float *gb = box + ((h * cap + g) * 2) * d;
+            heap_offer(hs, hi, &m, free_g, head_bound_any(gb, gb + d, qh, qp, rep, d), g);
+        }
+        for (int64_t i = 0; i < m; i++) kept[hi[i]] = 1;
+    }
+    const uint8_t *k_pages = a->k_pages;
+    const int64_t *row = a->page_table + b * a->max_pages;
+    const int64_t meta = (a->meta_fp32 ? 4 : 2) * d, lines = (meta + 63) / 64;
+    /* the candidates' side tables are one head's slice of pages far apart: fetched SEL_AHEAD
+     * candidates ahead, or each page waits on memory (the one-level pass reads every head of a
+     * page at once, in page order, and the hardware prefetches it) */
+#define SEL_AHEAD 8
+    int64_t cand[SEL_AHEAD], nq = 0, done = 0, next = 1; /* a ring: cand[done % SEL_AHEAD] is scored next */
+    m = 0;
+    for (;;) {
+        while (nq < SEL_AHEAD && next < rf && next < nc) { /* queue the next candidates, fetching them */
+            const int64_t p = next++;
+            if (!kept[p / G]) continue;
+            const uint8_t *pg = k_pages + row[p] * a->k_page_bytes;
+            for (int64_t l = 0; l < lines; l++) {
+                __builtin_prefetch(pg + a->k_min_off + h * meta + 64 * l);
+                __builtin_prefetch(pg + a->k_scale_off + h * meta + 64 * l);
+            }
+            cand[(done + nq++) % SEL_AHEAD] = p;
+        }
+        if (nq == 0) break;
+        const int64_t p = cand[done++ % SEL_AHEAD];
+        nq--;
+        heap_offer(hs, hi, &m, cand_k, page_bound(a, k_pages + row[p] * a->k_page_bytes, h, qh, qp, mn, scr), p);
+    }
+#undef SEL_AHEAD
+    if (m > free_k) { /* refine: the candidates' best scores over their own keys choose */
+        float s[MAX_REP * MAX_P], ws[MAX_G * MAX_P];
+        for (int64_t i = 0; i < m; i++) hs[i] = page_best(dec, b, h, row[hi[i]], qh, s, ws);
+        keep_best(hs, hi, m, free_k);
+        m = free_k;
+    }
+    for (int64_t i = 0; i < m; i++) pos[(*n)++] = hi[i];
+    /* fewer candidates than slots (never with group_keep >= 1 past the first levels): the
+     * earliest pages of the dropped groups fill them, so every head still reads k pages */
+    for (int64_t p = 1; p < rf && p < nc && *n < k; p++)
+        if (!kept[p / G]) pos[(*n)++] = p;
+    free(hs);
+    free(hi);
+    free(kept);
+    return 0;
+}
+
 int hack_select_pages(const hack_choose_args *c) {
     const hack_select_args *a = &c->s;
     const int64_t B = a->batch, H = a->heads, W = a->width, K = c->budget, OW = c->out_width;
@@ -256,8 +375,19 @@ int hack_select_pages(const hack_choose_args *c) {
     if (R > 1 && (a->head_dim % 64 || a->rep > MAX_REP || c->page_size < 1 || c->page_size > MAX_P ||
                   c->group < 1 || a->head_dim % c->group || a->head_dim / c->group > MAX_G))
         return -1;
-    int rc = hack_page_scores(a);
-    if (rc) return rc;
+    const int64_t G = c->sel_group;
+    if (G < 0 || (G > 0 && (c->keep_groups < 1 || !c->boxes || !c->box_cap || a->head_dim > MAX_D ||
+                            a->head_dim % 16 || a->rep > MAX_REP)))
+        return -1;
+    for (int64_t b = 0; G > 0 && b < B; b++) { /* the boxes must hold every middle group */
+        const int64_t rg = (c->recent_from[b] > 0 ? c->recent_from[b] : 0) / G;
+        if (a->n_closed[b] < 0 || a->n_closed[b] > a->max_pages || (rg > 1 && (!c->boxes[b] || c->box_cap[b] < rg)))
+            return -1;
+    }
+    if (G == 0) { /* one level: every closed page scored first */
+        int rc = hack_page_scores(a);
+        if (rc) return rc;
+    }
     hack_decode_args dec; /* what page_scores_quant reads of a decode call */
     memset(&dec, 0, sizeof(dec));
     dec.heads = H; dec.rep = a->rep; dec.head_dim = a->head_dim; dec.page_size = c->page_size;
@@ -276,23 +406,15 @@ int hack_select_pages(const hack_choose_args *c) {
         if (nc > 0) pos[n++] = 0; /* the first page (sinks) */
         for (int64_t p = rf; p < nc && n < k; p++) pos[n++] = p; /* the recent pages */
         free_k = k - n;
-        if (free_k > 0) { /* the best of the pages between them: a min-heap of the candidates */
+        if (G > 0) {
+            if (choose_two_level(c, &dec, b, it % H, rf, k, pos, &n)) { failed = 1; continue; }
+        } else if (free_k > 0) { /* the best of the pages between them: a min-heap of the candidates */
             const int64_t cand = R * free_k;
             float *hs = (float *)malloc(sizeof(float) * cand);
             int64_t *hi = (int64_t *)malloc(sizeof(int64_t) * cand);
             if (!hs || !hi) { free(hs); free(hi); failed = 1; continue; }
             int64_t m = 0;
-            for (int64_t p = 1; p < rf && p < nc; p++) {
-                float v = sc[p];
-                if (m < cand) {
-                    hs[m] = v; hi[m] = p; m++;
-                    if (m == cand)
-                        for (int64_t i = m / 2 - 1; i >= 0; i--) sift_down(hs, hi, m, i);
-                } else if (v > hs[0] || (v == hs[0] && p < hi[0])) {
-                    hs[0] = v; hi[0] = p;
-                    sift_down(hs, hi, m, 0);
-                }
-            }
+            for (int64_t p = 1; p < rf && p < nc; p++) heap_offer(hs, hi, &m, cand, sc[p], p);
             if (m > free_k) { /* refine: each candidate's best score over its own keys */
                 float s[MAX_REP * MAX_P], ws[MAX_G * MAX_P];
                 const float *qh = a->q + (b * H + it % H) * a->rep * a->head_dim;
