@@ -185,6 +185,8 @@ class HackAttnBackend(AttentionBackend):
         keys = list(rids) if rids is not None and len(rids) == len(rows) else None  # else the rows key the boxes
         self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys)
                             if self.sparse.enabled and mode.is_decode() else None)
+        if self.group_boxes is not None and not mode.is_decode():  # new tokens: those requests' boxes start over
+            self.group_boxes.forget(keys if keys is not None else [("row", int(r)) for r in rows])
         if self.gpu is not None:
             self.forward_metadata = self.gpu.plan(req_to_token, rows, seq_lens, ext_lens)
         else:

@@ -413,6 +413,8 @@ def test_group_box_cache_starts_over_where_the_pages_changed():
     assert torch.equal(again.table, want.table) and torch.equal(first.table[1:], again.table[1:])
     cache.begin(plan, ["x", "b", "c", "y"])
     assert len(cache) == 1  # only b is still running
+    cache.forget(["b"])  # an extend forward for b: its boxes start over
+    assert len(cache) == 0
     with pytest.raises(ValueError, match="request keys"):
         cache.begin(moved, ["a"])
 

@@ -10,7 +10,8 @@ groups, instead of every page (hack_select.c, `choose_two_level`).
 Keys: one per request, SGLang's request id where the forward carries it, else the request's
 row. Each forward checks a kept entry's page ids against the request's page table and starts
 it over where they differ, and drops the entries of requests that are not in the forward (a
-request that comes back recomputes its boxes: one pass over its side tables). Memory: per
+request that comes back recomputes its boxes: one pass over its side tables); an extend forward
+drops its requests' entries (`forget`). Memory: per
 request and layer, 2 x heads x groups x head_dim floats (Llama-3-8B at 32K with groups of 8
 pages: 0.5 MB a layer, ~2% of the request's HACK pages), outside the KV pool.
 """
@@ -67,6 +68,13 @@ class GroupBoxCache:
                     and torch.equal(plan.page_table[b, :n].to(torch.long), e.ids):
                 kept[key] = e
         self._entries, self._plan, self._keys = kept, plan, keys
+
+    def forget(self, keys: list[Hashable]) -> None:
+        """Drops these requests' entries: an extend forward is storing new tokens for them (a new
+        request that reuses an id, or one coming back after it was retracted)."""
+        for key in keys:
+            self._entries.pop(key, None)
+        self._plan = None
 
     def pointers(self, store, layer: int, plan: ForwardPlan, need: list[int]) -> tuple[Tensor, Tensor, list]:
         """For the forward begun with plan: each request's boxes at `layer` holding at least
