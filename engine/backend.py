@@ -49,8 +49,8 @@ from hack_ops.paged import decode as paged_decode
 from hack_ops.paged import extend as paged_extend
 from hack_ops.paged import extend_strawman
 from hack_ops.paged.chunk_codes import layout_refusal
-from hack_ops.paged.group_boxes import GroupBoxCache
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
+from hack_ops.paged.group_boxes import GroupBoxCache
 from hack_ops.paged.sparse import SparseDecode, SparseTotals
 from hack_ops.paged.static_keep import StaticKeepPages
 from hack_ops.rotation import Rotation, restore_output, rotate_qkv

@@ -2,7 +2,8 @@
 step of the answer, does the selection keep the page that holds the needle, and how much of the
 exact attention falls on the pages it drops? Scored for the serving bound (a page's per-channel
 box) against tighter boxes over fewer tokens of the same page (what a sub-page side table would
-give), MPCache's linear stand-in, the refinement (--hack-sparse-refine) and two oracles (each
+give), MPCache's linear stand-in, the refinement (--hack-sparse-refine), the two levels over
+groups of pages (--hack-sparse-groups, hack_ops.sparse.kept_group_pages) and two oracles (each
 page's true best q.k over its quantized keys, and the exact attention mass it receives): the
 measurement that says whether the bound or the page is what loses keys at a small budget.
 

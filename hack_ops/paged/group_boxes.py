@@ -11,9 +11,9 @@ Keys: one per request, SGLang's request id where the forward carries it, else th
 row. Each forward checks a kept entry's page ids against the request's page table and starts
 it over where they differ, and drops the entries of requests that are not in the forward (a
 request that comes back recomputes its boxes: one pass over its side tables); an extend forward
-drops its requests' entries (`forget`). Memory: per
-request and layer, 2 x heads x groups x head_dim floats (Llama-3-8B at 32K with groups of 8
-pages: 0.5 MB a layer, ~2% of the request's HACK pages), outside the KV pool.
+drops its requests' entries (`forget`). Memory: per request and layer, 2 x heads x groups x
+head_dim floats (Llama-3-8B at 32K with groups of 8 pages: 0.5 MB a layer, ~2% of the request's
+HACK pages), outside the KV pool.
 """
 from __future__ import annotations
 
