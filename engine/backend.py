@@ -186,7 +186,7 @@ class HackAttnBackend(AttentionBackend):
         self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys)
                             if self.sparse.enabled and mode.is_decode() else None)
         if self.group_boxes is not None and not mode.is_decode():  # new tokens: those requests' boxes start over
-            self.group_boxes.forget(keys if keys is not None else [("row", int(r)) for r in rows])
+            self.group_boxes.forget(rows, keys)
         if self.gpu is not None:
             self.forward_metadata = self.gpu.plan(req_to_token, rows, seq_lens, ext_lens)
         else:

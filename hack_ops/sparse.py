@@ -99,6 +99,13 @@ class SparseConfig:
     def recent_pages(self, page_size: int) -> int:
         return -(-self.recent_tokens // page_size) if self.recent_tokens else 0
 
+    def keep_groups(self, page_size: int) -> int:
+        """Groups a two-level selection keeps per (request, KV head): group_keep x the budget's
+        pages in groups, plus the first group and the recent pages' groups."""
+        budget, g = self.budget_pages(page_size), self.group_pages
+        recent_groups = -(-min(self.recent_pages(page_size), budget - 1) // g) + 1
+        return -(-int(self.group_keep * budget) // g) + 1 + recent_groups
+
     def layer_is_sparse(self, layer: int, window: int | None) -> bool:
         return self.enabled and layer >= self.dense_layers and window is None
 
@@ -204,9 +211,7 @@ def kept_group_pages(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_clo
     gmin, gscale = group_boxes(minimum, scale, bits, g)
     gscores = page_scores(q, gmin, gscale, bits, cfg.score)  # [B, H, G]
     # the best groups for the budget, beside the groups the first and the recent pages hold
-    recent_groups = -(-min(cfg.recent_pages(page_size), budget - 1) // g) + 1
-    keep_groups = -(-int(cfg.group_keep * budget) // g) + 1 + recent_groups
-    gidx, gcount = select_pages(gscores, -(-n_closed // g), keep_groups, recent_from.clamp(min=0) // g)
+    gidx, gcount = select_pages(gscores, -(-n_closed // g), cfg.keep_groups(page_size), recent_from.clamp(min=0) // g)
     kept = torch.zeros(gscores.shape, dtype=torch.bool)
     taken = torch.arange(gidx.shape[-1])[None, None, :] < gcount[:, None, None]
     kept.scatter_(-1, gidx, taken.expand(gidx.shape))

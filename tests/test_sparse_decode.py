@@ -9,6 +9,8 @@ page selected it is the dense step, bit for bit.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -362,7 +364,7 @@ def test_compiled_two_level_selection_from_cached_boxes_equals_the_reference(gro
     recent pages' group kept whatever its score."""
     _need_kernel("native")
     from hack_ops.paged.group_boxes import GroupBoxCache
-    from hack_ops.paged.sparse import _as_table, closed_page_meta, keep_groups, kernel_select
+    from hack_ops.paged.sparse import _as_table, closed_page_meta, kernel_select
 
     d, rep = geometry
     case, plan, q = _decode_step(make_cfg(partition_size=P, **kw), d, rep, seed=12)
@@ -371,7 +373,7 @@ def test_compiled_two_level_selection_from_cached_boxes_equals_the_reference(gro
     sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, score=score, group_pages=groups, group_keep=1.0)
     idx, count = select(q.reshape(4, 2, rep, -1), mn, sc, bits, n_closed, sparse, P)
     torch_path = _as_table(plan, idx, count, n_closed, P)
-    assert keep_groups(sparse, P) < -(-int(n_closed.max()) // groups)  # groups are dropped: both levels act
+    assert sparse.keep_groups(P) < -(-int(n_closed.max()) // groups)  # groups are dropped: both levels act
     cache = GroupBoxCache(groups)
     assert kernel_select(case.store, 0, plan, q, sparse) is None  # two levels read cached boxes only
     for step in range(2):
@@ -401,8 +403,7 @@ def test_group_box_cache_starts_over_where_the_pages_changed():
     # the same requests, request a's pages 3..5 swapped for request d's (other keys there)
     table = plan.page_table.clone()
     table[0, 3:6] = plan.page_table[3, 3:6]
-    moved = type(plan)(**{f: getattr(plan, f) for f in plan.__dataclass_fields__ if f != "memo"})
-    moved.page_table = table
+    moved = dataclasses.replace(plan, page_table=table)
     before = cache.computed
     cache.begin(moved, ["a", "b", "c", "d"])
     again = kernel_select(case.store, 0, moved, q, sparse, cache)
@@ -413,7 +414,7 @@ def test_group_box_cache_starts_over_where_the_pages_changed():
     assert torch.equal(again.table, want.table) and torch.equal(first.table[1:], again.table[1:])
     cache.begin(plan, ["x", "b", "c", "y"])
     assert len(cache) == 1  # only b is still running
-    cache.forget(["b"])  # an extend forward for b: its boxes start over
+    cache.forget([int(plan.rows[1])], ["b"])  # an extend forward for b: its boxes start over
     assert len(cache) == 0
     with pytest.raises(ValueError, match="request keys"):
         cache.begin(moved, ["a"])

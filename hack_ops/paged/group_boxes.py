@@ -27,6 +27,11 @@ from ..sparse import group_boxes
 from .plan import ForwardPlan
 
 
+def request_keys(rows: list[int], keys: list[Hashable] | None) -> list[Hashable]:
+    """The cache's key of each request: its id where the forward names it, else its row."""
+    return [("row", int(r)) for r in rows] if keys is None else list(keys)
+
+
 @dataclass
 class _Entry:
     ids: Tensor  # long [pages]: the page ids the boxes were computed from (positions 0..pages-1)
@@ -55,7 +60,7 @@ class GroupBoxCache:
         if plan is self._plan:
             return
         rows = plan.rows.tolist()
-        keys = [("row", int(r)) for r in rows] if keys is None else list(keys)
+        keys = request_keys(rows, keys)
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} request keys for a forward of {len(rows)} requests")
         kept: dict[Hashable, _Entry] = {}
@@ -69,10 +74,11 @@ class GroupBoxCache:
                 kept[key] = e
         self._entries, self._plan, self._keys = kept, plan, keys
 
-    def forget(self, keys: list[Hashable]) -> None:
-        """Drops these requests' entries: an extend forward is storing new tokens for them (a new
-        request that reuses an id, or one coming back after it was retracted)."""
-        for key in keys:
+    def forget(self, rows: list[int], keys: list[Hashable] | None = None) -> None:
+        """Drops these requests' entries (their rows, and their ids where known): an extend
+        forward is storing new tokens for them (a new request that reuses an id, or one coming
+        back after it was retracted)."""
+        for key in request_keys(rows, keys):
             self._entries.pop(key, None)
         self._plan = None
 

@@ -203,6 +203,12 @@ def _layer_consts(store, layer: int) -> _LayerConsts:
     return got
 
 
+def _point_at_layer(a: _SelArgs, lc: _LayerConsts) -> None:
+    """Sets the fields of `a` that name a layer's K pages."""
+    a.k_page_bytes, a.k_min_off, a.k_scale_off, a.meta_fp32 = lc.page_bytes, lc.min_off, lc.scale_off, lc.meta_fp32
+    a.levels, a.k_pages = float((1 << lc.bits) - 1), lc.buf.data_ptr()
+
+
 def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str, keep: list,
                 scores: bool = True) -> _SelArgs:
     """The scoring kernel's arguments; `keep` holds the tensors their pointers point into.
@@ -215,11 +221,12 @@ def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScor
     out = torch.empty(b, h, pin.width if scores else 1, dtype=torch.float32)
     keep += [pin.n_closed, pin.table, qf, out, lc.buf]
     threads = max(1, min(torch.get_num_threads(), b * h * pin.width // PAIRS_PER_THREAD))
-    return _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=pin.table.shape[1], width=pin.width,
-                    k_page_bytes=lc.page_bytes, k_min_off=lc.min_off, k_scale_off=lc.scale_off,
-                    meta_fp32=lc.meta_fp32, score=int(PageScore(score) != PageScore.BOUND), nthreads=threads,
-                    levels=float((1 << lc.bits) - 1), alpha=LINEAR_ALPHA, n_closed=pin.n_closed.data_ptr(),
-                    page_table=pin.table.data_ptr(), k_pages=lc.buf.data_ptr(), q=qf.data_ptr(), out=out.data_ptr())
+    a = _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=pin.table.shape[1], width=pin.width,
+                 score=int(PageScore(score) != PageScore.BOUND), nthreads=threads, alpha=LINEAR_ALPHA,
+                 n_closed=pin.n_closed.data_ptr(), page_table=pin.table.data_ptr(), q=qf.data_ptr(),
+                 out=out.data_ptr())
+    _point_at_layer(a, lc)
+    return a
 
 
 SEL_MAX_QD = 16384  # csrc/hack_select.c: query heads x head_dim of one request
@@ -245,14 +252,6 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
         raise RuntimeError(f"the page-score kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
     return keep[3]
-
-
-def keep_groups(cfg: SparseConfig, page_size: int) -> int:
-    """Groups a two-level selection keeps per (request, KV head): group_keep x the budget's
-    pages in groups, plus the first group and the recent pages' (hack_ops.sparse.select)."""
-    budget, g = cfg.budget_pages(page_size), cfg.group_pages
-    recent_groups = -(-min(cfg.recent_pages(page_size), budget - 1) // g) + 1
-    return -(-int(cfg.group_keep * budget) // g) + 1 + recent_groups
 
 
 @dataclass
@@ -282,7 +281,7 @@ def _select_call(store, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> _Sel
     width = min(pin.width, budget) + 1
     args = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
                        num_pages=pin.num_pages.data_ptr(), refine=cfg.refine, page_size=p, sel_group=g,
-                       keep_groups=keep_groups(cfg, p) if g else 0)
+                       keep_groups=cfg.keep_groups(p) if g else 0)
     need = (recent_from.clamp(min=0) // g).tolist() if g else []
     got = plan.memo[key] = _SelectCall(args=args, keep=keep, width=width, need=need)
     return got
@@ -307,9 +306,8 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     table = out[b * h * width:2 * b * h * width].view(b, h, width)
     count = out[2 * b * h * width:]
     lc = _layer_consts(store, layer)
-    sa = a.s  # this layer's pages and queries
-    sa.k_page_bytes, sa.k_min_off, sa.k_scale_off, sa.meta_fp32 = lc.page_bytes, lc.min_off, lc.scale_off, lc.meta_fp32
-    sa.levels, sa.k_pages, sa.q = float((1 << lc.bits) - 1), lc.buf.data_ptr(), qf.data_ptr()
+    _point_at_layer(a.s, lc)  # this layer's pages and queries
+    a.s.q = qf.data_ptr()
     a.k_bits, a.group, a.k_codes_off, a.k_sums_off, a.k_sums_bytes = (lc.bits, lc.group, lc.codes_off, lc.sums_off,
                                                                        lc.sums_bytes)
     a.positions, a.table, a.count = positions.data_ptr(), table.data_ptr(), count.data_ptr()
@@ -324,7 +322,6 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     if rc != 0:
         raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
-    del alive, qf  # (held until the call returned)
     pin = _plan_inputs(plan, p)
     return PageSelection(page_size=p, positions=positions, table=table, n_closed=count,
                          seq_lens=count * p + pin.open_tokens, resident=pin.n_closed)

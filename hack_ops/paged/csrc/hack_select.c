@@ -127,6 +127,13 @@ static inline float head_bound_any(const float *mn, const float *sc, const float
     return best;
 }
 
+/* The query as the score weighs a page's scale: L relu(q) for the bound, alpha L q for the
+ * linear score (n floats). */
+static inline void scaled_query(const hack_select_args *a, const float *q, int64_t n, float *qp) {
+    const float mul = a->score == 0 ? (float)a->levels : (float)(a->alpha * a->levels);
+    for (int64_t j = 0; j < n; j++) qp[j] = mul * (a->score == 0 ? (q[j] > 0.0f ? q[j] : 0.0f) : q[j]);
+}
+
 int hack_page_scores(const hack_select_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, W = a->width;
     if (d > MAX_D || d % 16 || rep < 1 || rep > MAX_REP || H < 1 || H * rep * d > SEL_MAX_QD || W < 1) return -1;
@@ -136,16 +143,14 @@ int hack_page_scores(const hack_select_args *a) {
      * tables (all heads' minimums, then all heads' scales, each contiguous) are read once */
     const int64_t runs = (W + SEL_PAGES - 1) / SEL_PAGES, n_items = B * runs;
     const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
-    const float L = (float)a->levels, lin = (float)(a->alpha * a->levels);
     const int64_t meta_bytes = a->meta_fp32 ? 4 : 2;
-    const float mul = a->score == 0 ? L : lin;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
     for (int64_t it = 0; it < n_items; it++) {
         const int64_t b = it / runs, p0 = (it % runs) * SEL_PAGES;
         const int64_t p1 = p0 + SEL_PAGES < W ? p0 + SEL_PAGES : W, nc = a->n_closed[b];
         const float *q = a->q + b * H * rep * d;
-        float qp[SEL_MAX_QD]; /* L relu(q) for the bound, alpha L q for the linear score: [H * rep * d] */
-        for (int64_t j = 0; j < H * rep * d; j++) qp[j] = mul * (a->score == 0 ? (q[j] > 0.0f ? q[j] : 0.0f) : q[j]);
+        float qp[SEL_MAX_QD]; /* [H * rep * d] */
+        scaled_query(a, q, H * rep * d, qp);
         float mn[MAX_D], sc[MAX_D];
         for (int64_t p = p0; p < p1; p++) {
             float *out = a->out + b * H * W + p;
@@ -281,6 +286,15 @@ static float page_best(const hack_decode_args *dec, int64_t b, int64_t h, int64_
     return best;
 }
 
+/* Refinement: of the m candidates (hs, hi), the k whose best scores over their own keys are
+ * highest, in hi[0..k) (m > k). qh: the group's queries, row: the request's page table. */
+static void refine_candidates(const hack_decode_args *dec, int64_t b, int64_t h, const int64_t *row,
+                              const float *qh, float *hs, int64_t *hi, int64_t m, int64_t k) {
+    float s[MAX_REP * MAX_P], ws[MAX_G * MAX_P];
+    for (int64_t i = 0; i < m; i++) hs[i] = page_best(dec, b, h, row[hi[i]], qh, s, ws);
+    keep_best(hs, hi, m, k);
+}
+
 /* Two levels for (request b, KV head h): the closed pages beside the first and the recent ones
  * (pos[0..*n) on entry) chosen up to k, only among the pages of the kept groups (see
  * hack_choose_args). Mirrors hack_ops.sparse.select with group_pages: the groups' own select
@@ -295,8 +309,7 @@ static int choose_two_level(const hack_choose_args *c, const hack_decode_args *d
     if (free_k <= 0) return 0;
     const float *qh = a->q + (b * H + h) * rep * d;
     float qp[MAX_REP * MAX_D], mn[MAX_D], scr[MAX_D];
-    const float mul = a->score == 0 ? (float)a->levels : (float)(a->alpha * a->levels);
-    for (int64_t j = 0; j < rep * d; j++) qp[j] = mul * (a->score == 0 ? (qh[j] > 0.0f ? qh[j] : 0.0f) : qh[j]);
+    scaled_query(a, qh, rep * d, qp);
     const int64_t ng = (nc + G - 1) / G, rg = (c->recent_from[b] > 0 ? c->recent_from[b] : 0) / G;
     const int64_t mid_end = rg < ng ? rg : ng; /* middle groups: [1, mid_end) */
     const int64_t forced = (ng > 0) + (ng > (rg > 1 ? rg : 1) ? ng - (rg > 1 ? rg : 1) : 0);
@@ -346,9 +359,7 @@ static int choose_two_level(const hack_choose_args *c, const hack_decode_args *d
     }
 #undef SEL_AHEAD
     if (m > free_k) { /* refine: the candidates' best scores over their own keys choose */
-        float s[MAX_REP * MAX_P], ws[MAX_G * MAX_P];
-        for (int64_t i = 0; i < m; i++) hs[i] = page_best(dec, b, h, row[hi[i]], qh, s, ws);
-        keep_best(hs, hi, m, free_k);
+        refine_candidates(dec, b, h, row, qh, hs, hi, m, free_k);
         m = free_k;
     }
     for (int64_t i = 0; i < m; i++) pos[(*n)++] = hi[i];
@@ -416,11 +427,8 @@ int hack_select_pages(const hack_choose_args *c) {
             int64_t m = 0;
             for (int64_t p = 1; p < rf && p < nc; p++) heap_offer(hs, hi, &m, cand, sc[p], p);
             if (m > free_k) { /* refine: each candidate's best score over its own keys */
-                float s[MAX_REP * MAX_P], ws[MAX_G * MAX_P];
-                const float *qh = a->q + (b * H + it % H) * a->rep * a->head_dim;
-                const int64_t *row = a->page_table + b * a->max_pages;
-                for (int64_t i = 0; i < m; i++) hs[i] = page_best(&dec, b, it % H, row[hi[i]], qh, s, ws);
-                keep_best(hs, hi, m, free_k);
+                refine_candidates(&dec, b, it % H, a->page_table + b * a->max_pages,
+                                  a->q + (b * H + it % H) * a->rep * a->head_dim, hs, hi, m, free_k);
                 m = free_k;
             }
             for (int64_t i = 0; i < m; i++) pos[n++] = hi[i];
