@@ -66,6 +66,10 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--4bit-tensors", dest="four_bit_tensors", choices=[t.value for t in RaisedTensors], default="kv",
                    help="which tensors of the --4bit-layers layers the hack-4bit-layers method holds at 4 bits: "
                         "kv (K and V, default), k (K alone, V at 2 bits) or v (V alone; --hack-4bit-tensors)")
+    p.add_argument("--context-length", type=int, default=None, metavar="N",
+                   help="serve the model at N positions where its config says fewer (every server alike, through "
+                        "SGLang's --json-model-override-args max_position_embeddings): decode speed at a context "
+                        "past what the model was trained on, whose answers degrade there (default: the model's own)")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--no-doc", action="store_true", help="do not update docs/engine.md")
     p.set_defaults(func=run)
@@ -75,7 +79,7 @@ def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(json=False, quick=False, methods="bf16,hack,dequant", contexts=None,
                                   decode_tokens=None, concurrency=8, decode_batch=0, requests=None,
                                   budget_mb=256.0, model="smollm2", four_bit_layers=None, four_bit_tensors="kv", out=None,
-                                  no_doc=False))
+                                  no_doc=False, context_length=None))
 
 
 def _throughput(url: str, prompts: list[list[int]], n: int, concurrency: int) -> dict:
@@ -134,7 +138,8 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
                                                                 **(run_meta or {})}) for m in methods}
     servers = {m: SGLangServer(model_path, [*method_args(m, cfg.get("four_bit_layers"), cfg.get("four_bit_tensors", "kv")),
                                             "--hack-kv-budget-mb", str(cfg["budget_mb"]),
-                                            "--sleep-on-idle"], env=metrics_env(runs[m])) for m in methods}
+                                            "--sleep-on-idle", *cfg.get("server_args", [])], env=metrics_env(runs[m]))
+               for m in methods}
     res: dict[str, dict] = {m: {"contexts": {}} for m in methods}
     try:
         for m, s in servers.items():
@@ -184,12 +189,24 @@ def metrics_env(run_dir: Path) -> dict[str, str]:
             "HACK_METRICS_INSTANCE": "0", "HACK_METRICS_PROMETHEUS": "0"}
 
 
-def _context_limit(model_path: str) -> int:
-    """The longest prompt a context cell may take on this model: its max_position_embeddings,
-    less room for the decode and throughput tokens (SmolLM2: 8192 -> 8100)."""
+CONTEXT_ROOM = 92  # positions a context cell leaves for the decode and throughput tokens
+
+
+def model_positions(model_path: str) -> int:
+    """The model's own context: max_position_embeddings of its config (SmolLM2: 8192)."""
     cfg = json.loads((Path(model_path) / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    return int(cfg.get("max_position_embeddings", 8192)) - 92
+    return int(cfg.get("text_config", cfg).get("max_position_embeddings", 8192))
+
+
+def context_override(model_path: str, length: int | None) -> list[str]:
+    """Server arguments that let `length` positions in where the model's config says fewer
+    (SGLang sizes its rotary tables and context from max_position_embeddings); [] otherwise."""
+    if length is None or length <= model_positions(model_path):
+        return []
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    if "text_config" in cfg:
+        raise ValueError("--context-length past the model's own context needs a model with a flat config")
+    return ["--json-model-override-args", json.dumps({"max_position_embeddings": length})]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -217,10 +234,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--decode-tokens must be >= 2, --concurrency and --requests >= 1, --decode-batch >= 0")
     say = (lambda *a: None) if args.json else print
     model_path = str(prepare(args.model, log=say))
-    limit = _context_limit(model_path)
+    length = getattr(args, "context_length", None)
+    if length is not None and length < 2 * CONTEXT_ROOM:
+        raise ValueError(f"--context-length must be at least {2 * CONTEXT_ROOM}")
+    cfg["context_length"] = length or model_positions(model_path)
+    cfg["server_args"] = context_override(model_path, length)
+    limit = cfg["context_length"] - CONTEXT_ROOM
     if max(contexts) > limit:
-        raise ValueError(f"contexts must be at most {limit} for {args.model} (its context is {limit + 92} tokens, "
-                         "less room for the generated ones)")
+        raise ValueError(f"contexts must be at most {limit} for {args.model} at {cfg['context_length']} positions "
+                         "(less room for the generated ones; --context-length serves more)")
     if "hack-4bit-layers" in methods:  # 'full' as the model's indices, for the record and the servers
         cfg["four_bit_layers"] = list(resolve_for_model_path(layers, model_path))
         cfg["four_bit_tensors"] = getattr(args, "four_bit_tensors", "kv")
@@ -294,7 +316,9 @@ def render(result: dict) -> str:
     nb = cfg.get("decode_batch", 0)
     lines = [f"Command: `{result['command']}`  ",
              f"Measured: {result['date']} on this project's CPU host ({result['machine']}, 2 cores "
-             f"shared with other work), KV budget {cfg['budget_mb']:g} MB per server.", "",
+             f"shared with other work), KV budget {cfg['budget_mb']:g} MB per server"
+             + (f", every server at {cfg['context_length']:,} positions (past the model's own context: "
+                "speed, not answers)" if cfg.get("server_args") else "") + ".", "",
              "| method | max total tokens | " + " | ".join(f"decode tok/s @{c}" for c in ctx) + " | "
              + "".join(f"decode tok/s @{c}, {nb} together | " for c in ctx if nb)
              + " | ".join(f"prefill tok/s @{c}" for c in ctx)

@@ -260,3 +260,34 @@ def test_eval_size_reads_gemma3s_geometry(prepared, capsys):
     assert args.func(args) == 0
     rows = json.loads(capsys.readouterr().out)
     assert rows[0] == {"format": "bf16", "bytes_per_token_layer": 2 * 2 * 1 * 256, "ratio": 1.0}
+
+
+def test_bench_serve_context_length_past_the_models_own(prepared, monkeypatch):
+    """`hack bench serve --context-length N` lets a context past the model's config in (every
+    server gets SGLang's max_position_embeddings override, the record says so); within the
+    model's own positions nothing is overridden; a context past either is refused before any
+    server starts, naming the flag."""
+    import hack_cli.bench_serve as bench_serve
+
+    seen = {}
+
+    def fake_measure(methods, model_path, cfg, say, run_meta=None):
+        seen["cfg"] = cfg
+        raise Reached
+
+    monkeypatch.setattr(bench_serve, "_measure_all", fake_measure)
+    base = ["bench", "serve", "--model", "gemma3", "--methods", "bf16,hack", "--no-doc"]
+    _run([*base, "--contexts", "16000", "--context-length", "16384"])  # the config says 8192 (no entry)
+    assert seen["cfg"]["server_args"] == ["--json-model-override-args", '{"max_position_embeddings": 16384}']
+    assert seen["cfg"]["context_length"] == 16384
+    _run([*base, "--contexts", "4000", "--context-length", "4096"])
+    assert seen["cfg"]["server_args"] == [] and seen["cfg"]["context_length"] == 4096
+    for extra in (["--contexts", "16000"], ["--contexts", "16300", "--context-length", "16384"]):
+        args = build_parser().parse_args([*base, *extra])
+        args.argv = [*base, *extra]
+        with pytest.raises(ValueError, match="--context-length"):
+            args.func(args)
+    text = bench_serve.render({"command": "c", "date": "d", "machine": "m", "methods": {}, "ratios_vs_bf16": {},
+                               "config": {"contexts": [], "budget_mb": 512, "requests": 1, "concurrency": 1,
+                                          "context_length": 16384, "server_args": ["x"]}})
+    assert "every server at 16,384 positions (past the model's own context: speed, not answers)" in text
