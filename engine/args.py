@@ -173,8 +173,9 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Sparse decode: each decode step reads, per request and KV head, at most this many tokens of "
              "closed pages, chosen by the upper bound of q.k that K's per-page min and scale give (plus the "
              "first page, the recent pages and the FP16 open page). 0 (default): every page. Layers with a "
-             "sliding window and the first --hack-sparse-dense-layers always read every page. CPU path, "
-             "--hack-attention hack and --hack-orientation channel_k only; refused otherwise at startup.")),
+             "sliding window and the first --hack-sparse-dense-layers always read every page. "
+             "--hack-attention hack and --hack-orientation channel_k only; on a GPU the bound alone (no "
+             "--hack-sparse-refine or --hack-sparse-groups); refused otherwise at startup.")),
     "hack_sparse_recent": ("--hack-sparse-recent", dict(
         type=_non_negative_int, metavar="TOKENS",
         help="Sparse decode: the most recent closed tokens always read, within the budget (default 256).")),

@@ -23,14 +23,16 @@ Sparse decode (`--hack-sparse-budget`, hack_ops.sparse): a decode step reads, pe
 KV head, the closed pages selected from K's side tables (the first page, the recent ones and the
 best-bounded rest up to the budget) through per-head page tables; one SparseDecode per decode
 forward carries a selection across the layers that share it. Prefill reads every page; layers
-with a sliding window and the first `dense_layers` always do.
+with a sliding window and the first `dense_layers` always do. On a GPU the selection runs on the
+device (hack_ops.triton.sparse: the bound alone, no refinement or two levels) and the CUDA or
+Triton decode kernel reads its per-head tables.
 
 Static eviction (`--hack-static-keep`, hack_ops.paged.static_keep): after each extend chunk
 stores its tokens, every layer without a sliding window decides, from the chunk's last queries,
 which of the request's closed pages later decode steps read; decode reads them through the same
-per-head page tables as sparse decode. CPU path only (refused at startup on a GPU); over PD the
-prefill server's sets travel with the request and its dropped pages stay off the wire
-(disagg.static_wire).
+per-head page tables as sparse decode. CPU path only (its vote is not built on the GPU path:
+refused at startup there); over PD the prefill server's sets travel with the request and its
+dropped pages stay off the wire (disagg.static_wire).
 
 Layer features: each layer's sliding window (`sliding_window_size`), scaling and logit
 soft-cap go to the attention call. What no HACK path serves (cross-attention, encoder-only or
@@ -114,16 +116,17 @@ class HackAttnBackend(AttentionBackend):
         # two levels (--hack-sparse-groups): each running request's group boxes, kept across steps
         self.group_boxes = GroupBoxCache(self.sparse.group_pages) if self.sparse.group_pages else None
         pool.sparse_totals = self.sparse_totals if self.sparse.enabled else None
-        if self.sparse.enabled and self.device.type == "cuda":
-            raise NotImplementedError("--hack-sparse-budget runs on the CPU path: the GPU decode kernels do not "
-                                      "take per-head page tables yet. Drop the option to serve on this GPU")
+        if self.sparse.enabled and self.device.type == "cuda" and (self.sparse.refine > 1 or self.sparse.group_pages):
+            raise NotImplementedError("on a GPU sparse decode selects by the bound alone (hack_ops.triton.sparse): "
+                                      "--hack-sparse-refine and --hack-sparse-groups run on the CPU path. Drop them "
+                                      "to serve on this GPU")
         # Static eviction (--hack-static-keep): the kept pages of every request row, decided at
         # prefill; its totals are what /server_info reports.
         self.static_keep: Optional[StaticKeepPages] = None
         if settings.static.enabled:
             if self.device.type == "cuda":
-                raise NotImplementedError("--hack-static-keep runs on the CPU path: the GPU decode kernels do not "
-                                          "take per-head page tables yet. Drop the option to serve on this GPU")
+                raise NotImplementedError("--hack-static-keep runs on the CPU path: its vote at prefill is not built "
+                                          "on the GPU path. Drop the option to serve on this GPU")
             self.static_keep = StaticKeepPages(settings.static, SparseTotals())
         pool.static_totals = self.static_keep.totals if self.static_keep is not None else None
         pool.static_keep = self.static_keep  # PD: the prefill stages its kept sets, the decode installs them
@@ -183,7 +186,8 @@ class HackAttnBackend(AttentionBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         rids = getattr(forward_batch, "rids", None)
         keys = list(rids) if rids is not None and len(rids) == len(rows) else None  # else the rows key the boxes
-        self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys)
+        self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys,
+                                         on_device=self.device.type == "cuda")
                             if self.sparse.enabled and mode.is_decode() else None)
         if self.group_boxes is not None and not mode.is_decode():  # new tokens: those requests' boxes start over
             self.group_boxes.forget(rows, keys)
@@ -251,12 +255,12 @@ class HackAttnBackend(AttentionBackend):
         lid = self._check_layer(layer, save_kv_cache, k)
         q3, k3, v3 = self._rotated_heads(q, k, v, layer)
         window, cap = layer_features(layer)
-        if self.gpu is not None:
+        sparse = self.sparse_step if self.sparse_step is not None and self.sparse.layer_is_sparse(lid, window) \
+            else None
+        if self.gpu is not None:  # the store step, then the selection (when sparse), inside decode
             o = self.gpu.decode(lid, self.forward_metadata, q3, k3, v3, layer.scaling,
-                                window=window, logit_cap=cap)
+                                window=window, logit_cap=cap, sparse=sparse)
         else:  # the store step (HackKVStore.write) runs inside decode
-            sparse = self.sparse_step if self.sparse_step is not None and self.sparse.layer_is_sparse(lid, window) \
-                else None
             if self.static_keep is not None and window is None:
                 sparse = self.static_keep  # the kept pages, through the sparse decode's page tables
             o = paged_decode(self.store, lid, self.forward_metadata, q3, k3, v3, mode=self.mode,

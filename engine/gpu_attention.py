@@ -27,11 +27,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from hack_ops.cuda.spec import ACT_DTYPES, DecodeKernel, layout_why_not
 from hack_ops.modes import AttentionMode, PrefillMode
 from hack_ops.paged.plan import ForwardPlan
+from hack_ops.paged.sparse import SparseDecode
 
 from .decode_choice import choose_decode_kernel, decode_kernel_from_env
 
@@ -83,8 +85,11 @@ class GpuAttention:
                 s.sink_v[layer] if s.config.sink_tokens else None)
 
     def decode(self, layer: int, plan: ForwardPlan, q: Tensor, k: Tensor, v: Tensor,
-               scale: float, window: int | None = None, logit_cap: float = 0.0) -> Tensor:
-        from hack_ops.triton.decode import HackDecodeAttention
+               scale: float, window: int | None = None, logit_cap: float = 0.0,
+               sparse: SparseDecode | None = None) -> Tensor:
+        """One layer's decode step: the new token stored, then attention over every page, or
+        (sparse, hack_ops.paged.sparse.SparseDecode selecting on the device) over each KV head's
+        selected pages, through a kernel planned on the selection's per-head tables."""
         from hack_ops.triton.store import store as store_tokens
 
         indptr, indices, lens, _, rows = self._csr
@@ -92,24 +97,41 @@ class GpuAttention:
         key = (hq, lay.config.bits("k"), lay.config.bits("v"))
         attn = self._decode.get(key)
         if attn is None:
-            attn = self._decode_kernel(key, lay, hq, q, scale)
-            attn.plan(indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
+            attn = self._planned(key, lay, hq, q, scale, (indptr, indices, lens), plan)
             self._decode[key] = attn
         attn.sm_scale = float(scale)
         cache = self._cache(layer)
         store_tokens(lay, attn.batch, k.contiguous(), v.contiguous(), *cache, phase="all")
+        sel = sparse.select(self.store, layer, plan, q) if sparse is not None else None
+        tables = None
+        if sel is not None:  # a kernel of this layer's own selection (the dense one stays planned)
+            s_indptr, s_indices = sel.head_csr()
+            tables = (s_indptr, s_indices, sel.seq_lens.to(device=self.device, dtype=torch.int32))
+            attn = self._planned(key, lay, hq, q, scale, tables, plan, head_tables=True)
         try:
             return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
         except RuntimeError as exc:
-            if isinstance(attn, HackDecodeAttention):
+            if key in self._on_triton or self.decode_kernel != DecodeKernel.CUDA:
                 raise
             self._on_triton[key] = f"the CUDA kernel failed: {exc}"
             logger.warning("HACK decode: layers with %d query heads, K %d / V %d bits move to the Triton kernels: %s",
                            *key, exc)
-            triton = HackDecodeAttention(lay, hq, sm_scale=scale)
-            triton.plan(indptr, indices, lens, tail_rows=rows, sink_slots=plan.sink_slot.to(self.device))
-            self._decode[key] = triton
-            return triton.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+            self._decode[key] = self._planned(key, lay, hq, q, scale, (indptr, indices, lens), plan)
+            if tables is not None:
+                return self._planned(key, lay, hq, q, scale, tables, plan, head_tables=True).run(
+                    q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+            return self._decode[key].run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+
+    def _planned(self, key: tuple[int, int, int], lay: Any, hq: int, q: Tensor, scale: float,
+                 tables: tuple[Tensor, Tensor, Tensor], plan: ForwardPlan, head_tables: bool = False) -> Any:
+        """A decode kernel of this layer format planned on `tables` (kv_indptr, kv_indices,
+        seq_lens): the forward's page table, or (head_tables) a sparse selection's, one list per
+        KV head (PageSelection.head_csr)."""
+        indptr, indices, lens = tables
+        attn = self._decode_kernel(key, lay, hq, q, scale)
+        attn.plan(indptr, indices, lens, tail_rows=self._csr[4], sink_slots=plan.sink_slot.to(self.device),
+                  head_tables=head_tables)
+        return attn
 
     def _decode_kernel(self, key: tuple[int, int, int], lay: Any, hq: int, q: Tensor, scale: float) -> Any:
         """The decode wrapper of one layer format: the CUDA kernel where it was chosen and reads
@@ -152,8 +174,6 @@ class GpuAttention:
         at startup, so the first prefill does not wait for nvcc (~10 s, once per machine: cached).
         A build that fails is logged here; its formats then take the Triton store at the first
         chunk (_store_chunk)."""
-        import torch
-
         from hack_ops.cuda.build import ActDtype, Variant, device_arch
         from hack_ops.cuda.store import load, store_why_not
 
@@ -197,8 +217,6 @@ class GpuAttention:
         """PrefillMode.DENSE: the chunk stored by the store kernel (attn's plan gives the batch),
         then dense attention. The prefix's open-page tokens are read before the store, which may
         close that page and reuse its tail."""
-        import torch
-
         from hack_ops.paged.attention import dense_attend, keep_open_tokens
 
         snaps = keep_open_tokens(self.store, layer, plan) if plan.has_prefix else {}

@@ -60,11 +60,20 @@ def cuda_decode_bytes(layout, seq_lens: list[int], q_heads: int) -> int:
     return hack_decode_bytes(layout, seq_lens, q_heads) - sum(n // layout.page_size for n in seq_lens) * sums
 
 
+def select_bytes(layout, seq_lens: list[int], q_heads: int) -> int:
+    """What the device selection reads: K's minimum and scale of every closed page and KV head, the queries."""
+    lay, p = layout, layout.page_size
+    meta = lay.k.minimum.nbytes + lay.k.scale.nbytes
+    return sum(n // p for n in seq_lens) * meta + len(seq_lens) * q_heads * lay.head_dim * 2
+
+
 class CudaCell:
     """One cell's data and methods: benchcases.DecodeCase (pages by the Triton store, the BF16
-    cache, the Triton kernel) plus the CUDA kernel on its pages and on a fragment-order copy."""
+    cache, the Triton kernel) plus the CUDA kernel on its pages and on a fragment-order copy; with
+    sparse budgets, per budget the device selection (hack_ops.triton.sparse) and both kernels over
+    its per-head tables (planned once: the plan's host checks are not timed)."""
 
-    def __init__(self, cell: Cell, baseline, device: torch.device) -> None:
+    def __init__(self, cell: Cell, baseline, device: torch.device, budgets: tuple[int, ...] = ()) -> None:
         from hack_ops.cuda import CodeOrder, CudaDecodeAttention
         from hack_ops.cuda.fragment import convert_pages
         from hack_ops.triton import benchcases as bc
@@ -83,6 +92,27 @@ class CudaCell:
             self.cuda[order] = att
         self.out = torch.empty_like(self.case.q)
         self.splits = self.cuda[CodeOrder.TOKEN].splits(None)
+        self.sparse = {bud: self._sparse(bud) for bud in budgets}
+
+    def _sparse(self, budget: int) -> dict:
+        from hack_ops.cuda import CudaDecodeAttention
+        from hack_ops.sparse import SparseConfig
+        from hack_ops.triton.decode import HackDecodeAttention
+        from hack_ops.triton.sparse import select_head_tables
+
+        c, b = self.case, self.case.hack.batch
+        cfg = SparseConfig(budget_tokens=budget, dense_layers=0)
+
+        def select():
+            return select_head_tables(c.layout, c.bufs["k_buf"], c.table, c.seq_lens, c.q, cfg)
+
+        indptr, indices, lens = select()
+        kernels = {}
+        for name, cls in (("cuda", CudaDecodeAttention), ("triton", HackDecodeAttention)):
+            att = cls(c.layout, c.shape.q_heads)
+            att.plan(indptr, indices, lens, b.tail_rows, b.sink_slots, head_tables=True)
+            kernels[name] = att
+        return {"select": select, "kernels": kernels, "seq_lens": lens.tolist()}
 
     def methods(self) -> dict:
         from hack_ops.cuda import CodeOrder
@@ -90,17 +120,27 @@ class CudaCell:
 
         q, case = self.case.q, self.case
         tok, frag = cache_kwargs(case.bufs), cache_kwargs(self.frag_bufs)
-        return {"cuda": lambda: self.cuda[CodeOrder.TOKEN].run(q, **tok, out=self.out),
-                "cuda_fragment": lambda: self.cuda[CodeOrder.FRAGMENT].run(q, **frag, out=self.out),
-                "triton": case.run_hack, "bf16": case.run_bf16}
+        methods = {"cuda": lambda: self.cuda[CodeOrder.TOKEN].run(q, **tok, out=self.out),
+                   "cuda_fragment": lambda: self.cuda[CodeOrder.FRAGMENT].run(q, **frag, out=self.out),
+                   "triton": case.run_hack, "bf16": case.run_bf16}
+        for bud, sp in self.sparse.items():
+            methods[f"select_{bud}"] = sp["select"]
+            for name, att in sp["kernels"].items():
+                methods[f"{name}_sparse_{bud}"] = (lambda a: lambda: a.run(q, **tok, out=self.out))(att)
+        return methods
 
     def bytes(self) -> dict[str, int]:
         from hack_ops.triton import benchcases as bc
 
         c, s = self.case, self.case.shape
         cuda = cuda_decode_bytes(c.layout, c.seq_lens, s.q_heads)
-        return {"cuda": cuda, "cuda_fragment": cuda, "triton": bc.hack_decode_bytes(c.layout, c.seq_lens, s.q_heads),
-                "bf16": bc.bf16_decode_bytes(c.seq_lens, s.kv_heads, s.q_heads, s.head_dim)}
+        out = {"cuda": cuda, "cuda_fragment": cuda, "triton": bc.hack_decode_bytes(c.layout, c.seq_lens, s.q_heads),
+               "bf16": bc.bf16_decode_bytes(c.seq_lens, s.kv_heads, s.q_heads, s.head_dim)}
+        for bud, sp in self.sparse.items():
+            out[f"select_{bud}"] = select_bytes(c.layout, c.seq_lens, s.q_heads)
+            out[f"cuda_sparse_{bud}"] = cuda_decode_bytes(c.layout, sp["seq_lens"], s.q_heads)
+            out[f"triton_sparse_{bud}"] = bc.hack_decode_bytes(c.layout, sp["seq_lens"], s.q_heads)
+        return out
 
     def differences(self) -> dict[str, float]:
         """Max |difference| of the CUDA kernel's output from the Triton kernel's (INT8 Q'/P', same
@@ -108,9 +148,14 @@ class CudaCell:
         m = self.methods()
         cuda = m["cuda"]().float().clone()
         frag = m["cuda_fragment"]().float()
-        return {"cuda_vs_fragment": float((cuda - frag).abs().max()),
-                "cuda_vs_triton": float((cuda - m["triton"]().float()).abs().max()),
-                "cuda_vs_bf16": float((cuda - m["bf16"]().float()).abs().max())}
+        out = {"cuda_vs_fragment": float((cuda - frag).abs().max()),
+               "cuda_vs_triton": float((cuda - m["triton"]().float()).abs().max()),
+               "cuda_vs_bf16": float((cuda - m["bf16"]().float()).abs().max())}
+        for bud in self.sparse:  # the same pages through both kernels; and what the budget drops
+            sp = m[f"cuda_sparse_{bud}"]().float().clone()
+            out[f"cuda_sparse_{bud}_vs_triton_sparse"] = float((sp - m[f"triton_sparse_{bud}"]().float()).abs().max())
+            out[f"cuda_sparse_{bud}_vs_cuda"] = float((sp - cuda).abs().max())
+        return out
 
     def release(self) -> None:
         self.case.release()
@@ -124,10 +169,28 @@ def row_from(cell: Cell, times: dict[str, float], nbytes: dict[str, int], copy_b
         methods[m] = {"median_ms": round(ms, 4), "bytes": nbytes[m], "gb_per_s": round(bps / 1e9, 1),
                       "fraction_of_copy": round(bps / copy_bps, 3)}
     speedup = times["bf16"] / times["cuda"]
-    return {**asdict(cell), "splits": list(splits), "methods": methods, "cuda_vs_bf16": round(speedup, 2),
-            "fragment_vs_bf16": round(times["bf16"] / times["cuda_fragment"], 2),
-            "cuda_vs_triton": round(times["triton"] / times["cuda"], 2),
-            "targets": targets(cell, speedup, methods["cuda"]["fraction_of_copy"])}
+    row = {**asdict(cell), "splits": list(splits), "methods": methods, "cuda_vs_bf16": round(speedup, 2),
+           "fragment_vs_bf16": round(times["bf16"] / times["cuda_fragment"], 2),
+           "cuda_vs_triton": round(times["triton"] / times["cuda"], 2),
+           "targets": targets(cell, speedup, methods["cuda"]["fraction_of_copy"])}
+    budgets = sorted(int(m.rsplit("_", 1)[1]) for m in times if m.startswith("select_"))
+    if budgets:
+        row["sparse"] = {str(b): sparse_row(cell, times, b) for b in budgets}
+    return row
+
+
+def sparse_row(cell: Cell, times: dict[str, float], budget: int) -> dict:
+    """One budget's sparse step (the device selection, then the CUDA kernel over its tables)
+    against dense CUDA decode and BF16, with the sparse issue's decode targets where they apply
+    (x5 dense at 32K and a 2K budget, the selection <= 15% of the step)."""
+    step = times[f"select_{budget}"] + times[f"cuda_sparse_{budget}"]
+    share = times[f"select_{budget}"] / step
+    vs_dense = times["cuda"] / step
+    at = cell.context >= 32768 and budget == 2048
+    return {"step_ms": round(step, 4), "vs_cuda": round(vs_dense, 2), "vs_bf16": round(times["bf16"] / step, 2),
+            "selection_share": round(share, 3), "triton_sparse_ms": round(times[f"triton_sparse_{budget}"], 4),
+            "targets": {"ge_5x_dense_32k_2k": vs_dense >= 5.0 if at else None,
+                        "selection_le_15pct": share <= 0.15 if at else None}}
 
 
 def table(doc: dict) -> str:
@@ -146,6 +209,23 @@ def table(doc: dict) -> str:
                      f"| {'met' if not t else 'missed: ' + ', '.join(t)} |")
     for s in doc.get("skipped", []):
         lines.append(f"| {s['shape']} | {s['batch']} | {s['context']} | skipped: {s['reason']} | | | | | | | | |")
+    sparse = [r for r in doc["results"] if r.get("sparse")]
+    if sparse:
+        lines += ["", "Sparse decode (`--sparse-budgets`): the device selection (hack_ops.triton.sparse, torch) "
+                  "then the CUDA kernel over its per-head page tables, against dense CUDA decode of the same pages "
+                  "and BF16:", "",
+                  "| shape | batch | context | budget | select ms | CUDA sparse ms | step ms | vs dense CUDA | vs BF16 "
+                  "| selection share | Triton sparse ms | targets |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in sparse:
+            m = r["methods"]
+            for bud, sp in r["sparse"].items():
+                t = [k for k, v in sp["targets"].items() if v is False]
+                met = "n/a" if all(v is None for v in sp["targets"].values()) else ("met" if not t else "missed: "
+                                                                                    + ", ".join(t))
+                lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {bud} "
+                             f"| {m[f'select_{bud}']['median_ms']:.3f} | {m[f'cuda_sparse_{bud}']['median_ms']:.3f} "
+                             f"| {sp['step_ms']:.3f} | x{sp['vs_cuda']:.2f} | x{sp['vs_bf16']:.2f} "
+                             f"| {100 * sp['selection_share']:.0f}% | {sp['triton_sparse_ms']:.3f} | {met} |")
     return "\n".join(lines)
 
 
@@ -177,9 +257,9 @@ def plan_cells(shapes: list[str], batches, contexts, free_bytes: int) -> tuple[l
 
 
 @contextlib.contextmanager
-def _cell(cell: Cell, baseline, device: torch.device):
+def _cell(cell: Cell, baseline, device: torch.device, budgets: tuple[int, ...] = ()):
     """One cell's data for the block's length, its memory freed after (also after a failure)."""
-    c = CudaCell(cell, baseline, device)
+    c = CudaCell(cell, baseline, device, budgets)
     try:
         yield c
     finally:
@@ -191,11 +271,12 @@ def _cell(cell: Cell, baseline, device: torch.device):
             pass  # a lost context: the caller stops the grid
 
 
-def measure_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, copy_bps: float) -> dict:
-    """One cell's timings, bytes, targets and output differences."""
+def measure_cell(cell: Cell, baseline, device: torch.device, repeats: int, flush, copy_bps: float,
+                 budgets: tuple[int, ...] = ()) -> dict:
+    """One cell's timings, bytes, targets and output differences (and sparse rows per budget)."""
     from hack_ops.triton import benchcases as bc
 
-    with _cell(cell, baseline, device) as c:
+    with _cell(cell, baseline, device, budgets) as c:
         times = bc.median_ms(c.methods(), repeats, WARMUP, bc.Timer(device), flush)
         row = row_from(cell, times, c.bytes(), copy_bps, c.splits)
         row["max_abs_diff"] = {k: round(v, 5) for k, v in c.differences().items()}
@@ -256,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
     bad = [s for s in shapes if s not in SHAPES]
     if bad:
         raise ValueError(f"unknown shapes {bad}; choose from {list(SHAPES)}")
+    budgets = _ints(args.sparse_budgets, "--sparse-budgets") if args.sparse_budgets else ()
     baseline = bc.choose_baseline(device, bc.flashinfer_importable())
     free, _ = torch.cuda.mem_get_info(device)
     cells, skipped = plan_cells(shapes, _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts"),
@@ -288,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for i, cell in enumerate(cells):
         try:
-            row = measure_cell(cell, baseline, device, args.repeats, flush, copy_bps)
+            row = measure_cell(cell, baseline, device, args.repeats, flush, copy_bps, budgets=budgets)
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             # One cell's failure is a result too; the rest of the grid still runs unless the
             # CUDA context is gone (an illegal address is sticky: every later call fails alike).
@@ -324,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep-splits", default="",
                     help="comma-separated split counts: time the CUDA kernel at each (and at its own choice) "
                          "per cell instead of the method grid, to check the split rule")
+    ap.add_argument("--sparse-budgets", default="",
+                    help="comma-separated token budgets: per cell also sparse decode at each (the device selection, "
+                         "then the CUDA and Triton kernels over its per-head page tables; --hack-sparse-budget)")
     ap.add_argument("--from-json", type=Path, help="render a GPU run's JSON into docs/kernels.md (no GPU)")
     return gpu_bench_cli(ap, argv, run, render_json)
 

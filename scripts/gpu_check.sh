@@ -11,7 +11,9 @@
 #              then flash attention) and each store alone against BF16 flash prefill (60 s)
 #                                                                              -> prefill-cuda.json, run.log
 #   3. bench   python -m hack_cli.bench_decode_cuda: per cell the CUDA kernel, its fragment-order
-#              variant, the Triton kernel and BF16 (150 s)   -> decode-cuda.json (after every cell), run.log
+#              variant, the Triton kernel and BF16, and sparse decode at a 2K budget (the device selection,
+#              then both kernels over its per-head tables; HACK_GPU_SPARSE_BUDGETS, "" for none) (150 s)
+#                                                            -> decode-cuda.json (after every cell), run.log
 #  3b. splits  only with HACK_GPU_SPLITS_SECONDS > 0: the split-count sweep        -> splits.json
 #   4. model   python -m hack_cli.bench_decode_model: Llama-3-8B shapes at 32K, tokens/s of BF16 and
 #              HACK KV at equal KV memory (120 s)                            -> decode-model.json, run.log
@@ -107,7 +109,9 @@ echo "CUDA kernel tests: $(grep -c ' PASSED' "$out/tests.log" 2>/dev/null) passe
 phase prefill "${HACK_GPU_PREFILL_SECONDS:-60}" "$py" -m hack_cli.bench_prefill_cuda --out "$out/prefill-cuda.json"
 
 # 3. bench: the decode grid against BF16, the JSON rewritten after every cell.
-phase bench "${HACK_GPU_BENCH_SECONDS:-150}" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" "$@"
+sparse=${HACK_GPU_SPARSE_BUDGETS-2048}
+phase bench "${HACK_GPU_BENCH_SECONDS:-150}" "$py" -m hack_cli.bench_decode_cuda --out "$out/decode-cuda.json" \
+  ${sparse:+--sparse-budgets "$sparse"} "$@"
 
 # 3b. splits, only with HACK_GPU_SPLITS_SECONDS > 0: the kernel at each split count against the
 # count hack_ops.cuda.decode.choose_splits picks, per cell of the small-batch grid.

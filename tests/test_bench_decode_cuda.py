@@ -58,6 +58,31 @@ def test_targets_and_table():
     assert "Stopped early: 1 of 9" in bench.table({**doc, "complete": False, "cells_done": 1, "cells_planned": 9})
 
 
+def test_sparse_rows_against_dense_cuda_and_bf16():
+    """--sparse-budgets: each budget's step is the device selection plus the CUDA kernel over its
+    tables, judged against dense CUDA decode (x5 at 32K / 2K, the selection <= 15% of the step)."""
+    cell = bench.Cell("llama3-8b", 8, 32768)
+    times = {"cuda": 2.0, "cuda_fragment": 1.9, "triton": 20.0, "bf16": 8.0,
+             "select_2048": 0.1, "cuda_sparse_2048": 0.3, "triton_sparse_2048": 1.5,
+             "select_1024": 0.1, "cuda_sparse_1024": 0.15, "triton_sparse_1024": 0.8}
+    lay = page_layout(HackConfig(), 8, 128)
+    assert bench.select_bytes(lay, [64 * 10 + 5], 32) == 10 * (lay.k.minimum.nbytes + lay.k.scale.nbytes) + 32 * 128 * 2
+    row = bench.row_from(cell, times, {m: 10**9 for m in times}, 5e12, (1, 512))
+    assert row["sparse"]["2048"] == {"step_ms": 0.4, "vs_cuda": 5.0, "vs_bf16": 20.0, "selection_share": 0.25,
+                                     "triton_sparse_ms": 1.5,
+                                     "targets": {"ge_5x_dense_32k_2k": True, "selection_le_15pct": False}}
+    assert row["sparse"]["1024"]["targets"] == {"ge_5x_dense_32k_2k": None, "selection_le_15pct": None}
+    doc = {"device": "NVIDIA H100", "date": "2026-12-01", "command": "c", "bf16_baseline": "sdpa-flash",
+           "torch": "2.11", "triton": "3.6.0", "repeats": 20, "warmup": 3, "copy_bandwidth_gb_per_s": 3000.0,
+           "results": [row]}
+    text = bench.table(doc)
+    assert ("| llama3-8b | 8 | 32768 | 2048 | 0.100 | 0.300 | 0.400 | x5.00 | x20.00 | 25% | 1.500 "
+            "| missed: selection_le_15pct |") in text
+    assert "| llama3-8b | 8 | 32768 | 1024 | 0.100 | 0.150 | 0.250 | x8.00 | x32.00 | 40% | 0.800 | n/a |" in text
+    assert "Sparse decode" not in bench.table({**doc, "results": [bench.row_from(cell, {
+        m: times[m] for m in bench.METHODS}, {m: 10**9 for m in bench.METHODS}, 5e12, (1, 512))]})
+
+
 def test_from_json_renders_into_the_docs(tmp_path, monkeypatch, capsys):
     row = bench.row_from(bench.Cell("qwen2.5-7b", 8, 8192), {"cuda": 0.5, "cuda_fragment": 0.45, "triton": 5.0,
                                                              "bf16": 1.0},
@@ -96,7 +121,7 @@ def test_a_failing_cell_is_recorded_and_the_grid_goes_on(tmp_path, monkeypatch):
     _fake_gpu(monkeypatch)
     times = {"cuda": 0.5, "cuda_fragment": 0.5, "triton": 5.0, "bf16": 2.0}
 
-    def measure(cell, baseline, device, repeats, flush, copy_bps):
+    def measure(cell, baseline, device, repeats, flush, copy_bps, budgets=()):
         if cell.batch == 8:
             raise RuntimeError("CUDA out of memory while planning\nsecond line")
         return bench.row_from(cell, times, {m: 10**9 for m in bench.METHODS}, copy_bps, (1, 32))

@@ -18,7 +18,7 @@ from hack_ops.cuda.decode import TOL_BF16_MAX_ABS, TOL_MAX_ABS, TOL_MEAN_ABS
 from hack_ops.cuda.fragment import convert_pages
 from hack_ops.layout import page_layout
 from hack_ops.triton.store import cache_kwargs
-from hack_ops.triton.testing import dense_reference, random_batch
+from hack_ops.triton.testing import dense_reference, per_head_reference, per_head_selection, random_batch
 
 pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc is not installed: the kernel's CPU harness cannot be built")
 
@@ -96,28 +96,13 @@ def per_head_case(splits: int, device: str = "cpu") -> None:
     pages (the first page always, as many for every head of a request), then the open page; the
     kernel (its CPU harness, or the GPU) equals the dense reference over each head's shortened
     sequence, within the kernel's tolerance."""
-    from hack_ops.paged.sparse import PageSelection
-
-    cfg, d, rep, heads, p = HackConfig(), 128, 2, 2, 64
-    lay = page_layout(cfg, heads, d)
-    lens, keep = [6 * p + 10, 5 * p, 2 * p + 1], [3, 2, 2]
-    b = random_batch(lay, lens, [0] * len(lens), heads * rep, seed=3, device=device)
-    g = torch.Generator().manual_seed(5)
-    positions, tables, seqs = [], [], []
-    for i, (n, c) in enumerate(zip(lens, keep)):
-        closed, pages = n // p, b["pages"][i]
-        per_head = [[0] + sorted((torch.randperm(closed - 1, generator=g)[:c - 1] + 1).tolist()) for _ in range(heads)]
-        pos = [row + [closed] * (max(keep) + 1 - len(row)) for row in per_head]  # the open page, then padding
-        positions.append(pos)
-        tables.append([[pages[min(x, len(pages) - 1)] for x in row] for row in pos])
-        seqs.append(c * p + n % p)
-    sel = PageSelection(page_size=p, positions=torch.tensor(positions), table=torch.tensor(tables),
-                        n_closed=torch.tensor(keep), seq_lens=torch.tensor(seqs),
-                        resident=torch.tensor([n // p for n in lens]))
+    lay, keep = page_layout(HackConfig(), 2, 128), [3, 2, 2]
+    b = per_head_selection(lay, [6 * 64 + 10, 5 * 64, 2 * 64 + 1], keep, 4, device=device)
+    sel = b["selection"]
     indptr, indices = sel.head_csr()
     assert indptr.tolist() == [0, 4, 6, 9]  # 3 + open, 2 (no open page), 2 + open
-    q = torch.randn(len(lens), heads * rep, d, generator=torch.Generator().manual_seed(9)).to(torch.float16)
-    att = CudaDecodeAttention(lay, heads * rep, num_splits=splits)
+    q = torch.randn(3, 4, 128, generator=torch.Generator().manual_seed(9)).to(torch.float16)
+    att = CudaDecodeAttention(lay, 4, num_splits=splits)
     att.plan(indptr.to(device), indices.to(device), sel.seq_lens.to(device=device, dtype=torch.int32),
              b["tail_rows"], b["sink_slots"], head_tables=True)
     if device == "cpu":
@@ -126,14 +111,7 @@ def per_head_case(splits: int, device: str = "cpu") -> None:
         out = run_on_cpu(att, q, **cache_kwargs(b["bufs"])).float()
     else:
         out = att.run(q.to(device), **cache_kwargs(b["bufs"])).float().cpu()
-    one = page_layout(cfg, 1, d)
-    for i, n in enumerate(lens):
-        for h in range(heads):
-            toks = torch.cat([torch.arange(x * p, x * p + p) for x in positions[i][h][:keep[i]]]
-                             + [torch.arange(n - n % p, n)])
-            kh, vh = b["k"][i][toks, h:h + 1], b["v"][i][toks, h:h + 1]
-            ref = dense_reference(q[i:i + 1, h * rep:(h + 1) * rep].float(), kh, vh, one, mode="dequant")[0]
-            _close(out[i, h * rep:(h + 1) * rep], ref, f"request {i} head {h}")
+    _close(out, per_head_reference(q, b, lay, keep, "dequant"), "per-head tables")
 
 
 @pytest.mark.parametrize("splits", [1, 2])

@@ -14,7 +14,8 @@ from hack_ops import HackConfig
 from hack_ops.layout import page_layout
 from hack_ops.triton.decode import HackDecodeAttention
 from hack_ops.triton.store import cache_kwargs
-from hack_ops.triton.testing import assert_matches_reference, dense_reference, random_batch, require_kernel_device
+from hack_ops.triton.testing import (assert_matches_reference, dense_reference, per_head_reference, per_head_selection,
+                                     random_batch, require_kernel_device)
 
 KV_HEADS = 2
 
@@ -223,6 +224,26 @@ def test_bad_window_or_cap_is_refused(kernel_device):
         att.run(q, **cache_kwargs(b["bufs"]), window=-3)
     with pytest.raises(ValueError, match="logit_cap"):
         att.run(q, **cache_kwargs(b["bufs"]), logit_cap=float("inf"))
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_per_head_page_tables(kernel_device, splits):
+    """Sparse decode's selection (head_tables): each KV head reads its own closed pages (the first
+    always, as many for every head of a request), then the open page; the kernel equals the
+    reference over each head's shortened sequence. A list shorter than heads x pages is refused."""
+    lay, keep = page_layout(HackConfig(), KV_HEADS, 128), [3, 2, 2]
+    b = per_head_selection(lay, [6 * 64 + 10, 5 * 64, 2 * 64 + 1], keep, KV_HEADS * 2, device=kernel_device)
+    indptr, indices = b["selection"].head_csr()
+    q = torch.randn(3, KV_HEADS * 2, 128, generator=torch.Generator().manual_seed(9))
+    att = HackDecodeAttention(lay, KV_HEADS * 2, num_splits=splits)
+    att.plan(indptr.to(kernel_device), indices.to(kernel_device), b["selection"].seq_lens.to(kernel_device),
+             b["tail_rows"], b["sink_slots"], head_tables=True)
+    out = att.run(q.to(kernel_device), **cache_kwargs(b["bufs"]), out=torch.empty(q.shape, device=kernel_device))
+    assert_matches_reference(out, per_head_reference(q, b, lay, keep, "hack"), f"per-head tables, {splits} splits")
+    with pytest.raises(ValueError, match="2 KV heads x 9 pages need 18"):
+        att.plan(indptr, indices[:17], b["selection"].seq_lens, b["tail_rows"], b["sink_slots"], head_tables=True)
+    with pytest.raises(ValueError, match="sink_slots"):
+        att.plan(indptr, indices, b["selection"].seq_lens, head_tables=True)
 
 
 @pytest.mark.cuda

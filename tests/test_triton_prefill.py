@@ -173,6 +173,48 @@ def test_serving_path_with_a_layer_of_4bit_k(kernel_device):
         done += n
 
 
+def test_serving_path_sparse_decode(kernel_device):
+    """engine.gpu_attention with sparse decode (--hack-sparse-budget on a GPU): two requests past
+    the budget and one under it, prompts stored, then decode steps whose SparseDecode selects on
+    the device (hack_ops.triton.sparse) and whose kernel reads the per-head tables: the pages read
+    and every output equal the CPU path's sparse decode (the compiled selection, the CPU kernel)."""
+    from engine.gpu_attention import GpuAttention
+    from engine.settings import EngineSettings
+    from hack_ops import PrefillMode
+    from hack_ops.paged import HackKVStore, decode, extend
+    from hack_ops.paged.sparse import SparseDecode
+    from hack_ops.sparse import SparseConfig
+
+    cfg = HackConfig(partition_size=32, sink_tokens=1)
+    sp = SparseConfig(budget_tokens=4 * 32, recent_tokens=32, dense_layers=0)
+    d, hq, dev = 64, 3 * H, kernel_device
+    mine = HackKVStore(cfg, 1, H, d, num_pages=40, num_rows=4, device=dev)
+    ref = HackKVStore(cfg, 1, H, d, num_pages=40, num_rows=4)
+    gpu = GpuAttention(mine, EngineSettings(), PrefillMode.HOMOMORPHIC)
+    r2t = torch.zeros(4, 512, dtype=torch.int64)
+    for row, first in ((1, 0), (2, 14), (3, 28)):
+        r2t[row, :384] = torch.arange(384) + first * 32
+    g = torch.Generator().manual_seed(11)
+    lens = [0, 0, 0]
+    for new in ((300, 200, 90), (1, 1, 1), (1, 1, 1)):
+        n = sum(new)
+        q, k, v = (torch.randn(n, heads, d, generator=g) for heads in (hq, H, H))
+        lens = [a + b for a, b in zip(lens, new)]
+        plan, rplan = gpu.plan(r2t, [1, 2, 3], lens, list(new)), ref.plan(r2t, [1, 2, 3], lens, list(new))
+        if n > 3:
+            gpu.extend(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2)
+            extend(ref, 0, rplan, q, k, v, scale=0.2)
+            continue
+        mine_step, ref_step = SparseDecode(sp, on_device=True), SparseDecode(sp)
+        out = gpu.decode(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2, sparse=mine_step)
+        want = decode(ref, 0, rplan, q, k, v, scale=0.2, sparse=ref_step)
+        assert mine_step.last is not None and ref_step.last is not None
+        assert mine_step.pages_read == ref_step.pages_read == 4 + 4 + 2  # the budget's 4 closed pages, the short one's 2
+        for b in range(3):
+            assert mine_step.last.heads_pages(b).tolist() == ref_step.last.heads_pages(b).tolist(), b
+        assert_matches_reference(out.cpu(), want, f"sparse decode at {lens}")
+
+
 @pytest.mark.parametrize("window,cap", [(None, 0.0), (37, 20.0)])
 def test_serving_path_dense_prefill(kernel_device, window, cap):
     """engine.gpu_attention with PrefillMode.DENSE (the GPU's `--hack-prefill auto`): two

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..attention import check_logit_cap, check_window
 from ..layout import PageLayout
-from ..triton.batch import PagedBatch, plan_batch
+from ..triton.batch import PagedBatch, check_head_tables, plan_batch
 from ..triton.spec import CacheArgs, cache_args
 from .build import Variant, device_arch
 from .fragment import PAGE, CodeOrder
@@ -104,12 +104,7 @@ class CudaDecodeAttention:
         - kv_indptr[b] pages of head h are kv_indices[kv_indptr[b] * H + h * n_b:][:n_b]
         (hack_ops.paged.sparse.PageSelection.head_csr); sink_slots is then required."""
         if head_tables:
-            if sink_slots is None:
-                raise ValueError("head_tables: pass sink_slots (the first page of each head's list is a selection)")
-            need = int(kv_indptr[-1]) * self.layout.num_heads
-            if kv_indices.numel() < need:
-                raise ValueError(f"head_tables: kv_indices has {kv_indices.numel()} entries, {self.layout.num_heads} "
-                                 f"KV heads x {int(kv_indptr[-1])} pages need {need}")
+            check_head_tables(kv_indptr, kv_indices, sink_slots, self.layout.num_heads)
         self.batch = plan_batch(kv_indptr, kv_indices, seq_lens, PAGE, None, tail_rows, sink_slots)
         self.head_tables = bool(head_tables)
         self._splits = {}

@@ -412,10 +412,12 @@ class SparseDecode:
     as well when given."""
 
     def __init__(self, cfg: SparseConfig, totals: SparseTotals | None = None, boxes: GroupBoxCache | None = None,
-                 keys: list | None = None) -> None:
+                 keys: list | None = None, on_device: bool = False) -> None:
         """boxes: the cached group boxes a two-level selection reads (kept across forwards by
-        the caller; None: computed anew each step); keys: the forward's request ids for it."""
+        the caller; None: computed anew each step); keys: the forward's request ids for it.
+        on_device: select on the pages' device (hack_ops.triton.sparse, the GPU path's)."""
         self.cfg = cfg
+        self.on_device = on_device
         self.totals = totals
         self.boxes = boxes
         self.keys = keys
@@ -442,7 +444,12 @@ class SparseDecode:
         else:
             if self.boxes is not None:
                 self.boxes.begin(plan, self.keys)
-            sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes)
+            if self.on_device:
+                from ..triton.sparse import select_on_device  # late: the GPU path's module
+
+                sel = select_on_device(store, layer, plan, q, self.cfg)
+            else:
+                sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes)
             self._plan, self._last, self._reuse_left = plan, sel, self.cfg.share_layers - 1
             self.selections += 1
             if t is not None:

@@ -87,6 +87,19 @@ def plan_batch(
                       int(touched.max()) if b else 0, int(h_qo[-1]))
 
 
+def check_head_tables(kv_indptr: Tensor, kv_indices: Tensor, sink_slots: Tensor | None, kv_heads: int) -> None:
+    """A per-KV-head page table's own checks (sparse decode, the decode kernels' head_tables):
+    request b's n_b = kv_indptr[b+1] - kv_indptr[b] pages of head h are kv_indices[kv_indptr[b] *
+    H + h * n_b:][:n_b] (hack_ops.paged.sparse.PageSelection.head_csr); the sinks' rows must be
+    given, since the first page of a head's list is a selection, not the sequence's own."""
+    if sink_slots is None:
+        raise ValueError("head_tables: pass sink_slots (the first page of each head's list is a selection)")
+    need = int(kv_indptr[-1]) * kv_heads
+    if kv_indices.numel() < need:
+        raise ValueError(f"head_tables: kv_indices has {kv_indices.numel()} entries, {kv_heads} "
+                         f"KV heads x {int(kv_indptr[-1])} pages need {need}")
+
+
 def batch_from_plan(plan, device: torch.device | str | None = None) -> PagedBatch:
     """A PagedBatch from hack_ops.paged's ForwardPlan (its padded page table, request rows and
     sink slots), so the Triton kernels and the CPU path run on one plan."""

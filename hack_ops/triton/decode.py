@@ -8,7 +8,7 @@ from torch import Tensor
 
 from ..attention import check_logit_cap, check_window
 from ..layout import PageLayout
-from .batch import PagedBatch, plan_batch
+from .batch import PagedBatch, check_head_tables, plan_batch
 from .decode_kernel import hack_decode_combine, hack_decode_kernel
 from .launch import Launch
 from .spec import CacheArgs, KernelSpec, cache_args, int8_mma_supported, kernel_spec, triton_next_pow2
@@ -71,15 +71,22 @@ class HackDecodeAttention:
         self.fixed_splits = num_splits
         self.dot_f16 = dot_f16
         self.batch: PagedBatch | None = None
+        self.head_tables = False
         self.num_splits = 1
         self.pages_per_split = 1
 
     def plan(self, kv_indptr: Tensor, kv_indices: Tensor, seq_lens: Tensor,
-             tail_rows: Tensor | None = None, sink_slots: Tensor | None = None) -> None:
+             tail_rows: Tensor | None = None, sink_slots: Tensor | None = None, head_tables: bool = False) -> None:
         """seq_lens count the new token. tail_rows: FP16 tail row per request (default: its
-        index); sink_slots: sink row per request (default: the sequence's first page)."""
+        index); sink_slots: sink row per request (default: the sequence's first page).
+        head_tables: kv_indices holds one page list per KV head, as
+        hack_ops.cuda.CudaDecodeAttention.plan takes it (sparse decode,
+        hack_ops.paged.sparse.PageSelection.head_csr); sink_slots is then required."""
+        if head_tables:
+            check_head_tables(kv_indptr, kv_indices, sink_slots, self.spec.heads)
         b = plan_batch(kv_indptr, kv_indices, seq_lens, self.spec.page, None, tail_rows, sink_slots)
         self.batch = b
+        self.head_tables = bool(head_tables)
         self._splits_by_span: dict[int, tuple[int, int]] = {}
         self.num_splits, self.pages_per_split = self.splits(None)
 
@@ -113,7 +120,7 @@ class HackDecodeAttention:
             return out
         num_splits, pages_per_split = self.splits(window)
         for launch in decode_launches(self.spec, b, q, cache, out, self.sm_scale, num_splits, pages_per_split,
-                                      self._dot_f16(q.device), window, logit_cap):
+                                      self._dot_f16(q.device), window, logit_cap, self.head_tables):
             launch()
         return out
 
@@ -123,9 +130,10 @@ class HackDecodeAttention:
 
 def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs, out: Tensor, sm_scale: float,
                     num_splits: int, pages_per_split: int, dot_f16: bool, window: int | None = None,
-                    logit_cap: float = 0.0) -> list[Launch]:
+                    logit_cap: float = 0.0, head_tables: bool = False) -> list[Launch]:
     """The split kernel, plus the combine kernel when the sequence is split. window /
-    logit_cap (checked values) switch the kernel's WINDOW / CAP variants on."""
+    logit_cap (checked values) switch the kernel's WINDOW / CAP variants on, head_tables its
+    per-KV-head page lists."""
     hq = q.shape[1]
     rep = hq // spec.heads
     if num_splits == 1:
@@ -142,7 +150,8 @@ def decode_launches(spec: KernelSpec, b: PagedBatch, q: Tensor, cache: CacheArgs
          0 if window is None else window, float(logit_cap)],
         dict(REP=rep, BLOCK_H=max(16, triton_next_pow2(rep)), P=spec.page, D=spec.head_dim, GD=spec.group,
              NG=spec.ngroups, K_BITS=spec.k_bits, V_BITS=spec.v_bits, S=spec.sinks, BS=spec.sink_block,
-             V_TAIL=spec.v_tail, NSPLIT=num_splits, DOT_F16=dot_f16, WINDOW=window is not None, CAP=logit_cap > 0),
+             V_TAIL=spec.v_tail, NSPLIT=num_splits, DOT_F16=dot_f16, WINDOW=window is not None, CAP=logit_cap > 0,
+             HEAD_TABLES=head_tables),
         dict(num_warps=decode_warps(spec, dot_f16), num_stages=1),
     )]
     if num_splits > 1:

@@ -7,8 +7,10 @@ holding the open page reads its K from the request's FP16 tail, and its V from t
 (tail_tensors='kv', the default) or from the page's per-token codes ('per_channel').
 A sliding window (WINDOW; the query at t = L-1 sees keys t-window..t) moves the splits' start
 to the window's first page, so pages wholly before it are never read; the boundary page, the
-open partition and the sinks are masked per token. CAP soft-caps the scaled scores. Both are
-constexpr switches: the kernel without them is the same code as before they existed.
+open partition and the sinks are masked per token. CAP soft-caps the scaled scores. HEAD_TABLES
+reads one page list per KV head (sparse decode's selection: every head of a request reads as many
+pages, its own). All three are constexpr switches: the kernel without them is the same code as
+before they existed.
 With one split the kernel normalizes and writes the output itself; otherwise it writes
 (acc, max, sum) per split and hack_decode_combine merges them.
 """
@@ -34,7 +36,7 @@ def hack_decode_kernel(
     P: tl.constexpr, D: tl.constexpr, GD: tl.constexpr, NG: tl.constexpr,
     K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     S: tl.constexpr, BS: tl.constexpr, V_TAIL: tl.constexpr, NSPLIT: tl.constexpr, DOT_F16: tl.constexpr,
-    WINDOW: tl.constexpr = False, CAP: tl.constexpr = False,
+    WINDOW: tl.constexpr = False, CAP: tl.constexpr = False, HEAD_TABLES: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -52,6 +54,8 @@ def hack_decode_kernel(
     first = lo // P + split * pages_per_split  # the splits cover the window's pages only
     last = tl.minimum(first + pages_per_split, n_pages)
     page0 = tl.load(kv_indptr + b)
+    if HEAD_TABLES:  # sparse decode: each KV head its own list of the request's n_b pages, heads in turn
+        page0 = page0 * tl.num_programs(1) + h * (tl.load(kv_indptr + b + 1) - page0)
 
     rows = tl.arange(0, BLOCK_H)
     row_ok = rows < REP

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..layout import PageLayout
+from ..layout import PageLayout, page_layout
 from ..modes import AttentionMode
 from ..packing import pack
 from ..quant import quantize
@@ -190,3 +190,46 @@ def random_batch(layout: PageLayout, prefix_lens: list[int], new_lens: list[int]
         "v_new": torch.cat([v[pre:] for v, pre in zip(vs, prefix_lens)]).to(dev, dtype),
         "q": torch.randn(qo[-1], q_heads, d, generator=g).to(dev, dtype),
     }
+
+
+def per_head_selection(layout: PageLayout, lens: list[int], keep: list[int], q_heads: int, seed: int = 3,
+                       device: torch.device | str = "cpu") -> dict:
+    """A random_batch whose KV heads each read their own subset of the closed pages, as sparse
+    decode's selection gives them (the first page always, keep[i] closed pages for every head of
+    request i, then the open page): the batch plus "selection" (hack_ops.paged.sparse.PageSelection)
+    and "positions" (per request and head, the page positions read, as lists)."""
+    from ..paged.sparse import PageSelection
+
+    p, heads = layout.page_size, layout.num_heads
+    b = random_batch(layout, lens, [0] * len(lens), q_heads, seed=seed, device=device)
+    g = torch.Generator().manual_seed(seed + 2)
+    positions, tables, seqs = [], [], []
+    for i, (n, c) in enumerate(zip(lens, keep)):
+        closed, pages = n // p, b["pages"][i]
+        per_head = [[0] + sorted((torch.randperm(closed - 1, generator=g)[:c - 1] + 1).tolist()) for _ in range(heads)]
+        pos = [row + [closed] * (max(keep) + 1 - len(row)) for row in per_head]  # the open page, then padding
+        positions.append(pos)
+        tables.append([[pages[min(x, len(pages) - 1)] for x in row] for row in pos])
+        seqs.append(c * p + n % p)
+    b["selection"] = PageSelection(page_size=p, positions=torch.tensor(positions), table=torch.tensor(tables),
+                                   n_closed=torch.tensor(keep), seq_lens=torch.tensor(seqs),
+                                   resident=torch.tensor([n // p for n in lens]))
+    b["positions"] = positions
+    return b
+
+
+def per_head_reference(q: Tensor, b: dict, layout: PageLayout, keep: list[int], mode: AttentionMode | str) -> Tensor:
+    """dense_reference of each (request, KV head) over the tokens its selected pages hold, in
+    order, then the open partition's: [B, Hq, D] float32 on the CPU."""
+    p, heads = layout.page_size, layout.num_heads
+    rep = q.shape[1] // heads
+    one = page_layout(layout.config, 1, layout.head_dim)
+    out = torch.empty(q.shape, dtype=torch.float32)
+    for i, n in enumerate(b["lens"]):
+        for h in range(heads):
+            toks = torch.cat([torch.arange(x * p, x * p + p) for x in b["positions"][i][h][:keep[i]]]
+                             + [torch.arange(n - n % p, n)])
+            kh, vh = b["k"][i][toks, h:h + 1], b["v"][i][toks, h:h + 1]
+            out[i, h * rep:(h + 1) * rep] = dense_reference(q[i:i + 1, h * rep:(h + 1) * rep].float().cpu(), kh, vh,
+                                                            one, mode=mode)[0]
+    return out
