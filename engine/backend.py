@@ -116,6 +116,11 @@ class HackAttnBackend(AttentionBackend):
         # two levels (--hack-sparse-groups): each running request's group boxes, kept across steps
         self.group_boxes = GroupBoxCache(self.sparse.group_pages) if self.sparse.group_pages else None
         pool.sparse_totals = self.sparse_totals if self.sparse.enabled else None
+        self.device_selector = None  # on a GPU: the selection on the pages' device
+        if self.sparse.enabled and self.device.type == "cuda":
+            from hack_ops.triton.sparse import select_on_device
+
+            self.device_selector = select_on_device
         if self.sparse.enabled and self.device.type == "cuda" and (self.sparse.refine > 1 or self.sparse.group_pages):
             raise NotImplementedError("on a GPU sparse decode selects by the bound alone (hack_ops.triton.sparse): "
                                       "--hack-sparse-refine and --hack-sparse-groups run on the CPU path. Drop them "
@@ -187,7 +192,7 @@ class HackAttnBackend(AttentionBackend):
         rids = getattr(forward_batch, "rids", None)
         keys = list(rids) if rids is not None and len(rids) == len(rows) else None  # else the rows key the boxes
         self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys,
-                                         on_device=self.device.type == "cuda")
+                                         self.device_selector)
                             if self.sparse.enabled and mode.is_decode() else None)
         if self.group_boxes is not None and not mode.is_decode():  # new tokens: those requests' boxes start over
             self.group_boxes.forget(rows, keys)

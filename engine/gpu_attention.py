@@ -14,7 +14,9 @@ own tokens in full precision, a cached prefix dequantized once per chunk, torch 
 chosen, the chunk's pages come from the CUDA store (hack_ops.cuda.store, same bytes). Each call takes the layer's
 scaling, sliding window and logit soft-cap (engine.backend.layer_features) and its own page
 layout (store.layout_for: layers may differ in bits, K's and V's apart); the kernels skip the
-pages before the window.
+pages before the window. Sparse decode (a SparseDecode given to decode): after the store step the
+selection runs on the device (hack_ops.triton.sparse, the bound alone) and the layer's kernel,
+CUDA or Triton as for dense, is planned on its per-KV-head page tables.
 
 The project's CI machine has no GPU. What can be checked there is checked: the format is
 accepted by kernel_spec at startup, the plan conversion is pure torch, the Triton kernels run on
@@ -92,7 +94,7 @@ class GpuAttention:
         selected pages, through a kernel planned on the selection's per-head tables."""
         from hack_ops.triton.store import store as store_tokens
 
-        indptr, indices, lens, _, rows = self._csr
+        indptr, indices, lens = self._csr[:3]
         hq, lay = q.shape[1], self.store.layout_for(layer)
         key = (hq, lay.config.bits("k"), lay.config.bits("v"))
         attn = self._decode.get(key)

@@ -184,6 +184,7 @@ def test_serving_path_sparse_decode(kernel_device):
     from hack_ops.paged import HackKVStore, decode, extend
     from hack_ops.paged.sparse import SparseDecode
     from hack_ops.sparse import SparseConfig
+    from hack_ops.triton.sparse import select_on_device
 
     cfg = HackConfig(partition_size=32, sink_tokens=1)
     sp = SparseConfig(budget_tokens=4 * 32, recent_tokens=32, dense_layers=0)
@@ -205,7 +206,7 @@ def test_serving_path_sparse_decode(kernel_device):
             gpu.extend(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2)
             extend(ref, 0, rplan, q, k, v, scale=0.2)
             continue
-        mine_step, ref_step = SparseDecode(sp, on_device=True), SparseDecode(sp)
+        mine_step, ref_step = SparseDecode(sp, selector=select_on_device), SparseDecode(sp)
         out = gpu.decode(0, plan, q.to(dev), k.to(dev), v.to(dev), 0.2, sparse=mine_step)
         want = decode(ref, 0, rplan, q, k, v, scale=0.2, sparse=ref_step)
         assert mine_step.last is not None and ref_step.last is not None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -412,12 +413,13 @@ class SparseDecode:
     as well when given."""
 
     def __init__(self, cfg: SparseConfig, totals: SparseTotals | None = None, boxes: GroupBoxCache | None = None,
-                 keys: list | None = None, on_device: bool = False) -> None:
+                 keys: list | None = None, selector: Callable[..., PageSelection | None] | None = None) -> None:
         """boxes: the cached group boxes a two-level selection reads (kept across forwards by
         the caller; None: computed anew each step); keys: the forward's request ids for it.
-        on_device: select on the pages' device (hack_ops.triton.sparse, the GPU path's)."""
+        selector: another selection of select_for_decode's (store, layer, plan, q, cfg) -> the
+        pages (the GPU path's hack_ops.triton.sparse.select_on_device); None: select_for_decode."""
         self.cfg = cfg
-        self.on_device = on_device
+        self.selector = selector
         self.totals = totals
         self.boxes = boxes
         self.keys = keys
@@ -444,10 +446,8 @@ class SparseDecode:
         else:
             if self.boxes is not None:
                 self.boxes.begin(plan, self.keys)
-            if self.on_device:
-                from ..triton.sparse import select_on_device  # late: the GPU path's module
-
-                sel = select_on_device(store, layer, plan, q, self.cfg)
+            if self.selector is not None:
+                sel = self.selector(store, layer, plan, q, self.cfg)
             else:
                 sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes)
             self._plan, self._last, self._reuse_left = plan, sel, self.cfg.share_layers - 1
