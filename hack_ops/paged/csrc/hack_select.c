@@ -90,10 +90,15 @@ static inline float max4(__m128 s) {
             float v = max4(hsum4(v0, v1, v2, v3));                                                  \
             best = v > best ? v : best;                                                             \
         }                                                                                           \
-        for (; r < rep; r++) {                                                                      \
-            __m512 v0;                                                                              \
+        if (r < rep) { /* the last 1-3 heads share one 4-way reduction (SmolLM2: 3 a group) */   \
+            const __m512 z = _mm512_setzero_ps();                                                   \
+            __m512 v0, v1 = z, v2 = z;                                                              \
             HEAD_DOT(NV, r, v0);                                                                    \
-            float v = _mm512_reduce_add_ps(v0);                                                     \
+            if (r + 1 < rep) HEAD_DOT(NV, r + 1, v1);                                               \
+            if (r + 2 < rep) HEAD_DOT(NV, r + 2, v2);                                               \
+            const __m128 s = _mm_mask_mov_ps(_mm_set1_ps(-INFINITY), (__mmask8)((1u << (rep - r)) - 1u), \
+                                             hsum4(v0, v1, v2, z));                                 \
+            float v = max4(s);                                                                      \
             best = v > best ? v : best;                                                             \
         }                                                                                           \
         return best;                                                                                \
