@@ -164,7 +164,10 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
                     f"prefill {cell['prefill_tok_s']:.0f} tok/s")
             if cfg.get("decode_batch"):
                 for m, s in servers.items():  # the prompt is cached: the streams share its pages
-                    got = s.timed_streams(ids, cfg["decode_tokens"], cfg["decode_batch"])
+                    try:
+                        got = s.timed_streams(ids, cfg["decode_tokens"], cfg["decode_batch"])
+                    except RuntimeError as exc:  # one method's failed cell is a result; the others still run
+                        got = {"batch": cfg["decode_batch"], "decode_tok_s": None, "why": str(exc)[:300]}
                     res[m]["contexts"][str(c)]["batch_decode"] = got
                     say(f"[{m}] context {c}: {cfg['decode_batch']} requests decoding together: "
                         + (f"{got['decode_tok_s']:.2f} tok/s" if got["decode_tok_s"] else got["why"]))
@@ -259,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
             "capacity": r["max_total_num_tokens"] / base["max_total_num_tokens"],
             "decode": _decode_ratios(r, base),
             "prefill": {c: r["contexts"][c]["prefill_tok_s"] / base["contexts"][c]["prefill_tok_s"] for c in r["contexts"]},
-            "throughput": r["throughput"]["output_tok_s"] / base["throughput"]["output_tok_s"],
+            "throughput": (r["throughput"]["output_tok_s"] / base["throughput"]["output_tok_s"]
+                           if base["throughput"]["output_tok_s"] else None),
         }
         batch = _batch_ratios(r, base)
         if batch:
@@ -337,8 +341,9 @@ def render(result: dict) -> str:
         dec = ", ".join(f"@{c} x{v:.2f}" for c, v in r["decode"].items())
         pre = ", ".join(f"@{c} x{v:.2f}" for c, v in r["prefill"].items())
         bat = "".join(f"; {nb} together @{c} x{v:.2f}" for c, v in r.get("batch_decode", {}).items())
+        tp = "n/a (no BF16 throughput)" if r["throughput"] is None else f"x{r['throughput']:.2f}"
         lines.append(f"- {m} vs bf16: capacity x{r['capacity']:.2f}; decode {dec}{bat}; prefill {pre}; "
-                     f"throughput x{r['throughput']:.2f}")
+                     f"throughput {tp}")
     for m, r in result.get("ratios_vs_hack", {}).items():
         dec = ", ".join(f"@{c} x{v:.2f}" for c, v in r["decode"].items())
         bat = "".join(f"; {nb} together @{c} x{v:.2f}" for c, v in r["batch_decode"].items())

@@ -90,3 +90,52 @@ def test_a_batch_that_never_overlaps_is_reported_not_invented(streaming):
     server = streaming([0.0, 1.5], gap_s=0.03)
     got = server.timed_streams([1], n=3, count=2)
     assert got["decode_tok_s"] is None and "never ran together" in got["why"]
+
+
+def test_a_method_whose_streams_fail_keeps_the_others_results(monkeypatch, tmp_path):
+    """`hack bench serve --decode-batch N`: a server whose concurrent streams fail (a BF16 server
+    stopped by its watchdog at a long context, say) has its cell say why; the other methods'
+    cells, and the run, go on; a throughput the baseline lost is no ratio."""
+    import hack_cli.bench_serve as bench_serve
+    import hack_eval.workloads as workloads
+    from engine import launcher
+
+    class FakeServer:
+        def __init__(self, model_path, args, env=None):
+            self.bf16 = "--kv-cache-dtype" not in args
+            self.url, self.log_path, self.proc = "http://x", "log", type("P", (), {"pid": 1})()
+
+        def start(self):
+            return self
+
+        def wait_ready(self):
+            pass
+
+        def stop(self):
+            pass
+
+        def kv_usage(self):
+            return {"max_total_num_tokens": 1000}
+
+        def flush_cache(self):
+            pass
+
+        def timed_stream(self, ids, n):
+            return {"decode_tok_s": 5.0, "prefill_tok_s": 50.0}
+
+        def timed_streams(self, ids, n, count):
+            if self.bf16:
+                raise RuntimeError(f"{count} concurrent streams of {n} tokens: ['ChunkedEncodingError']")
+            return {"batch": count, "decode_tok_s": 20.0}
+
+    monkeypatch.setattr(launcher, "SGLangServer", FakeServer)
+    monkeypatch.setattr(workloads, "essay_ids", lambda path, n, index=0: [1] * n)
+    monkeypatch.setattr(bench_serve, "_throughput", lambda url, prompts, n, conc: {
+        "output_tok_s": 0.0, "errors": ["x"], "latency_p50_s": None})
+    monkeypatch.setenv("HACK_RUNS_DIR", str(tmp_path))
+    cfg = {"contexts": [64], "decode_tokens": 4, "decode_batch": 2, "budget_mb": 64, "requests": 1,
+           "concurrency": 1, "tp_prompt": 8, "tp_tokens": 2}
+    res = bench_serve._measure_all(["bf16", "hack"], "model", cfg, lambda *a: None)
+    assert res["bf16"]["contexts"]["64"]["batch_decode"]["decode_tok_s"] is None
+    assert "ChunkedEncodingError" in res["bf16"]["contexts"]["64"]["batch_decode"]["why"]
+    assert res["hack"]["contexts"]["64"]["batch_decode"]["decode_tok_s"] == 20.0
