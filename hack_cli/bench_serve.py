@@ -172,7 +172,15 @@ def _measure_all(methods: list[str], model_path: str, cfg: dict, say, run_meta: 
                     say(f"[{m}] context {c}: {cfg['decode_batch']} requests decoding together: "
                         + (f"{got['decode_tok_s']:.2f} tok/s" if got["decode_tok_s"] else got["why"]))
         for m, s in servers.items():
-            s.flush_cache()
+            try:
+                s.flush_cache()
+            except requests.RequestException as exc:  # a server gone (its watchdog): no throughput, the rest goes on
+                res[m]["throughput"] = {"requests": cfg["requests"], "concurrency": cfg["concurrency"],
+                                        "errors": [f"{type(exc).__name__}: {exc}"[:200]], "output_tok_s": 0.0,
+                                        "wall_s": 0.0, "latency_mean_s": None, "latency_p50_s": None,
+                                        "latency_p90_s": None}
+                say(f"[{m}] throughput: not measured, the server is gone ({type(exc).__name__})")
+                continue
             prompts = [essay_ids(model_path, cfg["tp_prompt"], index=i % 8) for i in range(cfg["requests"])]
             res[m]["throughput"] = _throughput(s.url, prompts, cfg["tp_tokens"], cfg["concurrency"])
             say(f"[{m}] throughput {res[m]['throughput']['output_tok_s']:.2f} tok/s at concurrency "

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import requests
 
 from engine.launcher import SGLangServer, batch_decode_rate
 
@@ -94,8 +95,8 @@ def test_a_batch_that_never_overlaps_is_reported_not_invented(streaming):
 
 def test_a_method_whose_streams_fail_keeps_the_others_results(monkeypatch, tmp_path):
     """`hack bench serve --decode-batch N`: a server whose concurrent streams fail (a BF16 server
-    stopped by its watchdog at a long context, say) has its cell say why; the other methods'
-    cells, and the run, go on; a throughput the baseline lost is no ratio."""
+    stopped by its watchdog at a long context, say) has its cell say why, and its throughput is
+    not measured once the server is gone; the other methods' cells, and the run, go on."""
     import hack_cli.bench_serve as bench_serve
     import hack_eval.workloads as workloads
     from engine import launcher
@@ -118,20 +119,24 @@ def test_a_method_whose_streams_fail_keeps_the_others_results(monkeypatch, tmp_p
             return {"max_total_num_tokens": 1000}
 
         def flush_cache(self):
-            pass
+            if self.bf16 and self.gone:
+                raise requests.ConnectionError("Connection refused")
+
+        gone = False
 
         def timed_stream(self, ids, n):
             return {"decode_tok_s": 5.0, "prefill_tok_s": 50.0}
 
         def timed_streams(self, ids, n, count):
             if self.bf16:
+                self.gone = True  # its watchdog stopped it
                 raise RuntimeError(f"{count} concurrent streams of {n} tokens: ['ChunkedEncodingError']")
             return {"batch": count, "decode_tok_s": 20.0}
 
     monkeypatch.setattr(launcher, "SGLangServer", FakeServer)
     monkeypatch.setattr(workloads, "essay_ids", lambda path, n, index=0: [1] * n)
     monkeypatch.setattr(bench_serve, "_throughput", lambda url, prompts, n, conc: {
-        "output_tok_s": 0.0, "errors": ["x"], "latency_p50_s": None})
+        "output_tok_s": 7.0, "errors": [], "latency_p50_s": 1.0})
     monkeypatch.setenv("HACK_RUNS_DIR", str(tmp_path))
     cfg = {"contexts": [64], "decode_tokens": 4, "decode_batch": 2, "budget_mb": 64, "requests": 1,
            "concurrency": 1, "tp_prompt": 8, "tp_tokens": 2}
@@ -139,3 +144,5 @@ def test_a_method_whose_streams_fail_keeps_the_others_results(monkeypatch, tmp_p
     assert res["bf16"]["contexts"]["64"]["batch_decode"]["decode_tok_s"] is None
     assert "ChunkedEncodingError" in res["bf16"]["contexts"]["64"]["batch_decode"]["why"]
     assert res["hack"]["contexts"]["64"]["batch_decode"]["decode_tok_s"] == 20.0
+    assert res["bf16"]["throughput"]["output_tok_s"] == 0.0 and "ConnectionError" in res["bf16"]["throughput"]["errors"][0]
+    assert res["hack"]["throughput"]["output_tok_s"] == 7.0
