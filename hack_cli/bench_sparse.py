@@ -7,7 +7,8 @@ Per cell (shape x batch x context), measured side by side in one run on the same
                --refine R, the selection refined: --hack-sparse-refine R)
   select-B     the selection alone (page scores from the side tables, top-k, page table)
   bf16         torch SDPA over a contiguous BF16 cache of the same context (for scale)
-Reported: medians, sparse speedup over dense, and the selection's share of the sparse step.
+Reported: medians, sparse speedup over dense, and the selection's share of the sparse step. Each
+timed call starts from cold caches by default (--cache cold), as a layer of a served step does.
 The store step that writes the new token is not timed (for no method). Writes
 docs/bench/sparse.json (or --out) with the host: the CPU model and whether it has AMX.
 """
@@ -20,6 +21,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,6 +45,10 @@ def register(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: elapsed time; cpu: this process's CPU time (with --threads 1, immune to other "
                         "processes on a shared machine)")
+    p.add_argument("--cache", choices=("cold", "warm"), default="cold",
+                   help="cold (default): every timed call starts after a 64 MB write, as a served step's layer "
+                        "starts after the other layers and the weights went through the caches; warm: back to back "
+                        "(the method after the BF16 baseline then starts cold, the others warm)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help=f"JSON result (default {DEFAULT_OUT}; '' for none)")
     p.set_defaults(func=run)
 
@@ -50,7 +56,7 @@ def register(bsub: argparse._SubParsersAction) -> None:
 def run_default(args: argparse.Namespace) -> int:
     return run(argparse.Namespace(shapes="smollm2,llama3-8b", batches="1,4", contexts="8192,32768",
                                   budgets="1024,2048", score="bound", groups=0, refine=1, repeats=7, threads=None,
-                                  clock="wall", out=str(DEFAULT_OUT)))
+                                  clock="wall", cache="cold", out=str(DEFAULT_OUT)))
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -78,12 +84,30 @@ def host() -> dict:
     return {"cpu": name, "cores": os.cpu_count(), "amx": cpu_has_amx_int8(), "threads": torch.get_num_threads()}
 
 
-def _medians(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, float]:
+FLUSH_BYTES = 64 << 20  # past the last-level cache of this project's hosts (32 MB a CCX on the EPYC)
+
+
+def cache_flusher() -> Callable[[], object]:
+    """A call that writes FLUSH_BYTES, leaving every cache level holding that buffer, not a method's data."""
+    buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8)
+    turn = [0]
+
+    def flush() -> object:
+        turn[0] ^= 1
+        return buf.fill_(turn[0])
+
+    return flush
+
+
+def _medians(fns: dict, repeats: int, clock=time.perf_counter, flush: Callable[[], object] | None = None
+             ) -> dict[str, float]:
     for fn in fns.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {m: [] for m in fns}
     for _ in range(repeats):  # methods take turns: a load change on a shared host hits them alike
         for m, fn in fns.items():
+            if flush is not None:  # outside the timing: every call starts from the same cold caches
+                flush()
             t0 = clock()
             fn()
             times[m].append((clock() - t0) * 1e3)
@@ -91,7 +115,8 @@ def _medians(fns: dict, repeats: int, clock=time.perf_counter) -> dict[str, floa
 
 
 def measure(shape: str, batch: int, context: int, budgets: list[int], score: str, groups: int,
-            repeats: int, clock=time.perf_counter, refine: int = 1) -> dict:
+            repeats: int, clock=time.perf_counter, refine: int = 1, flush: Callable[[], object] | None = None
+            ) -> dict:
     """One cell: medians (ms) per method, speedups over dense and selection shares."""
     import torch.nn.functional as F
 
@@ -118,7 +143,7 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
         probe = SparseDecode(cfg, boxes=boxes)
         decode(case.store, 0, case.plan, case.q, sparse=probe)
         read[b] = round(probe.pages_read / max(1, probe.pages_resident), 4)
-    ms = _medians(fns, repeats, clock)
+    ms = _medians(fns, repeats, clock, flush)
     case.release()
     return {"shape": shape, "batch": batch, "context": context, "ms": ms,
             "speedup": {b: round(ms["dense"] / ms[f"sparse-{b}"], 2) for b in budgets},
@@ -142,14 +167,17 @@ def run(args: argparse.Namespace) -> int:
     batches, contexts = _ints(args.batches, "--batches"), _ints(args.contexts, "--contexts")
     budgets = _ints(args.budgets, "--budgets")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    machine = {**host(), "clock": args.clock}
+    cache = getattr(args, "cache", "cold")
+    machine = {**host(), "clock": args.clock, "cache": cache}
+    flush = cache_flusher() if cache == "cold" else None
     print(f"host: {machine['cpu']}, {machine['cores']} CPUs, AMX {'yes' if machine['amx'] else 'no'}, "
           f"{machine['threads']} threads")
     rows = []
     for shape in shapes:
         for batch in batches:
             for ctx in contexts:
-                r = measure(shape, batch, ctx, budgets, args.score, args.groups, args.repeats, clock, args.refine)
+                r = measure(shape, batch, ctx, budgets, args.score, args.groups, args.repeats, clock, args.refine,
+                            flush)
                 rows.append(r)
                 cells = "  ".join(f"sparse-{b} {r['ms'][f'sparse-{b}']:.2f} ms x{r['speedup'][b]:.2f} "
                                   f"(select {100 * r['selection_share'][b]:.0f}%, reads "
@@ -162,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         cmd = (f"hack bench sparse --shapes {args.shapes} --batches {args.batches} --contexts {args.contexts} "
                f"--budgets {args.budgets} --score {args.score} --groups {args.groups} --refine {args.refine} "
                f"--repeats {args.repeats} "
-               f"--clock {args.clock}" + (f" --threads {args.threads}" if args.threads else ""))
+               f"--clock {args.clock} --cache {cache}" + (f" --threads {args.threads}" if args.threads else ""))
         out.write_text(json.dumps({"command": cmd, "date": datetime.date.today().isoformat(), "host": machine,
                                    "rows": rows}, indent=1) + "\n")
         print(f"wrote {out}")

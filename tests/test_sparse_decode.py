@@ -506,3 +506,18 @@ def test_sparse_benchmark_cell_with_two_levels():
     assert set(r["ms"]) == {"dense", "bf16", "sparse-1024", "select-1024"}
     assert 0.05 < r["pages_read_fraction"][1024] < 0.2  # 16 of 128 pages: not timed, counted
     assert r["selection_share"][1024] > 0 and r["speedup"][1024] > 0  # times are the benchmark's to judge
+
+
+def test_sparse_benchmark_starts_every_timed_call_from_cold_caches():
+    """`hack bench sparse --cache cold` (the default): the flush runs before every timed call of
+    every method, outside its timing; it writes a buffer larger than the hosts' last-level cache."""
+    from hack_cli import bench_sparse
+
+    calls: list[str] = []
+    fns = {m: (lambda m=m: calls.append(m)) for m in ("dense", "sparse-1024")}
+    ms = bench_sparse._medians(fns, 3, flush=lambda: calls.append("flush"))
+    assert calls[:2] == ["dense", "sparse-1024"]  # the warm-up, not flushed
+    assert calls[2:] == ["flush", "dense", "flush", "sparse-1024"] * 3 and set(ms) == set(fns)
+    assert bench_sparse.FLUSH_BYTES >= 64 << 20
+    flush = bench_sparse.cache_flusher()
+    assert int(flush()[0]) != int(flush()[0])  # each flush writes anew
