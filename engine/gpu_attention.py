@@ -118,11 +118,10 @@ class GpuAttention:
             self._on_triton[key] = f"the CUDA kernel failed: {exc}"
             logger.warning("HACK decode: layers with %d query heads, K %d / V %d bits move to the Triton kernels: %s",
                            *key, exc)
-            self._decode[key] = self._planned(key, lay, hq, q, scale, (indptr, indices, lens), plan)
+            attn = self._decode[key] = self._planned(key, lay, hq, q, scale, (indptr, indices, lens), plan)
             if tables is not None:
-                return self._planned(key, lay, hq, q, scale, tables, plan, head_tables=True).run(
-                    q.contiguous(), *cache, window=window, logit_cap=logit_cap)
-            return self._decode[key].run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
+                attn = self._planned(key, lay, hq, q, scale, tables, plan, head_tables=True)
+            return attn.run(q.contiguous(), *cache, window=window, logit_cap=logit_cap)
 
     def _planned(self, key: tuple[int, int, int], lay: Any, hq: int, q: Tensor, scale: float,
                  tables: tuple[Tensor, Tensor, Tensor], plan: ForwardPlan, head_tables: bool = False) -> Any:

@@ -147,18 +147,20 @@ def select_pages(scores: Tensor, n_closed: Tensor, budget: int, recent_from: Ten
     (request, head), recent_from [B]: the first recent position kept whatever its score (like
     the first page). Returns (index [B, H, W] long, ascending positions, W = max count; count
     [B]): request b's heads each read count[b] = min(n_closed[b], budget) pages,
-    index[b, h, :count[b]]; the rest of a row is padding (positions past the request's pages)."""
+    index[b, h, :count[b]]; the rest of a row is padding (positions past the request's pages).
+    Both on the scores' device."""
     b, h, n = scores.shape
-    n_closed = n_closed.to(torch.long).cpu()
-    pos = torch.arange(n)
+    dev = scores.device  # the GPU path selects where its pages are (hack_ops.triton.sparse)
+    n_closed = n_closed.to(device=dev, dtype=torch.long)
+    pos = torch.arange(n, device=dev)
     valid = pos[None, :] < n_closed[:, None]  # [B, N]
-    keep = valid & ((pos[None, :] == 0) | (pos[None, :] >= recent_from.to(torch.long).cpu()[:, None]))
-    s = scores.float().cpu().masked_fill(~valid[:, None, :], float("-inf"))
+    keep = valid & ((pos[None, :] == 0) | (pos[None, :] >= recent_from.to(device=dev, dtype=torch.long)[:, None]))
+    s = scores.float().masked_fill(~valid[:, None, :], float("-inf"))
     s = s.masked_fill(keep[:, None, :], float("inf"))
     count = torch.clamp(n_closed, max=budget)
     w = int(count.max()) if b else 0
     if w == 0:
-        return torch.zeros(b, h, 0, dtype=torch.long), count
+        return torch.zeros(b, h, 0, dtype=torch.long, device=dev), count
     # kept pages first (+inf), padding last (-inf): a request with fewer pages than w picks
     # padding positions, which sort after its own, so its count[b] leading entries are its pages
     idx = torch.topk(s, w, dim=-1).indices
@@ -211,7 +213,8 @@ def kept_group_pages(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_clo
     gmin, gscale = group_boxes(minimum, scale, bits, g)
     gscores = page_scores(q, gmin, gscale, bits, cfg.score)  # [B, H, G]
     # the best groups for the budget, beside the groups the first and the recent pages hold
-    gidx, gcount = select_pages(gscores, -(-n_closed // g), cfg.keep_groups(page_size), recent_from.clamp(min=0) // g)
+    gidx, gcount = select_pages(gscores.cpu(), -(-n_closed // g), cfg.keep_groups(page_size),
+                                recent_from.clamp(min=0) // g)
     kept = torch.zeros(gscores.shape, dtype=torch.bool)
     taken = torch.arange(gidx.shape[-1])[None, None, :] < gcount[:, None, None]
     kept.scatter_(-1, gidx, taken.expand(gidx.shape))
@@ -238,7 +241,7 @@ def select(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed: Tenso
         scores = scores.cpu().masked_fill(~kept, float("-inf"))
     if cfg.refine > 1:  # the candidates: the bound's best pages (of the kept groups, with two levels)
         scores = refine_scores(scores, best, n_closed, budget, recent_from, cfg.refine)
-    return select_pages(scores, n_closed, budget, recent_from)
+    return select_pages(scores.cpu(), n_closed, budget, recent_from)  # the reference's choice, on the CPU
 
 
 def gather_sequence(x: Tensor, pages: Tensor, page_size: int) -> Tensor:
@@ -275,7 +278,7 @@ def row_page_mask(q: Tensor, minimum: Tensor, scale: Tensor, bits: int, n_closed
             raise ValueError("a refined selection needs the closed pages' keys")
         best = page_best(q.transpose(2, 3), keys[:, :, None, :n * page_size], page_size)  # [B, H, Sq, N]
         rows = refine_scores(rows, best.permute(0, 2, 1, 3).reshape(b * sq, h, n), nc, budget, recent_from, cfg.refine)
-    idx, count = select_pages(rows, nc, budget, recent_from)
+    idx, count = select_pages(rows.cpu(), nc, budget, recent_from)
     keep = torch.zeros(b * sq, h, n, dtype=torch.bool)
     if idx.shape[-1]:
         taken = torch.arange(idx.shape[-1])[None, None, :] < count[:, None, None]

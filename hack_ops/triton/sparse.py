@@ -18,7 +18,7 @@ from torch import Tensor
 from ..layout import PageLayout
 from ..paged.plan import ForwardPlan
 from ..paged.sparse import PageSelection
-from ..sparse import PageScore, SparseConfig, page_scores
+from ..sparse import PageScore, SparseConfig, page_scores, select_pages
 
 
 def device_selection(layout: PageLayout, k_buf: Tensor, pages: Tensor, seq_lens: list[int], q: Tensor,
@@ -47,17 +47,11 @@ def device_selection(layout: PageLayout, k_buf: Tensor, pages: Tensor, seq_lens:
     scores = page_scores(q.reshape(b, h, q.shape[1] // h, d), mn, sc, layout.k.bits, PageScore(cfg.score))
     nc = torch.tensor(closed, device=dev)
     recent_from = nc - min(cfg.recent_pages(p), budget - 1)  # the first page stays in the budget
-    pos = torch.arange(n, device=dev)
-    valid = pos[None, :] < nc[:, None]
-    keep = valid & ((pos[None, :] == 0) | (pos[None, :] >= recent_from[:, None]))
-    s = scores.masked_fill(~valid[:, None, :], float("-inf")).masked_fill(keep[:, None, :], float("inf"))
+    idx, cnt = select_pages(scores, nc, budget, recent_from)  # on the pages' device
     count = [min(c, budget) for c in closed]
     w = max(count, default=0)
-    idx = (torch.sort(torch.topk(s, w, dim=-1).indices, dim=-1).values if w
-           else torch.zeros(b, h, 0, dtype=torch.long, device=dev))
     # a request with fewer than w pages took padding positions (past its own, sorted after them):
     # column count[b] becomes its open page, the rest is never read
-    cnt = torch.tensor(count, device=dev)
     positions = torch.cat([idx, torch.zeros(b, h, 1, dtype=torch.long, device=dev)], -1)
     cols = torch.arange(w + 1, device=dev)[None, None, :]
     positions = torch.where(cols == cnt[:, None, None], nc[:, None, None], positions)
