@@ -121,6 +121,9 @@ class HackAttnBackend(AttentionBackend):
             from hack_ops.triton.sparse import select_on_device
 
             self.device_selector = select_on_device
+            logger.warning("--hack-sparse-budget on a GPU: the selection is torch operations with a host sync per "
+                           "layer (1.2-4.2 ms on an H200, 96-99% of a sparse step), so sparse decode is slower than "
+                           "dense decode there today (docs/sparse.md, GPU); it pays on the CPU path")
         if self.sparse.enabled and self.device.type == "cuda" and (self.sparse.refine > 1 or self.sparse.group_pages):
             raise NotImplementedError("on a GPU sparse decode selects by the bound alone (hack_ops.triton.sparse): "
                                       "--hack-sparse-refine and --hack-sparse-groups run on the CPU path. Drop them "

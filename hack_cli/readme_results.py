@@ -77,18 +77,19 @@ def _gpu_decode(d: dict) -> str:
     return f"Triton: {_x(min(r))}-{_x(max(r))} (slower; {len(r)} cells)"
 
 
-def _cuda_decode(d: dict) -> str:
+def _cuda_decode(d: dict, card: str = "") -> str:
     r = [c["cuda_vs_bf16"] for c in d["results"]]
     big = max(d["results"], key=lambda c: c["batch"] * c["context"])
-    return (f"CUDA kernel: {_x(big['cuda_vs_bf16'])} BF16 flash attention's speed at batch {big['batch']} x "
+    return (f"{card or 'CUDA kernel'}: {_x(big['cuda_vs_bf16'])} BF16 flash attention's speed at batch {big['batch']} x "
             f"{big['context'] // 1024}K ({_pct(big['methods']['cuda']['fraction_of_copy'], 0)} of copy bandwidth); "
             f"{_x(min(r))}-{_x(max(r))} over {len(r)} cells (small cells' BF16 time varies run to run)")
 
 
-def _model_decode(d: dict) -> str:
+def _model_decode(d: dict, card: str = "") -> str:
     by = {r["format"]: r for r in d["results"]}
-    return (f"{_x(d['hack_vs_bf16'])} BF16's tokens/s (Llama-3-8B shapes, {d['context'] // 1024}K context, "
-            f"batch {by['hack']['batch']} vs {by['bf16']['batch']} in {d['kv_budget_gib']:.0f} GiB)")
+    return (f"{card + ': ' if card else ''}{_x(d['hack_vs_bf16'])} BF16's tokens/s (Llama-3-8B shapes, "
+            f"{d['context'] // 1024}K context, batch {by['hack']['batch']} vs {by['bf16']['batch']} in "
+            f"{d['kv_budget_gib']:.0f} GiB)")
 
 
 ROWS: tuple[Row, ...] = (
@@ -121,12 +122,18 @@ ROWS: tuple[Row, ...] = (
                "docs/engine.md#on-an-avx-512--amx-host", AMX),
     )),
     Row("Decode speed, GPU kernel", (
-        Source("docs/bench/decode-cuda.json", _cuda_decode, "docs/kernels.md#measured-on-an-h100", "NVIDIA H100"),
+        Source("docs/bench/decode-cuda.json", lambda d: _cuda_decode(d, "CUDA kernel, H200"),
+               "docs/kernels.md#measured-on-an-h200", "NVIDIA H200"),
+        Source("docs/bench/decode-cuda-h100.json", lambda d: _cuda_decode(d, "H100"),
+               "docs/kernels.md#measured-on-an-h100", "NVIDIA H100"),
         Source("docs/bench/attention-cuda.json", _gpu_decode,
                "docs/kernels.md#measured-on-a-gpu", "NVIDIA H200"),
     )),
     Row("Decode, GPU, same KV memory", (
-        Source("docs/bench/decode-model.json", _model_decode, "docs/kernels.md#measured-on-an-h100", "NVIDIA H100"),
+        Source("docs/bench/decode-model.json", lambda d: _model_decode(d, "H200"),
+               "docs/kernels.md#measured-on-an-h200", "NVIDIA H200"),
+        Source("docs/bench/decode-model-h100.json", lambda d: _model_decode(d, "H100"),
+               "docs/kernels.md#measured-on-an-h100", "NVIDIA H100"),
     )),
     Row("PD mean JCT, 7.5K-token documents", (
         Source("docs/bench/disagg.json",

@@ -5,8 +5,8 @@
 # In order, each phase within its own limit and all within TOTAL_SECONDS (default 480: 8 minutes;
 # a phase that would start with under 20 s left is skipped and says so):
 #   1. build   the CUDA decode and store kernels' libraries for this GPU, in parallel (120 s) -> run.log
-#   2. tests   tests/test_cuda_decode.py, tests/test_cuda_store.py (the cases marked cuda first) and the
-#              static checks (150 s)                                           -> tests.log, failures.log
+#   2. tests   tests/test_cuda_decode.py, tests/test_cuda_store.py (the cases marked cuda first), the
+#              static checks, and sparse decode's device tests (marked device) (150 s)                                           -> tests.log, failures.log
 #  2b. prefill python -m hack_cli.bench_prefill_cuda: the prefill `--hack-prefill auto` runs (CUDA store,
 #              then flash attention) and each store alone against BF16 flash prefill (60 s)
 #                                                                              -> prefill-cuda.json, run.log
@@ -86,11 +86,14 @@ fi
 
 # 2. tests: the CUDA kernel on the GPU (cuda-marked first: what only a GPU shows), then the rest of
 # its files (they also run in CI, without a GPU).
-tests=(tests/test_cuda_decode.py tests/test_cuda_store.py tests/test_cuda_static.py)
+# Beside them the tests marked device (sparse decode's selection and the Triton kernel over its per-head
+# tables), which run on the GPU here and under Triton's interpreter in CI.
+tests=(tests/test_cuda_decode.py tests/test_cuda_store.py tests/test_cuda_static.py tests/test_sparse_device.py
+       tests/test_triton_decode.py::test_per_head_page_tables)
 s=$(limit tests "${HACK_GPU_TEST_SECONDS:-150}" | tail -1)
 t0=$SECONDS
-passes=(cuda)
-[[ "${HACK_GPU_CPU_TESTS:-1}" == 0 ]] || passes+=("not cuda")
+passes=("cuda or device")
+[[ "${HACK_GPU_CPU_TESTS:-1}" == 0 ]] || passes+=("not cuda and not device")
 for pass in "${passes[@]}"; do
   (( s > 0 )) || break
   left=$(( s - (SECONDS - t0) ))

@@ -35,6 +35,8 @@ def pytest_configure(config) -> None:
                                        "stack) at once: under pytest-xdist no two such modules run together (tests/conftest.py)")
     config.addinivalue_line("markers", "cuda: kernel cases (real shapes, driver checks) that run only when the Triton kernels "
                                        "run on a CUDA GPU (skipped under the interpreter)")
+    config.addinivalue_line("markers", "device: runs on the kernel device, a GPU when present, else Triton's interpreter; "
+                                       "scripts/gpu_check.sh runs these beside the cuda-marked tests")
     import torch
 
     from hack_ops.kernel_device import ENV, KernelDevice, choose_kernel_device

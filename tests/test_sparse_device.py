@@ -19,6 +19,7 @@ from hack_ops.triton.testing import TOL_MAX_ABS, TOL_MEAN_ABS, random_batch, req
 
 HEADS, REP, D, P = 2, 3, 64, 64
 LENS = [20 * P + 5, 9 * P, 3 * P + 1, 12 * P + 63]  # past the budget, at it with a full last page, under it
+pytestmark = pytest.mark.device
 CFG = SparseConfig(budget_tokens=8 * P, recent_tokens=2 * P, dense_layers=0)
 
 

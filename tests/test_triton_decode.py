@@ -226,6 +226,7 @@ def test_bad_window_or_cap_is_refused(kernel_device):
         att.run(q, **cache_kwargs(b["bufs"]), logit_cap=float("inf"))
 
 
+@pytest.mark.device
 @pytest.mark.parametrize("splits", [1, 2])
 def test_per_head_page_tables(kernel_device, splits):
     """Sparse decode's selection (head_tables): each KV head reads its own closed pages (the first

@@ -35,14 +35,52 @@ FIELDS = (
     ("tail_k", _P), ("tail_v", _P), ("t_row", _I64), ("t_tok", _I64), ("t_head", _I64),
     ("sink_k", _P), ("sink_v", _P), ("s_slot", _I64), ("s_tok", _I64), ("s_head", _I64),
     ("batch", _I32), ("heads", _I32), ("max_touched", _I32), ("k_bits", _I32), ("v_bits", _I32),
-    ("sinks", _I32), ("meta_bytes", _I32), ("sum_bytes", _I32), ("range_search", _I32),
+    ("sinks", _I32), ("meta_bytes", _I32), ("sum_bytes", _I32), ("range_search", _I32), ("sum_width", _I32),
 )
 STORE_BITS = (2, 4)
 INPUT_DTYPES = {torch.bfloat16: ActDtype.BF16, torch.float16: ActDtype.FP16}
 
 
 class StoreParams(ctypes.Structure):
-    _fields_ = [*FIELDS, ("pad_", _I32)]
+    _fields_ = list(FIELDS)
+
+
+SUM_WIDTHS = (8, 16)  # the kernel's instantiations of the reference's V error sum
+_sum_width: list[int] = []
+
+
+def _inner_sum(e: Tensor, w: int) -> Tensor:
+    """Row sums of e [rows, 64] in the order csrc/hack_store.cu's sum_inner<w> adds them."""
+    n = e.shape[1]
+    nvec = n // w
+    head = nvec // 4 * 4 * w
+    total = torch.zeros(e.shape[0], dtype=e.dtype)
+    for lane in range(w):
+        acc = torch.zeros_like(total)
+        for k in range(4):
+            part = torch.zeros_like(total)
+            for i in range(k * w + lane, head, 4 * w):
+                part = part + e[:, i]
+            if k == 0:
+                for i in range(head + lane, nvec * w, w):
+                    part = part + e[:, i]
+            acc = part if k == 0 else acc + part
+        total = total + acc
+    return total
+
+
+def reference_sum_width() -> int:
+    """The vector width of torch's CPU sum over a contiguous 64-value row on this host: the order
+    of the reference's V range-search errors (hack_ops.quant), which the kernel reproduces so two
+    candidates that tie to the last bit resolve as the reference does. 8 where no width of
+    SUM_WIDTHS reproduces it (the bytes may then differ from the CPU store's on such ties)."""
+    if not _sum_width:
+        g = torch.Generator().manual_seed(0)
+        e = (torch.randn(4096, 64, generator=g) * torch.exp(3 * torch.randn(4096, 64, generator=g))) ** 2
+        want = e.sum(-1)
+        found = [w for w in SUM_WIDTHS if torch.equal(_inner_sum(e, w), want)]
+        _sum_width.append(found[0] if found else SUM_WIDTHS[0])
+    return _sum_width[0]
 
 
 def store_why_not(layout: PageLayout, dtype: torch.dtype) -> str | None:
@@ -166,6 +204,7 @@ def _params(layout: PageLayout, batch: PagedBatch, k: Tensor, v: Tensor, k_buf: 
     p.meta_bytes = torch.empty(0, dtype=layout.meta_dtype).element_size()
     p.sum_bytes = torch.empty(0, dtype=kl.sums.dtype).element_size()
     p.range_search = int(bool(getattr(cfg, "range_search", False)))
+    p.sum_width = reference_sum_width()
     return p
 
 

@@ -4,9 +4,12 @@
 // K and V 2- or 4-bit each, fp16 or fp32 side tables, K and V with FP16 tails (tail_tensors
 // 'kv'), the range search on or off. The bytes are hack_ops.quant's: same operations in the
 // same order (the library is built with -fmad=false), IEEE division, round-half-even codes,
-// min rounded down and scale up to fp16. One order differs, as in the Triton store: a candidate's
-// squared error is summed token by token here, so two candidates whose errors tie to the last
-// bit could resolve the other way (none did in the tests).
+// min rounded down and scale up to fp16. A candidate's squared error is summed in the order of
+// torch's CPU sum, which the reference's err.sum(-1) is (hack_ops/paged/csrc/hack_store.c,
+// err_reduce): K's 64 tokens (a strided dim) in blocks of 16 summed in sequence, the block sums
+// in sequence; V's 64 channels (the contiguous dim) as vectors of `sum_width` lanes, 4 interleaved
+// partials, then the lanes. Summed token by token instead, two candidates whose errors tie to the
+// last bit resolved the other way on an H200 (1 page of ~800 at real shapes).
 //
 // Grid (touched page, request, KV head), HACK_D threads. Why this shape, and not the Triton
 // kernel's tile per program: the range search tries 25 clipped ranges per group, and each group
@@ -82,8 +85,54 @@ HACK_DEV float code_of(float x, float mn, float s, float inv, float levels) {
   return fminf(fmaxf(c, 0.f), levels);
 }
 
+// Σ err(i) over the P values of a group summed along a strided dim (K per channel): blocks of
+// 16 in sequence, the block sums in sequence (err_reduce's SUM_ROWS for n <= 256).
+template <class Err>
+HACK_DEV float sum_rows(Err err) {
+  float total = 0.f;
+#pragma unroll
+  for (int b = 0; b < P; b += 16) {
+    float block = err(b);
+#pragma unroll
+    for (int j = b + 1; j < b + 16; ++j) block += err(j);
+    total += block;
+  }
+  return total;
+}
+
+// ... along the contiguous dim (V per token and group) with torch's vectors of W lanes
+// (err_reduce's SUM_INNER): element i belongs to vector i / W; vector r to partial r % 4 (lane
+// by lane) while whole rounds of 4 vectors last, the rest to partial 0; the 4 partials are added
+// lane by lane, then the W lanes in order.
+template <int W, class Err>
+HACK_DEV float sum_inner(Err err) {
+  constexpr int NVEC = P / W, HEAD = NVEC / 4 * 4 * W;
+  static_assert(P % W == 0, "whole vectors");
+  float total = 0.f;
+#pragma unroll
+  for (int l = 0; l < W; ++l) {
+    float lane = 0.f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      float part = 0.f;
+#pragma unroll
+      for (int i = k * W + l; i < HEAD; i += 4 * W) part += err(i);
+      if (k == 0) {
+#pragma unroll
+        for (int i = HEAD + l; i < NVEC * W; i += W) part += err(i);
+      }
+      lane = k == 0 ? part : lane + part;
+    }
+    total += lane;
+  }
+  return total;
+}
+
+enum class SumOrder { ROWS, INNER8, INNER16 };
+
 // hack_ops.quant._search_range for one group of P values (bit i of `valid`: x[i] takes part):
 // the clipped [mn + a·r, mx - b·r] whose codes give the least squared error; ties keep the earlier.
+template <SumOrder ORDER>
 HACK_DEV void search_range(const float (&x)[P], uint64_t valid, float& mn, float& mx, float levels, bool f16) {
   const float r = mx - mn;
   float best_err = 0.f, best_lo = mn, best_hi = mx;
@@ -94,12 +143,13 @@ HACK_DEV void search_range(const float (&x)[P], uint64_t valid, float& mn, float
     float lo_q, sc;
     rounded_range(lo, hi, levels, f16, lo_q, sc);
     const float inv = div_rn(1.f, sc);
-    float err = 0.f;
-#pragma unroll
-    for (int i = 0; i < P; ++i) {
+    auto sq = [&](int i) {
       const float d = code_of(x[i], lo_q, sc, inv, levels) * sc + lo_q - x[i];
-      err += ((valid >> i) & 1u) ? d * d : 0.f;
-    }
+      return ((valid >> i) & 1u) ? d * d : 0.f;
+    };
+    const float err = ORDER == SumOrder::ROWS     ? sum_rows(sq)
+                      : ORDER == SumOrder::INNER8 ? sum_inner<8>(sq)
+                                                  : sum_inner<16>(sq);
     if (c == 0) {
       best_err = err;
     } else if (err < best_err) {
@@ -213,7 +263,7 @@ HACK_GLOBAL HACK_BOUNDS(D) void hack_store_kernel(const StoreParams p) {
     }
     if (mn > mx) mn = mx = 0.f;  // every token a sink: m = 0, s = 1
     mn = mn + 0.f;               // +0: which signed zero a min returns must not decide the bytes
-    if (p.range_search) search_range(x, valid, mn, mx, levels, f16);
+    if (p.range_search) search_range<SumOrder::ROWS>(x, valid, mn, mx, levels, f16);
     float mn_q, s_q;
     stored_meta(mn, mx, levels, f16, mn_q, s_q);
     const float inv = div_rn(1.f, s_q);
@@ -269,7 +319,13 @@ HACK_GLOBAL HACK_BOUNDS(D) void hack_store_kernel(const StoreParams p) {
       mn = mn + 0.f;
       float mn_q = 0.f, s_q = 0.f;
       if (!sink) {
-        if (p.range_search) search_range(x, ~uint64_t{0}, mn, mx, levels, f16);
+        if (p.range_search) {
+          if (p.sum_width == 16) {
+            search_range<SumOrder::INNER16>(x, ~uint64_t{0}, mn, mx, levels, f16);
+          } else {
+            search_range<SumOrder::INNER8>(x, ~uint64_t{0}, mn, mx, levels, f16);
+          }
+        }
         stored_meta(mn, mx, levels, f16, mn_q, s_q);
       }
       auto* out = reinterpret_cast<uint32_t*>(vpage + p.vc_off) + (static_cast<int64_t>(h) * P + j) * row_words +

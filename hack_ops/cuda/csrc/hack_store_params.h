@@ -37,7 +37,7 @@ struct StoreParams {
   int32_t meta_bytes;            // 2: fp16 side tables, 4: fp32
   int32_t sum_bytes;             // K code sums: 1 (uint8), 2 (int16) or 4 (int32)
   int32_t range_search;          // 1: each group's range is the least-squared-error clipped candidate
-  int32_t pad_;
+  int32_t sum_width;             // lanes of torch's CPU vectors in the reference's V error sums: 8 or 16
 };
 
 #define HACK_STORE_FIELDS(X)                                                                                    \
@@ -45,6 +45,6 @@ struct StoreParams {
   X(tail_rows) X(sink_slots) X(k_buf) X(v_buf) X(k_page) X(v_page) X(kc_off) X(km_off) X(ks_off) X(ksum_off)    \
   X(vc_off) X(vm_off) X(vs_off) X(tail_k) X(tail_v) X(t_row) X(t_tok) X(t_head) X(sink_k) X(sink_v) X(s_slot)   \
   X(s_tok) X(s_head) X(batch) X(heads) X(max_touched) X(k_bits) X(v_bits) X(sinks) X(meta_bytes) X(sum_bytes)   \
-  X(range_search)
+  X(range_search) X(sum_width)
 
 }  // namespace hack
