@@ -1,7 +1,8 @@
 """The CUDA decode kernel against BF16 decode on a GPU: `python -m hack_cli.bench_decode_cuda`.
 
 Per cell (shape, batch, context), in one run on one GPU: the CUDA kernel on the pool's pages
-(`cuda`, token order) and on the same pages in fragment order (`cuda_fragment`), the Triton
+(`cuda`, token order) and on the same pages in fragment order (`cuda_fragment`), with a 3-page
+cp.async ring per warp instead of 2 (`cuda_stages3`, token order), the Triton
 kernel on the same pages (`triton`), and the BF16 baseline (`bf16`: FlashInfer's paged decode when
 flashinfer imports, else torch SDPA's flash backend on a contiguous cache, as
 hack_cli.bench_attention_gpu). Median of CUDA-event timings after warm-up, methods alternating,
@@ -90,6 +91,9 @@ class CudaCell:
             att = CudaDecodeAttention(self.case.layout, hq, order=order)
             att.plan(b.kv_indptr, b.kv_indices, b.seq_lens, b.tail_rows, b.sink_slots)
             self.cuda[order] = att
+        # the 3-page ring (Variant.stages), token order: what a deeper pipeline buys on this card
+        self.stages3 = CudaDecodeAttention(self.case.layout, hq, stages=3)
+        self.stages3.plan(b.kv_indptr, b.kv_indices, b.seq_lens, b.tail_rows, b.sink_slots)
         self.out = torch.empty_like(self.case.q)
         self.splits = self.cuda[CodeOrder.TOKEN].splits(None)
         self.sparse = {bud: self._sparse(bud) for bud in budgets}
@@ -122,6 +126,7 @@ class CudaCell:
         tok, frag = cache_kwargs(case.bufs), cache_kwargs(self.frag_bufs)
         methods = {"cuda": lambda: self.cuda[CodeOrder.TOKEN].run(q, **tok, out=self.out),
                    "cuda_fragment": lambda: self.cuda[CodeOrder.FRAGMENT].run(q, **frag, out=self.out),
+                   "cuda_stages3": lambda: self.stages3.run(q, **tok, out=self.out),
                    "triton": case.run_hack, "bf16": case.run_bf16}
         for bud, sp in self.sparse.items():
             methods[f"select_{bud}"] = sp["select"]
@@ -134,7 +139,7 @@ class CudaCell:
 
         c, s = self.case, self.case.shape
         cuda = cuda_decode_bytes(c.layout, c.seq_lens, s.q_heads)
-        out = {"cuda": cuda, "cuda_fragment": cuda, "triton": bc.hack_decode_bytes(c.layout, c.seq_lens, s.q_heads),
+        out = {"cuda": cuda, "cuda_fragment": cuda, "cuda_stages3": cuda, "triton": bc.hack_decode_bytes(c.layout, c.seq_lens, s.q_heads),
                "bf16": bc.bf16_decode_bytes(c.seq_lens, s.kv_heads, s.q_heads, s.head_dim)}
         for bud, sp in self.sparse.items():
             out[f"select_{bud}"] = select_bytes(c.layout, c.seq_lens, s.q_heads)
@@ -149,6 +154,7 @@ class CudaCell:
         cuda = m["cuda"]().float().clone()
         frag = m["cuda_fragment"]().float()
         out = {"cuda_vs_fragment": float((cuda - frag).abs().max()),
+               "cuda_vs_stages3": float((cuda - m["cuda_stages3"]().float()).abs().max()),
                "cuda_vs_triton": float((cuda - m["triton"]().float()).abs().max()),
                "cuda_vs_bf16": float((cuda - m["bf16"]().float()).abs().max())}
         for bud in self.sparse:  # the same pages through both kernels; and what the budget drops
@@ -171,6 +177,7 @@ def row_from(cell: Cell, times: dict[str, float], nbytes: dict[str, int], copy_b
     speedup = times["bf16"] / times["cuda"]
     row = {**asdict(cell), "splits": list(splits), "methods": methods, "cuda_vs_bf16": round(speedup, 2),
            "fragment_vs_bf16": round(times["bf16"] / times["cuda_fragment"], 2),
+           **({"stages3_vs_cuda": round(times["cuda"] / times["cuda_stages3"], 2)} if "cuda_stages3" in times else {}),
            "cuda_vs_triton": round(times["triton"] / times["cuda"], 2),
            "targets": targets(cell, speedup, methods["cuda"]["fraction_of_copy"])}
     budgets = sorted(int(m.rsplit("_", 1)[1]) for m in times if m.startswith("select_"))
@@ -195,14 +202,16 @@ def sparse_row(cell: Cell, times: dict[str, float], budget: int) -> dict:
 
 def table(doc: dict) -> str:
     lines = gpu_run_header(doc, f"torch {doc['torch']}, triton {doc['triton']}, nvcc {doc.get('nvcc', '?')}")
-    lines += ["| shape | batch | context | CUDA ms | fragment ms | Triton ms | BF16 ms | CUDA vs BF16 | fragment vs BF16 "
-              "| CUDA GB/s (of copy) | BF16 GB/s (of copy) | targets |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    s3 = any("cuda_stages3" in r["methods"] for r in doc["results"])  # runs before the 3-page ring had none
+    lines += ["| shape | batch | context | CUDA ms | fragment ms | " + ("3 stages ms | " if s3 else "") +
+              "Triton ms | BF16 ms | CUDA vs BF16 | fragment vs BF16 | CUDA GB/s (of copy) | BF16 GB/s (of copy) | targets |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if s3 else "")]
     for r in doc["results"]:
         m = r["methods"]
         t = [k for k, v in r["targets"].items() if v is False]
+        ring = f"| {m['cuda_stages3']['median_ms']:.3f} " if s3 and "cuda_stages3" in m else ("| ? " if s3 else "")
         lines.append(f"| {r['shape']} | {r['batch']} | {r['context']} | {m['cuda']['median_ms']:.3f} "
-                     f"| {m['cuda_fragment']['median_ms']:.3f} | {m['triton']['median_ms']:.3f} "
+                     f"| {m['cuda_fragment']['median_ms']:.3f} {ring}| {m['triton']['median_ms']:.3f} "
                      f"| {m['bf16']['median_ms']:.3f} | x{r['cuda_vs_bf16']:.2f} | x{r['fragment_vs_bf16']:.2f} "
                      f"| {m['cuda']['gb_per_s']:.0f} ({100 * m['cuda']['fraction_of_copy']:.0f}%) "
                      f"| {m['bf16']['gb_per_s']:.0f} ({100 * m['bf16']['fraction_of_copy']:.0f}%) "

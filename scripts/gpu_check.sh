@@ -11,7 +11,7 @@
 #              then flash attention) and each store alone against BF16 flash prefill (60 s)
 #                                                                              -> prefill-cuda.json, run.log
 #   3. bench   python -m hack_cli.bench_decode_cuda: per cell the CUDA kernel, its fragment-order
-#              variant, the Triton kernel and BF16, and sparse decode at a 2K budget (the device selection,
+#              and 3-page-ring variants, the Triton kernel and BF16, and sparse decode at a 2K budget (the device selection,
 #              then both kernels over its per-head tables; HACK_GPU_SPARSE_BUDGETS, "" for none) (150 s)
 #                                                            -> decode-cuda.json (after every cell), run.log
 #  3b. splits  only with HACK_GPU_SPLITS_SECONDS > 0: the split-count sweep        -> splits.json
@@ -82,6 +82,10 @@ if (( s > 0 )); then
   timeout "$s" "$py" -m hack_ops.cuda.build --head-dims 64,128,256 --dtypes bf16,fp16 --orders token,fragment \
     --caps 0,1 >"$out/run.log" 2>&1
   echo "build: exit $? ($(( SECONDS - start ))s; 124: stopped at ${s}s)" | tee -a "$out/device.txt"
+  # the 3-page ring the decode benchmark times beside the served 2-page one
+  timeout "$s" "$py" -m hack_ops.cuda.build --head-dims 128 --dtypes bf16 --orders token --caps 0 --stages 3 \
+    >>"$out/run.log" 2>&1
+  echo "build (3 stages): exit $? ($(( SECONDS - start ))s)" | tee -a "$out/device.txt"
 fi
 
 # 2. tests: the CUDA kernel on the GPU (cuda-marked first: what only a GPU shows), then the rest of

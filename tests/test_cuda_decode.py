@@ -26,7 +26,7 @@ KV_HEADS = 2
 
 def _run(cfg: HackConfig, d: int, rep: int, lens: list[int], kv_heads: int = KV_HEADS, seed: int = 0,
          dtype: torch.dtype = torch.float16, features: dict | None = None, order: CodeOrder = CodeOrder.TOKEN,
-         splits: int | None = None, poison=None, reference: bool = True):
+         splits: int | None = None, poison=None, reference: bool = True, stages: int = 2):
     """The kernel on a GPU batch built on the CPU; out (float, CPU), the 'dequant' reference, the
     batch, q and the layout."""
     from hack_ops.cuda.fragment import convert_pages
@@ -40,7 +40,7 @@ def _run(cfg: HackConfig, d: int, rep: int, lens: list[int], kv_heads: int = KV_
     if order == CodeOrder.FRAGMENT:
         convert_pages(lay, b["bufs"]["k_buf"], b["bufs"]["v_buf"], CodeOrder.FRAGMENT)
     q = torch.randn(len(lens), kv_heads * rep, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    att = CudaDecodeAttention(lay, kv_heads * rep, sm_scale=scale, num_splits=splits, order=order)
+    att = CudaDecodeAttention(lay, kv_heads * rep, sm_scale=scale, num_splits=splits, order=order, stages=stages)
     att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
     out = att.run(q.cuda(), **cache_kwargs(b["bufs"]), **feats).float().cpu()
     ref = None
@@ -158,6 +158,16 @@ def test_fragment_order_gives_identical_outputs():
     b, ref, *_ = _run(HackConfig(), 128, 4, lens, seed=5, order=CodeOrder.FRAGMENT)
     assert torch.equal(a, b)
     _close(b, ref, "fragment order")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("splits", [1, 3])
+def test_three_stages_give_identical_outputs(splits):
+    """A 3-page ring per warp (Variant.stages): the pages arrive earlier, the arithmetic is the same."""
+    lens = [3, 64, 200, 1500, 4100]
+    a, *_ = _run(HackConfig(), 128, 4, lens, seed=6, splits=splits, reference=False)
+    b, *_ = _run(HackConfig(), 128, 4, lens, seed=6, splits=splits, reference=False, stages=3)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.cuda

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(nvcc() is None, reason="nvcc is not installed: t
 
 def _run(cfg: HackConfig, d: int, rep: int, lens: list[int], kv_heads: int = 1, seed: int = 0,
          dtype: torch.dtype = torch.float16, features: dict | None = None, order: CodeOrder = CodeOrder.TOKEN,
-         splits: int | None = None, poison=None):
+         splits: int | None = None, poison=None, stages: int = 2):
     from hack_ops.cuda.simt import run_on_cpu
 
     feats = dict(features or {})
@@ -37,7 +37,7 @@ def _run(cfg: HackConfig, d: int, rep: int, lens: list[int], kv_heads: int = 1, 
     if order == CodeOrder.FRAGMENT:
         convert_pages(lay, b["bufs"]["k_buf"], b["bufs"]["v_buf"], CodeOrder.FRAGMENT)
     q = torch.randn(len(lens), kv_heads * rep, d, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
-    att = CudaDecodeAttention(lay, kv_heads * rep, sm_scale=scale, num_splits=splits, order=order)
+    att = CudaDecodeAttention(lay, kv_heads * rep, sm_scale=scale, num_splits=splits, order=order, stages=stages)
     att.plan(b["kv_indptr"], b["kv_indices"], b["seq_lens"], b["tail_rows"], b["sink_slots"])
     out = run_on_cpu(att, q, **cache_kwargs(b["bufs"]), **feats).float()
     ref = torch.stack([dense_reference(q[i:i + 1].float(), b["k"][i], b["v"][i], lay, mode="dequant", scale=scale,
@@ -57,6 +57,15 @@ def test_default_format_with_splits(order, one_torch_thread):
     FP16 tiles and both merges."""
     out, ref = _run(HackConfig(), 128, 4, [1, 2, 63, 64, 65, 300, 777], kv_heads=2, splits=3, order=order)
     _close(out, ref, f"{order}")
+
+
+@pytest.mark.parametrize("order", list(CodeOrder))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_three_pages_in_flight(order, splits, one_torch_thread):
+    """The 3-stage ring (Variant.stages = 3): the same outputs; warps with 1 to 7 pages each, so
+    the prologue, the steady state and the drain all run."""
+    out, ref = _run(HackConfig(), 128, 4, [1, 130, 65, 777, 1800], kv_heads=2, splits=splits, order=order, stages=3)
+    _close(out, ref, f"3 stages, {order}, {splits} splits")
 
 
 @pytest.mark.parametrize("d,rep,sinks", [(64, 1, 0), (256, 4, 2), (128, 7, 4), (128, 8, 1)])

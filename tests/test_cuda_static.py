@@ -61,6 +61,19 @@ def test_page_loop_is_the_tensor_core_program(profiles, order, arch):
     assert p.loop <= LOOP_BUDGET[order], p
 
 
+@pytest.mark.parametrize("order", list(CodeOrder))
+def test_three_stages_keep_three_blocks_on_sm90(order):
+    """The 3-stage ring: 62,976 B of shared memory per block, still no spills and 3 blocks per SM
+    on sm90a (228 KB of shared memory), the same page program."""
+    from hack_ops.cuda.profile import profile
+
+    p = profile(Variant(128, ActDtype.BF16, order, stages=3), 90)
+    assert p.stack == 0 and p.regs <= 168 and p.blocks_per_sm >= 3, p
+    assert p.smem == 4 * 3 * 5248, p
+    assert p.mma == 80 and p.widen == 512 and p.cp_async == 10 and p.barriers == 0, p
+    assert p.loop <= LOOP_BUDGET[order], p
+
+
 def test_fragment_order_saves_the_token_pairing(profiles):
     """Fragment order reads a lane's V words directly: fewer permutes and shared loads per page."""
     for arch in (80, 90):

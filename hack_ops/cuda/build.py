@@ -48,6 +48,7 @@ HEADERS = (SRC / "hack_frag.cuh", SRC / "hack_params.h", SRC / "hack_simt.cuh", 
 STORE_FLAGS = ("-fmad=false",)
 BASE_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC")
 MIN_ARCH = 80  # mma.sync m16n8k16 f16, cp.async, movmatrix: Ampere and newer
+STAGES = (2, 3)  # the decode kernel's ring depths: 2 serves; 3 is measured beside it (bench_decode_cuda)
 
 
 class ActDtype(StrEnum):
@@ -63,14 +64,21 @@ class Variant:
     dtype: ActDtype = ActDtype.BF16
     order: CodeOrder = CodeOrder.TOKEN
     cap: bool = False  # the layer soft-caps its logits
+    stages: int = 2    # pages in flight per warp (the decode kernel's cp.async ring)
+
+    def __post_init__(self) -> None:
+        if self.stages not in STAGES:
+            raise ValueError(f"stages must be one of {STAGES}, got {self.stages}")
 
     @property
     def name(self) -> str:
-        return f"d{self.head_dim}-{self.dtype.value}-{self.order.value}{'-cap' if self.cap else ''}"
+        extra = "" if self.stages == 2 else f"-s{self.stages}"
+        return f"d{self.head_dim}-{self.dtype.value}-{self.order.value}{'-cap' if self.cap else ''}{extra}"
 
     def defines(self) -> list[str]:
         return [f"-DHACK_D={self.head_dim}", f"-DHACK_T={0 if self.dtype == ActDtype.BF16 else 1}",
-                f"-DHACK_ORDER={0 if self.order == CodeOrder.TOKEN else 1}", f"-DHACK_CAP={int(self.cap)}"]
+                f"-DHACK_ORDER={0 if self.order == CodeOrder.TOKEN else 1}", f"-DHACK_CAP={int(self.cap)}",
+                f"-DHACK_STAGES={self.stages}"]
 
 
 def nvcc() -> str | None:
@@ -195,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--orders", default="token,fragment")
     ap.add_argument("--caps", default="0,1")
+    ap.add_argument("--stages", default="2", help=f"decode ring depths, of {STAGES}")
     args = ap.parse_args(argv)
     arch = args.arch or device_arch()
-    variants = [Variant(int(d), ActDtype(t), CodeOrder(o), bool(int(c)))
+    variants = [Variant(int(d), ActDtype(t), CodeOrder(o), bool(int(c)), int(n))
                 for d in args.head_dims.split(",") for t in args.dtypes.split(",")
-                for o in args.orders.split(",") for c in args.caps.split(",")]
+                for o in args.orders.split(",") for c in args.caps.split(",") for n in args.stages.split(",")]
     for path in prebuild(variants, arch):
         print(f"sm_{arch}: {path}")
     return 0

@@ -19,7 +19,7 @@ from ..attention import check_logit_cap, check_window
 from ..layout import PageLayout
 from ..triton.batch import PagedBatch, check_head_tables, plan_batch
 from ..triton.spec import CacheArgs, cache_args
-from .build import Variant, device_arch
+from .build import STAGES, Variant, device_arch
 from .fragment import PAGE, CodeOrder
 from .launch import DecodeParams, load
 from .spec import layout_why_not, variant_for
@@ -74,11 +74,12 @@ class CudaDecodeAttention:
     plan() takes the page table once per batch; run() is called per layer with the layer's
     sliding window and soft-cap. The new token must already be stored (the Triton store).
     order: the code order of the pages (CodeOrder.TOKEN: the pool's; FRAGMENT: converted by
-    hack_ops.cuda.fragment.convert_pages).
+    hack_ops.cuda.fragment.convert_pages). stages: pages in flight per warp (2 serves; 3 is timed
+    beside it by hack_cli.bench_decode_cuda).
     """
 
     def __init__(self, layout: PageLayout, num_qo_heads: int, sm_scale: float | None = None,
-                 num_splits: int | None = None, order: CodeOrder = CodeOrder.TOKEN) -> None:
+                 num_splits: int | None = None, order: CodeOrder = CodeOrder.TOKEN, stages: int = 2) -> None:
         why = layout_why_not(layout, num_qo_heads)
         if why is not None:
             raise NotImplementedError(f"the CUDA decode kernel does not read this layer: {why}")
@@ -90,6 +91,9 @@ class CudaDecodeAttention:
         self.sm_scale = 1.0 / math.sqrt(layout.head_dim) if sm_scale is None else float(sm_scale)
         self.fixed_splits = num_splits
         self.order = CodeOrder(order)
+        if stages not in STAGES:
+            raise ValueError(f"stages must be one of {STAGES}, got {stages}")
+        self.stages = stages
         self.batch: PagedBatch | None = None
         self.head_tables = False
         self._splits: dict[int, tuple[int, int]] = {}
@@ -160,7 +164,7 @@ class CudaDecodeAttention:
         window, logit_cap = check_window(window), check_logit_cap(logit_cap)
         b = self.batch
         shape = (b.batch_size, self.num_qo_heads, self.layout.head_dim)
-        variant = variant_for(self.layout, q.dtype, logit_cap, self.order)  # bf16 / fp16, or ValueError
+        variant = variant_for(self.layout, q.dtype, logit_cap, self.order, self.stages)  # bf16 / fp16, or ValueError
         if tuple(q.shape) != shape:
             raise ValueError(f"q must be {list(shape)}, got {tuple(q.shape)}")
         if q.stride(-1) != 1 or q.stride(0) % 8 or q.stride(1) % 8 or q.data_ptr() % 16:

@@ -96,7 +96,8 @@ def profile(variant: Variant, arch: int) -> KernelProfile:
     base = profile_sass(sass, "decode", variant.name, arch, loop)
     ops = Counter(t.split()[0] for t in loop)
     widen = ops["HFMA2"] + sum(1 for t in loop if t.startswith("LOP3.LUT") and t.rstrip().endswith("0xea, !PT"))
-    smem = geometry(variant.head_dim)["smem"]
+    g = geometry(variant.head_dim)  # the host build's, at 2 stages: the rings grow with the variant's
+    smem = max(g["smem"], THREADS // 32 * variant.stages * g["stage"])  # each warp its own ring
     return KernelProfile(variant.name, arch, regs, stack, smem, blocks_per_sm(regs, smem, arch), base.loop, base.mma,
                          widen, ops["PRMT"], sum(c for op, c in ops.items() if op.startswith("LDS")),
                          base.shared_bytes, ops["LDGSTS.E.BYPASS.128"] + ops["LDGSTS.E.128"], base.barriers,

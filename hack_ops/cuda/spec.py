@@ -71,9 +71,9 @@ def device_why_not(device: torch.device | str | None = None) -> str | None:
 
 
 def variant_for(layout: PageLayout, q_dtype: torch.dtype, logit_cap: float = 0.0,
-                order: CodeOrder = CodeOrder.TOKEN) -> Variant:
+                order: CodeOrder = CodeOrder.TOKEN, stages: int = 2) -> Variant:
     """The library variant that serves a layer: its head_dim, the activation dtype, the pages'
-    code order, and whether the layer soft-caps."""
+    code order, whether the layer soft-caps, and the ring depth."""
     if q_dtype not in ACT_DTYPES:
         raise ValueError(f"the CUDA decode kernel takes bf16 or fp16 queries, got {q_dtype}")
-    return Variant(layout.head_dim, ACT_DTYPES[q_dtype], CodeOrder(order), logit_cap > 0)
+    return Variant(layout.head_dim, ACT_DTYPES[q_dtype], CodeOrder(order), logit_cap > 0, stages)

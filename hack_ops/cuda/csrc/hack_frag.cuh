@@ -39,7 +39,13 @@ namespace hack {
 
 constexpr int PAGE = 64;      // tokens per page (Π)
 constexpr int WARPS = 4;      // warps per block; each warp walks its own pages
-constexpr int STAGES = 2;     // pages in flight per warp (cp.async ring)
+#ifndef HACK_STAGES
+#define HACK_STAGES 2
+#endif
+// Pages in flight per warp (cp.async ring). 2 by default; a build may take 3 (HACK_STAGES), 1.5x the
+// bytes in flight at 63 KB of shared memory per block: still 3 blocks per SM on sm90, fewer elsewhere.
+constexpr int STAGES = HACK_STAGES;
+static_assert(STAGES >= 2 && STAGES <= 4, "2-4 pages in flight per warp");
 constexpr int MAX_REP = 8;    // query heads per KV head: the MMA's N = 8
 constexpr uint32_t MAGIC = 0x64006400u;  // fp16 1024.0 in both halves
 
