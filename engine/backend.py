@@ -121,9 +121,10 @@ class HackAttnBackend(AttentionBackend):
             from hack_ops.triton.sparse import select_on_device
 
             self.device_selector = select_on_device
-            logger.warning("--hack-sparse-budget on a GPU: the selection is torch operations with a host sync per "
-                           "layer (1.2-4.2 ms on an H200, 96-99% of a sparse step), so sparse decode is slower than "
-                           "dense decode there today (docs/sparse.md, GPU); it pays on the CPU path")
+            logger.warning("--hack-sparse-budget on a GPU: the selection (a score kernel, then ~20 torch operations "
+                           "per layer) is not yet timed on a GPU; its version before, with a host sync, took 1.2-4.2 ms "
+                           "per layer on an H200, slower than dense decode (docs/sparse.md, GPU). Sparse decode pays on "
+                           "the CPU path; on a GPU, measure it (python -m hack_cli.bench_decode_cuda --sparse-budgets) first")
         if self.sparse.enabled and self.device.type == "cuda" and (self.sparse.refine > 1 or self.sparse.group_pages):
             raise NotImplementedError("on a GPU sparse decode selects by the bound alone (hack_ops.triton.sparse): "
                                       "--hack-sparse-refine and --hack-sparse-groups run on the CPU path. Drop them "

@@ -141,14 +141,16 @@ def group_boxes(minimum: Tensor, scale: Tensor, bits: int, group: int) -> tuple[
     return gmin, (gtop - gmin) / levels
 
 
-def select_pages(scores: Tensor, n_closed: Tensor, budget: int, recent_from: Tensor) -> tuple[Tensor, Tensor]:
+def select_pages(scores: Tensor, n_closed: Tensor, budget: int, recent_from: Tensor,
+                 width: int | None = None) -> tuple[Tensor, Tensor]:
     """The closed pages each (request, KV head) reads. scores [B, H, N] (N >= every n_closed;
     entries at or past a request's n_closed are ignored), n_closed [B], budget: pages per
     (request, head), recent_from [B]: the first recent position kept whatever its score (like
     the first page). Returns (index [B, H, W] long, ascending positions, W = max count; count
     [B]): request b's heads each read count[b] = min(n_closed[b], budget) pages,
     index[b, h, :count[b]]; the rest of a row is padding (positions past the request's pages).
-    Both on the scores' device."""
+    Both on the scores' device. width: W when the caller knows it on the host (the GPU path, so
+    nothing is read back from the device); it must equal max(count)."""
     b, h, n = scores.shape
     dev = scores.device  # the GPU path selects where its pages are (hack_ops.triton.sparse)
     n_closed = n_closed.to(device=dev, dtype=torch.long)
@@ -158,7 +160,7 @@ def select_pages(scores: Tensor, n_closed: Tensor, budget: int, recent_from: Ten
     s = scores.float().masked_fill(~valid[:, None, :], float("-inf"))
     s = s.masked_fill(keep[:, None, :], float("inf"))
     count = torch.clamp(n_closed, max=budget)
-    w = int(count.max()) if b else 0
+    w = (int(count.max()) if b else 0) if width is None else width
     if w == 0:
         return torch.zeros(b, h, 0, dtype=torch.long, device=dev), count
     # kept pages first (+inf), padding last (-inf): a request with fewer pages than w picks

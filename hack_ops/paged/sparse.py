@@ -64,6 +64,32 @@ class PageSelection:
         mask = torch.arange(w, device=n.device)[None, None, :] < n[:, None, None]
         return indptr, self.table[mask.expand(b, h, w)].to(torch.int32)
 
+    def closed_read(self) -> int:
+        """Closed pages each KV head reads, summed over the requests (the totals' pages read)."""
+        return int(self.n_closed.sum())
+
+    def head_csr_from_host(self, n_pages: list[int]) -> tuple[Tensor, Tensor]:
+        """head_csr() without reading the selection back from its device (a boolean gather
+        waits for it): n_pages[b], the pages each KV head of request b reads (its selected closed
+        pages, + 1 when its open page holds tokens), are host integers the caller has from the
+        plan's lengths. The offsets and the flat index of every listed table entry are built on
+        the host and copied in one transfer, then gathered from `table`. The same tensors as
+        head_csr() when n_pages agrees with the selection (which is not read to check it)."""
+        b, h, w = self.table.shape
+        if len(n_pages) != b or any(not 0 <= x <= w for x in n_pages):
+            raise ValueError(f"n_pages must be {b} counts in 0..{w}, got {list(n_pages)}")
+        n = torch.tensor(list(n_pages), dtype=torch.long)
+        indptr = torch.zeros(b + 1, dtype=torch.long)
+        indptr[1:] = torch.cumsum(n, 0)
+        listed = (torch.arange(w)[None, None, :] < n[:, None, None]).expand(b, h, w)
+        entries = torch.arange(b * h * w).view(b, h, w)[listed]
+        host = torch.cat([indptr, entries])  # request, head, column order: head_csr's
+        dev = self.table.device
+        if dev.type == "cuda":  # pinned, the copy need not wait for the stream's queued work
+            host = host.pin_memory()
+        both = host.to(dev, non_blocking=True)
+        return both[:b + 1].to(torch.int32), torch.take(self.table, both[b + 1:]).to(torch.int32)
+
     def heads_pages(self, b: int) -> Tensor:
         """Request b's page ids per KV head [H, n]: the n pages its heads read (closed, then
         the open page when it holds tokens)."""
@@ -457,7 +483,7 @@ class SparseDecode:
                 if self.boxes is not None:
                     t.group_boxes, t.box_requests = self.boxes.computed, len(self.boxes)
         resident = _plan_inputs(plan, store.page_size).closed_total
-        read = resident if sel is None else int(sel.n_closed.sum())
+        read = resident if sel is None else sel.closed_read()
         self.pages_resident += resident
         self.pages_read += read
         if t is not None:
