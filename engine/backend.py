@@ -124,7 +124,7 @@ class HackAttnBackend(AttentionBackend):
             logger.warning("--hack-sparse-budget on a GPU: the selection (a score kernel, then ~20 torch operations "
                            "per layer) is not yet timed on a GPU; its version before, with a host sync, took 1.2-4.2 ms "
                            "per layer on an H200, slower than dense decode (docs/sparse.md, GPU). Sparse decode pays on "
-                           "the CPU path; on a GPU, measure it (python -m hack_cli.bench_decode_cuda --sparse-budgets) first")
+                           "the CPU path; on a GPU, time it first (the CUDA decode benchmark's --sparse-budgets, docs/kernels.md)")
         if self.sparse.enabled and self.device.type == "cuda" and (self.sparse.refine > 1 or self.sparse.group_pages):
             raise NotImplementedError("on a GPU sparse decode selects by the bound alone (hack_ops.triton.sparse): "
                                       "--hack-sparse-refine and --hack-sparse-groups run on the CPU path. Drop them "
