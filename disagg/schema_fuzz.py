@@ -390,12 +390,20 @@ def run_requests(base_url: str, reqs: list[FuzzRequest], alive: Callable[[], boo
                  excused: Callable[[FuzzRequest, int], bool] = lambda r, s: False) -> EndpointResult:
     """Send `reqs` one at a time. A 5xx or a dropped connection is a failure unless `excused`
     says it is a documented answer; after a dropped connection the server must still be
-    `alive()`, else the run stops there (the request that killed it is named)."""
+    `alive()`, else the run stops there (the request that killed it is named). A request
+    dropped on a reused keep-alive connection is sent once more on a new one, and only a drop
+    there counts: a server may close an idle connection (after an answer that left the body
+    unread, say) while the client is already writing on it, and the request then never reaches
+    it (seen once through the Rust router under load: its log had every request it received
+    answered)."""
     res = EndpointResult(path=reqs[0].path if reqs else "")
     t0 = time.monotonic()
     with requests.Session() as session:
         for req in reqs:
             status = req.send(base_url, session, timeout)
+            if status == 0 and alive():
+                with requests.Session() as fresh:
+                    status = req.send(base_url, fresh, timeout)
             res.sent += 1
             res.statuses[status] += 1
             res.by_source.setdefault(req.source.value, Counter())[status] += 1

@@ -1,6 +1,6 @@
 """hack bench fuzz: its doc block, each problem cut to a readable length (the JSON keeps the whole
-failing body, which a replay needs), at most five listed; and which OpenAPI documents count as the
-same API."""
+failing body, which a replay needs), at most five listed; which OpenAPI documents count as the
+same API; and how the fuzzer counts a dropped connection."""
 from __future__ import annotations
 
 from hack_cli.bench_fuzz import render
@@ -43,3 +43,61 @@ def test_two_processes_of_one_server_describe_the_same_api():
 
     assert same_api(doc("generate_request_generate_put"), doc("generate_request_generate_post"))
     assert not same_api(doc("a"), doc("a", summary="Other"))
+
+
+class _Dropper:
+    """A TCP server on 127.0.0.1 that closes the first `drops` connections as soon as a request
+    arrives (no answer) and answers 400 on every later one: a dropped request, then a server that
+    answers."""
+
+    def __init__(self, drops: int) -> None:
+        import socket
+        import threading
+
+        self.drops, self.connections = drops, 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                self.connections += 1
+                conn.recv(65536)
+                if self.connections > self.drops:
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _request():
+    from disagg.schema_fuzz import CaseSource, FuzzRequest
+
+    return FuzzRequest("/generate", CaseSource.COVERAGE, "POST", "/generate", (), b"")
+
+
+def test_a_drop_is_sent_again_on_a_new_connection_and_only_a_second_drop_fails():
+    """disagg.schema_fuzz.run_requests: a request dropped once (a keep-alive connection the server
+    closed) is sent once more on a new connection and its answer counts; dropped there too, it is
+    the failure; with the server gone it is not sent again."""
+    from disagg.schema_fuzz import run_requests
+
+    once = _Dropper(drops=1)
+    try:
+        res = run_requests(once.url, [_request()], alive=lambda: True, timeout=5)
+        assert dict(res.statuses) == {400: 1} and not res.failures and once.connections == 2
+    finally:
+        once.close()
+    always = _Dropper(drops=10)
+    try:
+        res = run_requests(always.url, [_request()], alive=lambda: True, timeout=5)
+        assert dict(res.statuses) == {0: 1} and len(res.failures) == 1 and always.connections == 2
+        res = run_requests(always.url, [_request()], alive=lambda: False, timeout=5)
+        assert res.died_after and always.connections == 3  # not sent again to a dead server
+    finally:
+        always.close()
