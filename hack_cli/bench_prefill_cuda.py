@@ -147,18 +147,16 @@ def run(args: argparse.Namespace) -> int:
             failed.append({"shape": s, "prompt": n, "error": f"{type(exc).__name__}: {exc}"})
             print(f"{s:10s} prompt {n:6d}: failed: {exc}", file=sys.stderr, flush=True)
             row = None
+        else:
+            results.append(row)
         torch.cuda.empty_cache()
-        if row is None:
-            out.write_text(json.dumps({**head, "complete": i + 1 == len(cells), "cells_done": i + 1,
-                                       "cells_planned": len(cells), "results": results, "failed": failed},
-                                      indent=1) + "\n")
-            continue
-        results.append(row)
         out.write_text(json.dumps({**head, "complete": i + 1 == len(cells), "cells_done": i + 1,
                                    "cells_planned": len(cells), "results": results, "failed": failed}, indent=1) + "\n")
-        print(f"{s:10s} prompt {n:6d}: " + "  ".join(f"{m} {row['ms'][m]:.3f} ms" for m in METHODS)
-              + f"  auto vs bf16 x{row['auto_cuda_vs_bf16']:.2f}, store {row['store_cuda_gb_per_s']:.0f} GB/s"
-              + f" ({100 * row['store_cuda_of_copy']:.0f}% of copy), pages unlike the Triton store's {row['pages_differing']} of {row['pages']}")
+        if row is not None:
+            print(f"{s:10s} prompt {n:6d}: " + "  ".join(f"{m} {row['ms'][m]:.3f} ms" for m in METHODS)
+                  + f"  auto vs bf16 x{row['auto_cuda_vs_bf16']:.2f}, store {row['store_cuda_gb_per_s']:.0f} GB/s"
+                  + f" ({100 * row['store_cuda_of_copy']:.0f}% of copy), pages unlike the Triton store's "
+                  f"{row['pages_differing']} of {row['pages']}")
     return 1 if failed else 0
 
 

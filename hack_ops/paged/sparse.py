@@ -36,6 +36,16 @@ class _SelArgs(ctypes.Structure):  # hack_select_args of csrc/hack_select.c, fie
         (n, _P) for n in ("n_closed", "page_table", "k_pages", "q", "out")]
 
 
+def to_device(t: Tensor, device: torch.device) -> Tensor:
+    """t on `device`; from the host to a GPU through pinned memory, so the copy does not wait
+    for the work queued before it (a pageable, blocking copy synchronizes the stream)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class PageSelection:
     """What one decode step reads. W = the widest request's selected closed pages + 1."""
@@ -83,11 +93,7 @@ class PageSelection:
         indptr[1:] = torch.cumsum(n, 0)
         listed = (torch.arange(w)[None, None, :] < n[:, None, None]).expand(b, h, w)
         entries = torch.arange(b * h * w).view(b, h, w)[listed]
-        host = torch.cat([indptr, entries])  # request, head, column order: head_csr's
-        dev = self.table.device
-        if dev.type == "cuda":  # pinned, the copy need not wait for the stream's queued work
-            host = host.pin_memory()
-        both = host.to(dev, non_blocking=True)
+        both = to_device(torch.cat([indptr, entries]), self.table.device)  # request, head, column order: head_csr's
         return both[:b + 1].to(torch.int32), torch.take(self.table, both[b + 1:]).to(torch.int32)
 
     def heads_pages(self, b: int) -> Tensor:

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..layout import PageLayout
 from ..paged.plan import ForwardPlan
-from ..paged.sparse import PageSelection
+from ..paged.sparse import PageSelection, to_device
 from ..sparse import SparseConfig, select_pages
 from .page_bound import page_bound_scores
 
@@ -41,19 +41,9 @@ class DeviceSelection(PageSelection):
         return sum(self.closed_per_head)  # from the host: no read-back per layer
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
-    """t on `device`; from the host to a GPU through pinned memory, so the copy does not wait
-    for the work queued before it (a pageable, blocking copy synchronizes the stream)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
 def _host_rows(rows: list[list[int]], device: torch.device) -> Tensor:
     """Host integer vectors of one length as a long [len(rows), B] tensor on `device`, in one copy."""
-    return _to_device(torch.tensor(rows, dtype=torch.long).reshape(len(rows), len(rows[0])), device)
+    return to_device(torch.tensor(rows, dtype=torch.long).reshape(len(rows), len(rows[0])), device)
 
 
 def device_selection(layout: PageLayout, k_buf: Tensor, pages: Tensor, seq_lens: list[int], q: Tensor,
@@ -80,10 +70,10 @@ def device_selection(layout: PageLayout, k_buf: Tensor, pages: Tensor, seq_lens:
     last = [max(0, -(-s // p) - 1) for s in seq_lens]
     lens = [c * p + s % p for c, s in zip(count, seq_lens)]
     nc, cnt, recent_from, last_t, lens_t = _host_rows([closed, count, [c - recent for c in closed], last, lens], dev)
-    ids = _to_device(pages, dev)
+    ids = to_device(pages, dev)
     if ids.shape[1] < n:  # no request has a closed page: the kernel reads no id, the output needs one column
         ids = torch.nn.functional.pad(ids, (0, n - ids.shape[1]))
-    scores = page_bound_scores(layout, k_buf, ids, nc, n, _to_device(q, dev), cfg.score)
+    scores = page_bound_scores(layout, k_buf, ids, nc, n, to_device(q, dev), cfg.score)
     idx, _ = select_pages(scores, nc, budget, recent_from, width=max(count, default=0))  # no read-back
     w = idx.shape[-1]
     # a request with fewer than w pages took padding positions (past its own, sorted after them):
@@ -121,5 +111,5 @@ def select_on_device(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: Spars
     key = ("sparse_device_pages", str(buf.device))  # the plan's (host) page table, copied once per forward
     pages = plan.memo.get(key)
     if pages is None:
-        pages = plan.memo[key] = _to_device(plan.page_table, buf.device)
+        pages = plan.memo[key] = to_device(plan.page_table, buf.device)
     return device_selection(store.layout_for(layer), buf, pages, plan.seq_list, q, cfg)
