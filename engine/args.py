@@ -175,7 +175,9 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
              "first page, the recent pages and the FP16 open page). 0 (default): every page. Layers with a "
              "sliding window and the first --hack-sparse-dense-layers always read every page. "
              "--hack-attention hack and --hack-orientation channel_k only; on a GPU the bound alone (no "
-             "--hack-sparse-refine or --hack-sparse-groups); refused otherwise at startup.")),
+             "--hack-sparse-refine or --hack-sparse-groups); refused otherwise at startup. On a CPU each "
+             "decoding request's K min and scale are copied in page order beside the pool for the selection "
+             "(~10% of its pages' bytes, outside the KV budget, at most ~10% of the pool's).")),
     "hack_sparse_recent": ("--hack-sparse-recent", dict(
         type=_non_negative_int, metavar="TOKENS",
         help="Sparse decode: the most recent closed tokens always read, within the budget (default 256).")),

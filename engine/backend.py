@@ -53,6 +53,7 @@ from hack_ops.paged import extend_strawman
 from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 from hack_ops.paged.group_boxes import GroupBoxCache
+from hack_ops.paged.side_copies import SideTableCopies, pool_bytes
 from hack_ops.paged.sparse import SparseDecode, SparseTotals
 from hack_ops.paged.static_keep import StaticKeepPages
 from hack_ops.rotation import Rotation, restore_output, rotate_qkv
@@ -115,6 +116,11 @@ class HackAttnBackend(AttentionBackend):
         self.sparse_step: Optional[SparseDecode] = None
         # two levels (--hack-sparse-groups): each running request's group boxes, kept across steps
         self.group_boxes = GroupBoxCache(self.sparse.group_pages) if self.sparse.group_pages else None
+        # one level on the CPU: each running request's K side tables copied in page order, so the
+        # selection streams them instead of gathering them from scattered pages (outside the pool)
+        # (capped at what copying each pool page once takes: requests sharing a prefix each copy it)
+        self.side_copies = (SideTableCopies(pool_bytes(self.store)) if self.sparse.enabled
+                            and not self.sparse.group_pages and self.device.type == "cpu" else None)
         pool.sparse_totals = self.sparse_totals if self.sparse.enabled else None
         self.device_selector = None  # on a GPU: the selection on the pages' device
         if self.sparse.enabled and self.device.type == "cuda":
@@ -169,6 +175,15 @@ class HackAttnBackend(AttentionBackend):
                         "serves %d layer(s)", sp.budget_tokens, sp.recent_tokens, sp.score.value,
                         f", two levels over groups of {sp.group_pages} pages" if sp.group_pages else "",
                         sp.dense_layers - 1, sp.share_layers)
+            if self.side_copies is not None:
+                lay = self.store.layout_for(self.store.num_layers - 1)
+                per_page = lay.k.minimum.nbytes + lay.k.scale.nbytes
+                logger.info("HACK sparse decode: each decoding request's K side tables are copied in page order "
+                            "beside the pool (%d bytes per page and sparse layer, %.0f%% of a K and V page, outside "
+                            "the KV budget, at most %.1f MB: past that a request's are read in its pages; "
+                            "/server_info: sparse.copy_bytes)", per_page,
+                            100.0 * per_page / (lay.k.page_bytes + lay.v.page_bytes),
+                            self.side_copies.max_bytes / 1e6)
         if self.static_keep is not None:
             st = settings.static
             logger.info("HACK static eviction: decode reads %g of each prompt's closed pages per layer (%s unit), "
@@ -196,10 +211,12 @@ class HackAttnBackend(AttentionBackend):
         rids = getattr(forward_batch, "rids", None)
         keys = list(rids) if rids is not None and len(rids) == len(rows) else None  # else the rows key the boxes
         self.sparse_step = (SparseDecode(self.sparse, self.sparse_totals, self.group_boxes, keys,
-                                         self.device_selector)
+                                         self.device_selector, self.side_copies)
                             if self.sparse.enabled and mode.is_decode() else None)
-        if self.group_boxes is not None and not mode.is_decode():  # new tokens: those requests' boxes start over
-            self.group_boxes.forget(rows, keys)
+        if not mode.is_decode():  # new tokens: those requests' boxes and copies start over
+            for cache in (self.group_boxes, self.side_copies):
+                if cache is not None:
+                    cache.forget(rows, keys)
         if self.gpu is not None:
             self.forward_metadata = self.gpu.plan(req_to_token, rows, seq_lens, ext_lens)
         else:

@@ -9,6 +9,8 @@ and the measurements alternate between them, so load drifts hit every method ali
            CPUs; the default --hack-bits auto: the model's calibrated bit plan, `hack calibrate`)
   hack-2bit  hack with --hack-4bit-layers none (every layer at 2 bits, no plan; = hack on a
            model without a plan)
+  hack-4bit  hack with --hack-kv-bits 4 --hack-bits plain (every code at 4 bits, ~31% of BF16's
+           bytes: the format's near-lossless ceiling, for the accuracy studies)
   hack-homomorphic-prefill  hack with --hack-prefill homomorphic on every host
   dequant  --kv-cache-dtype hack --hack-attention dequant (same pages, dequantized first)
   hack-int8-prefill  hack with --hack-prefill int8 (the homomorphic kernel reading a chunk's own

@@ -5,7 +5,9 @@ Per cell (shape x batch x context), measured side by side in one run on the same
   sparse-B     HACK decode over the pages hack_ops.sparse selects with a budget of B tokens per
                (request, KV head), the selection included (--hack-sparse-budget B; with
                --refine R, the selection refined: --hack-sparse-refine R)
-  select-B     the selection alone (page scores from the side tables, top-k, page table)
+  select-B     the selection alone (page scores from the side tables, top-k, page table); one
+               level scores from the side tables' copies a server keeps (hack_ops.paged.side_copies)
+  select-B-in-pages  the same selection reading the side tables inside the scattered pages
   bf16         torch SDPA over a contiguous BF16 cache of the same context (for scale)
 Reported: medians, sparse speedup over dense, and the selection's share of the sparse step. Each
 timed call starts from cold caches by default (--cache cold), as a layer of a served step does.
@@ -123,6 +125,7 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
     from hack_ops.paged import decode
     from hack_ops.paged.benchcases import DecodeCase
     from hack_ops.paged.group_boxes import GroupBoxCache
+    from hack_ops.paged.side_copies import SideTableCopies
     from hack_ops.paged.sparse import SparseDecode, select_for_decode
     from hack_ops.sparse import SparseConfig
 
@@ -136,11 +139,15 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
         cfg = SparseConfig(budget_tokens=b, dense_layers=0, score=score, group_pages=groups, refine=refine)
         # two levels read the boxes a server keeps across steps (computed by the probe below)
         boxes = GroupBoxCache(groups) if groups else None
-        fns[f"sparse-{b}"] = lambda cfg=cfg, boxes=boxes: decode(case.store, 0, case.plan, case.q,
-                                                                 sparse=SparseDecode(cfg, boxes=boxes))
-        fns[f"select-{b}"] = lambda cfg=cfg, boxes=boxes: select_for_decode(case.store, 0, case.plan, case.q, cfg,
-                                                                            boxes)
-        probe = SparseDecode(cfg, boxes=boxes)
+        # one level reads the side tables' copies a server keeps across steps (made by the probe)
+        copies = None if groups else SideTableCopies()
+        fns[f"sparse-{b}"] = lambda cfg=cfg, boxes=boxes, copies=copies: decode(
+            case.store, 0, case.plan, case.q, sparse=SparseDecode(cfg, boxes=boxes, copies=copies))
+        fns[f"select-{b}"] = lambda cfg=cfg, boxes=boxes, copies=copies: select_for_decode(
+            case.store, 0, case.plan, case.q, cfg, boxes, copies)
+        if copies is not None:  # the same selection from the side tables inside the scattered pages
+            fns[f"select-{b}-in-pages"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg)
+        probe = SparseDecode(cfg, boxes=boxes, copies=copies)
         decode(case.store, 0, case.plan, case.q, sparse=probe)
         read[b] = round(probe.pages_read / max(1, probe.pages_resident), 4)
     ms = _medians(fns, repeats, clock, flush)
@@ -148,6 +155,9 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
     return {"shape": shape, "batch": batch, "context": context, "ms": ms,
             "speedup": {b: round(ms["dense"] / ms[f"sparse-{b}"], 2) for b in budgets},
             "selection_share": {b: round(ms[f"select-{b}"] / ms[f"sparse-{b}"], 3) for b in budgets},
+            # the share had the selection read the side tables inside the pages (one level)
+            "selection_share_in_pages": {b: round(ms[f"select-{b}-in-pages"] / ms[f"sparse-{b}"], 3)
+                                         for b in budgets if f"select-{b}-in-pages" in ms},
             "pages_read_fraction": read}
 
 
@@ -180,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
                             flush)
                 rows.append(r)
                 cells = "  ".join(f"sparse-{b} {r['ms'][f'sparse-{b}']:.2f} ms x{r['speedup'][b]:.2f} "
-                                  f"(select {100 * r['selection_share'][b]:.0f}%, reads "
+                                  f"(select {100 * r['selection_share'][b]:.0f}%"
+                                  + (f" [{100 * r['selection_share_in_pages'][b]:.0f}% in pages]"
+                                     if b in r["selection_share_in_pages"] else "") + ", reads "
                                   f"{100 * r['pages_read_fraction'][b]:.0f}% of pages)" for b in budgets)
                 print(f"{shape:9s} batch {batch:2d} context {ctx:6d}: dense {r['ms']['dense']:.2f} ms  "
                       f"bf16 {r['ms']['bf16']:.2f} ms  {cells}")

@@ -387,6 +387,24 @@ def test_compiled_two_level_selection_from_cached_boxes_equals_the_reference(gro
     assert torch.equal(sel.table, torch_path.table)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_selection_reads_the_model_dtype_as_float(dtype):
+    """Queries in the model's dtype go to hack_select.c as they are (converted there, exactly):
+    the same scores and the same selection as the float32 queries of the same values."""
+    _need_kernel("native")
+    from hack_ops.paged.sparse import kernel_scores, kernel_select
+
+    case, plan, q = _decode_step(make_cfg(partition_size=P), 64, 3, seed=17)
+    q = q.to(dtype)
+    sparse = SparseConfig(budget_tokens=6 * P, recent_tokens=2 * P, refine=2)
+    assert torch.equal(kernel_scores(case.store, 0, plan, q), kernel_scores(case.store, 0, plan, q.float()))
+    got, want = kernel_select(case.store, 0, plan, q, sparse), kernel_select(case.store, 0, plan, q.float(), sparse)
+    for name in ("positions", "table", "n_closed", "seq_lens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    strided = q.float().transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous: converted in torch
+    assert torch.equal(kernel_select(case.store, 0, plan, strided, sparse).table, want.table)
+
+
 def test_group_box_cache_starts_over_where_the_pages_changed():
     """An entry whose request now holds other pages at the cached positions is computed anew; a
     request absent from a forward loses its entry; keys must match the requests."""

@@ -109,6 +109,7 @@ def test_long_prompts_and_a_batch_decode_sparsely(servers, model_path):
     resident = after["pages_resident"] - before["pages_resident"]
     # budget 4 pages of 46 (plus the ones that close while decoding), in every sparse layer
     assert 0 < read <= 0.15 * resident, (read, resident)
+    assert after["copy_bytes"] > 0  # the one-level selection scored from the side tables' copies
 
     import threading
 

@@ -7,29 +7,21 @@ once, when its last page has closed, and kept here per (request, layer); a decod
 scores the boxes (a group's bound costs what a page's does) and only the pages of the best
 groups, instead of every page (hack_select.c, `choose_two_level`).
 
-Keys: one per request, SGLang's request id where the forward carries it, else the request's
-row. Each forward checks a kept entry's page ids against the request's page table and starts
-it over where they differ, and drops the entries of requests that are not in the forward (a
-request that comes back recomputes its boxes: one pass over its side tables); an extend forward
-drops its requests' entries (`forget`). Memory: per request and layer, 2 x heads x groups x
+Entries are kept and dropped as hack_ops.paged.request_cache says (a request that comes back
+recomputes its boxes: one pass over its side tables). Memory: per request and layer, 2 x heads x groups x
 head_dim floats (Llama-3-8B at 32K with groups of 8 pages: 0.5 MB a layer, ~2% of the request's
 HACK pages), outside the KV pool.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable
 
 import torch
 from torch import Tensor
 
 from ..sparse import group_boxes
 from .plan import ForwardPlan
-
-
-def request_keys(rows: list[int], keys: list[Hashable] | None) -> list[Hashable]:
-    """The cache's key of each request: its id where the forward names it, else its row."""
-    return [("row", int(r)) for r in rows] if keys is None else list(keys)
+from .request_cache import RequestPageCache
 
 
 @dataclass
@@ -39,48 +31,15 @@ class _Entry:
     groups: dict[int, int] = field(default_factory=dict)  # layer -> complete groups held
 
 
-class GroupBoxCache:
+class GroupBoxCache(RequestPageCache[_Entry]):
     """The boxes of every running request's complete page groups, per layer."""
 
     def __init__(self, group_pages: int) -> None:
         if group_pages < 1:
             raise ValueError(f"group_pages must be positive, got {group_pages}")
+        super().__init__()
         self.group_pages = group_pages
-        self._entries: dict[Hashable, _Entry] = {}
-        self._plan: ForwardPlan | None = None
-        self._keys: list[Hashable] = []
         self.computed = 0  # group boxes computed over the cache's life (the rest were reused)
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def begin(self, plan: ForwardPlan, keys: list[Hashable] | None = None) -> None:
-        """A forward over plan's requests (keys: one per request, e.g. SGLang's rids; None: the
-        rows): keep only their entries, each still naming the pages it was computed from."""
-        if plan is self._plan:
-            return
-        rows = plan.rows.tolist()
-        keys = request_keys(rows, keys)
-        if len(keys) != len(rows):
-            raise ValueError(f"{len(keys)} request keys for a forward of {len(rows)} requests")
-        kept: dict[Hashable, _Entry] = {}
-        for b, key in enumerate(keys):
-            e = self._entries.get(key)
-            if e is None:
-                continue
-            n = int(e.ids.numel())
-            if n <= plan.page_table.shape[1] and int(plan.num_pages[b]) >= n \
-                    and torch.equal(plan.page_table[b, :n].to(torch.long), e.ids):
-                kept[key] = e
-        self._entries, self._plan, self._keys = kept, plan, keys
-
-    def forget(self, rows: list[int], keys: list[Hashable] | None = None) -> None:
-        """Drops these requests' entries (their rows, and their ids where known): an extend
-        forward is storing new tokens for them (a new request that reuses an id, or one coming
-        back after it was retracted)."""
-        for key in request_keys(rows, keys):
-            self._entries.pop(key, None)
-        self._plan = None
 
     def pointers(self, store, layer: int, plan: ForwardPlan, need: list[int]) -> tuple[Tensor, Tensor, list]:
         """For the forward begun with plan: each request's boxes at `layer` holding at least

@@ -1,8 +1,9 @@
 """Sparse decode on the paged store: the pages each (request, KV head) reads in one decode step.
 
 The selection (hack_ops.sparse) scores each request's closed pages from their K minimum and
-scale, read where the pages keep them (no other metadata), and turns the choice into what the
-decode kernels already take: a page table, per (request, KV head) here, the selected closed
+scale (no other metadata: read where the pages keep them, or by the compiled one-level selection
+from copies of them in page order, hack_ops.paged.side_copies), and turns the choice into what
+the decode kernels already take: a page table, per (request, KV head) here, the selected closed
 pages in position order then the open page, with the request's length shortened to match
 (hack_ops.sparse: a sparse step is the ordinary decode of that shorter sequence). The compiled
 kernel reads the per-head table in place (cpu_kernel.decode); the PyTorch path gathers each
@@ -21,6 +22,7 @@ from ..packing import unpack
 from ..sparse import LINEAR_ALPHA, PageScore, SparseConfig, page_best, select
 from .group_boxes import GroupBoxCache
 from .plan import ForwardPlan
+from .side_copies import SideTableCopies
 
 _I64, _P = ctypes.c_int64, ctypes.c_void_p
 # (page, KV head) scores per thread: below this a parallel region costs more than it saves
@@ -33,7 +35,8 @@ class _SelArgs(ctypes.Structure):  # hack_select_args of csrc/hack_select.c, fie
     _fields_ = [(n, _I64) for n in (
         "batch", "heads", "rep", "head_dim", "max_pages", "width", "k_page_bytes", "k_min_off", "k_scale_off",
         "meta_fp32", "score", "nthreads")] + [("levels", ctypes.c_double), ("alpha", ctypes.c_double)] + [
-        (n, _P) for n in ("n_closed", "page_table", "k_pages", "q", "out")]
+        (n, _P) for n in ("n_closed", "page_table", "k_pages", "q", "out")] + [
+        ("copy_bytes", _I64), ("copies", _P), ("q_dtype", _I64), ("copied", _P)]
 
 
 def to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -148,7 +151,8 @@ class _ChooseArgs(ctypes.Structure):  # hack_choose_args of csrc/hack_select.c
     _fields_ = [("s", _SelArgs), ("budget", _I64), ("out_width", _I64)] + [
         (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")] + [
         (n, _I64) for n in ("refine", "page_size", "k_bits", "group", "k_codes_off", "k_sums_off", "k_sums_bytes",
-                            "sel_group", "keep_groups")] + [("boxes", _P), ("box_cap", _P)]
+                            "sel_group", "keep_groups")] + [(n, _P) for n in ("boxes", "box_cap", "open_tokens",
+                                                                               "seq_lens")]
 
 
 _typed: set[int] = set()  # libraries whose selection entry points have their ctypes signatures
@@ -176,6 +180,7 @@ class _PlanInputs:
     forward, so built once per plan (ForwardPlan.memo) rather than once per layer."""
 
     n_closed: Tensor  # [B] int64
+    closed: list[int]  # n_closed as ints
     open_tokens: Tensor  # [B] int64: tokens of the still-open page
     table: Tensor  # [B, max_pages] int64, contiguous
     num_pages: Tensor  # [B] int64
@@ -194,7 +199,7 @@ def _plan_inputs(plan: ForwardPlan, p: int) -> _PlanInputs:
     if got is None:
         closed = [s // p for s in plan.seq_list]
         most = max(closed, default=0)
-        got = _PlanInputs(n_closed=torch.tensor(closed, dtype=torch.int64),
+        got = _PlanInputs(n_closed=torch.tensor(closed, dtype=torch.int64), closed=closed,
                           open_tokens=torch.tensor([s % p for s in plan.seq_list], dtype=torch.int64),
                           table=plan.page_table.to(torch.int64).contiguous(),
                           num_pages=plan.num_pages.to(torch.int64).contiguous(), most_closed=most,
@@ -242,6 +247,18 @@ def _point_at_layer(a: _SelArgs, lc: _LayerConsts) -> None:
     a.levels, a.k_pages = float((1 << lc.bits) - 1), lc.buf.data_ptr()
 
 
+# the query dtypes hack_select.c reads as they are (its q_dtype codes); others are converted first
+_Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _q_in(q: Tensor) -> tuple[Tensor, int]:
+    """q as the compiled selection takes it, and its q_dtype code."""
+    code = _Q_DTYPES.get(q.dtype)
+    if code is None or not q.is_contiguous():
+        return q.float().contiguous(), 0
+    return q, code
+
+
 def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str, keep: list,
                 scores: bool = True) -> _SelArgs:
     """The scoring kernel's arguments; `keep` holds the tensors their pointers point into.
@@ -250,13 +267,13 @@ def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScor
     b, hq, d = q.shape
     h = store.num_heads
     pin = _plan_inputs(plan, store.page_size)
-    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
+    qf, q_code = _q_in(q)
     out = torch.empty(b, h, pin.width if scores else 1, dtype=torch.float32)
     keep += [pin.n_closed, pin.table, qf, out, lc.buf]
     threads = max(1, min(torch.get_num_threads(), b * h * pin.width // PAIRS_PER_THREAD))
     a = _SelArgs(batch=b, heads=h, rep=hq // h, head_dim=d, max_pages=pin.table.shape[1], width=pin.width,
                  score=int(PageScore(score) != PageScore.BOUND), nthreads=threads, alpha=LINEAR_ALPHA,
-                 n_closed=pin.n_closed.data_ptr(), page_table=pin.table.data_ptr(), q=qf.data_ptr(),
+                 n_closed=pin.n_closed.data_ptr(), page_table=pin.table.data_ptr(), q=qf.data_ptr(), q_dtype=q_code,
                  out=out.data_ptr())
     _point_at_layer(a, lc)
     return a
@@ -266,10 +283,17 @@ SEL_MAX_QD = 16384  # csrc/hack_select.c: query heads x head_dim of one request
 
 
 def _usable(store, layer: int, q: Tensor) -> bool:
-    """Whether the compiled selection takes this call (else the PyTorch path runs it)."""
-    d = store.head_dim
-    return (store.device.type == "cpu" and store.layout_for(layer).k.per_channel and d % 16 == 0 and d <= 256
-            and q.shape[1] // store.num_heads <= 16 and q.shape[1] * d <= SEL_MAX_QD and _library() is not None)
+    """Whether the compiled selection takes this call (else the PyTorch path runs it); looked
+    up once per (layer, query heads): every sparse layer of every step asks."""
+    memo = store.__dict__.setdefault("_select_usable", {})
+    key = (layer, q.shape[1])
+    got = memo.get(key)
+    if got is None:
+        d = store.head_dim
+        got = memo[key] = (store.device.type == "cpu" and store.layout_for(layer).k.per_channel and d % 16 == 0
+                           and d <= 256 and q.shape[1] // store.num_heads <= 16 and q.shape[1] * d <= SEL_MAX_QD
+                           and _library() is not None)
+    return got
 
 
 def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScore | str = PageScore.BOUND
@@ -281,7 +305,10 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
         return None
     keep: list = []
     a = _score_args(store, layer, plan, q, score, keep)
-    if _library().hack_page_scores(ctypes.byref(a)) != 0:
+    rc = _library().hack_page_scores(ctypes.byref(a))
+    if rc == -2:
+        raise MemoryError("the page-score kernel could not allocate its float queries")
+    if rc != 0:
         raise RuntimeError(f"the page-score kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
     return keep[3]
@@ -312,19 +339,22 @@ def _select_call(store, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> _Sel
     recent_from = (pin.n_closed - min(cfg.recent_pages(p), budget - 1)).contiguous()
     keep.append(recent_from)
     width = min(pin.width, budget) + 1
+    keep.append(pin.open_tokens)
     args = _ChooseArgs(s=s, budget=budget, out_width=width, recent_from=recent_from.data_ptr(),
                        num_pages=pin.num_pages.data_ptr(), refine=cfg.refine, page_size=p, sel_group=g,
-                       keep_groups=cfg.keep_groups(p) if g else 0)
+                       keep_groups=cfg.keep_groups(p) if g else 0, open_tokens=pin.open_tokens.data_ptr())
     need = (recent_from.clamp(min=0) // g).tolist() if g else []
     got = plan.memo[key] = _SelectCall(args=args, keep=keep, width=width, need=need)
     return got
 
 
 def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig,
-                  boxes: GroupBoxCache | None = None) -> PageSelection | None:
+                  boxes: GroupBoxCache | None = None, copies: SideTableCopies | None = None
+                  ) -> PageSelection | None:
     """The selection of select_for_decode in one compiled call (scores, top-k, the per-head page
     table), or None where the kernel is not available. Two levels (cfg.group_pages) need
-    `boxes`, the cached group boxes: only the best groups' pages are scored."""
+    `boxes`, the cached group boxes: only the best groups' pages are scored. One level scores
+    from `copies` where given (the requests' side tables in page order; the same pages chosen)."""
     if not _usable(store, layer, q) or (cfg.refine > 1 and store.head_dim % 64):
         return None  # the refinement scores pages with the decode kernel, whose heads are 64-channel multiples
     if cfg.group_pages and (boxes is None or boxes.group_pages != cfg.group_pages):
@@ -333,40 +363,51 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     call = _select_call(store, plan, q, cfg)
     a, width = call.args, call.width
     b, h = a.s.batch, a.s.heads
-    qf = q if q.dtype == torch.float32 and q.is_contiguous() else q.float().contiguous()
-    out = torch.empty(2 * b * h * width + b, dtype=torch.int64)  # one allocation for the three outputs
-    positions = out[:b * h * width].view(b, h, width)
-    table = out[b * h * width:2 * b * h * width].view(b, h, width)
-    count = out[2 * b * h * width:]
+    qf, q_code = _q_in(q)
+    # the four outputs as four allocations: from cold caches (a served layer's), each torch call
+    # costs microseconds, and slicing one buffer took more calls (views, splits) than it saved
+    positions = torch.empty(b, h, width, dtype=torch.int64)
+    table = torch.empty(b, h, width, dtype=torch.int64)
+    count = torch.empty(b, dtype=torch.int64)
+    seq_lens = torch.empty(b, dtype=torch.int64)
     lc = _layer_consts(store, layer)
     _point_at_layer(a.s, lc)  # this layer's pages and queries
-    a.s.q = qf.data_ptr()
+    a.s.q, a.s.q_dtype = qf.data_ptr(), q_code
     a.k_bits, a.group, a.k_codes_off, a.k_sums_off, a.k_sums_bytes = (lc.bits, lc.group, lc.codes_off, lc.sums_off,
                                                                        lc.sums_bytes)
-    a.positions, a.table, a.count = positions.data_ptr(), table.data_ptr(), count.data_ptr()
+    a.positions, a.table, a.count, a.seq_lens = (positions.data_ptr(), table.data_ptr(), count.data_ptr(),
+                                                 seq_lens.data_ptr())
     alive: list = []
     if cfg.group_pages:  # each request's middle groups (before its recent pages' first group) need boxes
         box_ptrs, box_cap, alive = boxes.pointers(store, layer, plan, call.need)
         alive += [box_ptrs, box_cap]
         a.boxes, a.box_cap = box_ptrs.data_ptr(), box_cap.data_ptr()
+        a.s.copies = a.s.copied = None
+    elif copies is not None:  # one level: scored from the copies (alive holds their address arrays)
+        ptrs, held, a.s.copy_bytes = copies.pointers(store, layer, plan, _plan_inputs(plan, p).closed)
+        alive += [ptrs, held]
+        a.s.copies, a.s.copied = ctypes.addressof(ptrs), ctypes.addressof(held)
+    else:
+        a.s.copies = a.s.copied = None
     rc = _library().hack_select_pages(ctypes.byref(a))
     if rc == -2:
         raise MemoryError("the page-selection kernel could not allocate its heap")
     if rc != 0:
         raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
-    pin = _plan_inputs(plan, p)
     return PageSelection(page_size=p, positions=positions, table=table, n_closed=count,
-                         seq_lens=count * p + pin.open_tokens, resident=pin.n_closed)
+                         seq_lens=seq_lens, resident=_plan_inputs(plan, p).n_closed)
 
 
 def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig,
-                      boxes: GroupBoxCache | None = None) -> PageSelection | None:
+                      boxes: GroupBoxCache | None = None, copies: SideTableCopies | None = None
+                      ) -> PageSelection | None:
     """The pages a decode step of `plan` reads at `layer` under `cfg`, for queries q [B, Hq, D]
     (scaled or not: the ranking is the same). None when no request has more closed pages than
     the budget (every page is read: dense decode). The compiled selection where available (two
-    levels, cfg.group_pages, from the cached group `boxes`); else the portable path, which
-    gathers the side tables (and computes the group boxes anew)."""
+    levels, cfg.group_pages, from the cached group `boxes`; one level from the side tables'
+    `copies` where given, else from the pages); else the portable path, which gathers the side
+    tables (and computes the group boxes anew)."""
     if not plan.is_decode:
         raise ValueError("sparse selection is for decode steps (one new token per request)")
     p = store.page_size
@@ -376,7 +417,7 @@ def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: Spar
     budget = cfg.budget_pages(p)
     if _plan_inputs(plan, p).most_closed <= budget:
         return None
-    sel = kernel_select(store, layer, plan, q, cfg, boxes)
+    sel = kernel_select(store, layer, plan, q, cfg, boxes, copies)
     if sel is not None:
         return sel
     mn, sc, n_closed = closed_page_meta(store, layer, plan)
@@ -419,13 +460,16 @@ class SparseTotals:
     layer_steps: int = 0  # (decode forward, sparse layer) pairs
     group_boxes: int = 0  # two levels: group boxes computed (each once per request and layer)
     box_requests: int = 0  # two levels: requests whose boxes are kept now
+    copy_bytes: int = 0  # one level on the CPU: bytes the side tables' copies hold now (outside the pool)
+    copy_refused: int = 0  # (request, layer) selections read in the pages: the copies were at their cap
 
     def as_dict(self) -> dict:
         frac = self.pages_read / self.pages_resident if self.pages_resident else None
         return {"pages_read": self.pages_read, "pages_resident": self.pages_resident, "selections": self.selections,
                 "steps": self.steps, "layer_steps": self.layer_steps,
                 "read_fraction": None if frac is None else round(frac, 4),
-                "group_boxes": self.group_boxes, "box_requests": self.box_requests}
+                "group_boxes": self.group_boxes, "box_requests": self.box_requests, "copy_bytes": self.copy_bytes,
+                "copy_refused": self.copy_refused}
 
     def per_layer_step_since(self, before: "SparseTotals") -> tuple[int | None, int | None]:
         """(pages selected, pages visible) per (decode step, sparse layer) since `before`, summed
@@ -445,15 +489,19 @@ class SparseDecode:
     as well when given."""
 
     def __init__(self, cfg: SparseConfig, totals: SparseTotals | None = None, boxes: GroupBoxCache | None = None,
-                 keys: list | None = None, selector: Callable[..., PageSelection | None] | None = None) -> None:
+                 keys: list | None = None, selector: Callable[..., PageSelection | None] | None = None,
+                 copies: SideTableCopies | None = None) -> None:
         """boxes: the cached group boxes a two-level selection reads (kept across forwards by
-        the caller; None: computed anew each step); keys: the forward's request ids for it.
+        the caller; None: computed anew each step); copies: the requests' K side tables in page
+        order that a one-level compiled selection reads (kept likewise; None: read in the
+        pages); keys: the forward's request ids for both.
         selector: another selection of select_for_decode's (store, layer, plan, q, cfg) -> the
         pages (the GPU path's hack_ops.triton.sparse.select_on_device); None: select_for_decode."""
         self.cfg = cfg
         self.selector = selector
         self.totals = totals
         self.boxes = boxes
+        self.copies = copies
         self.keys = keys
         self._plan: ForwardPlan | None = None
         self._last: PageSelection | None = None
@@ -478,16 +526,20 @@ class SparseDecode:
         else:
             if self.boxes is not None:
                 self.boxes.begin(plan, self.keys)
+            if self.copies is not None:
+                self.copies.begin(plan, self.keys)
             if self.selector is not None:
                 sel = self.selector(store, layer, plan, q, self.cfg)
             else:
-                sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes)
+                sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes, self.copies)
             self._plan, self._last, self._reuse_left = plan, sel, self.cfg.share_layers - 1
             self.selections += 1
             if t is not None:
                 t.selections += 1
                 if self.boxes is not None:
                     t.group_boxes, t.box_requests = self.boxes.computed, len(self.boxes)
+                if self.copies is not None:
+                    t.copy_bytes, t.copy_refused = self.copies.nbytes, self.copies.refused
         resident = _plan_inputs(plan, store.page_size).closed_total
         read = resident if sel is None else sel.closed_read()
         self.pages_resident += resident

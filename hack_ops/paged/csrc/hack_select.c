@@ -24,8 +24,21 @@ typedef struct {
     double levels, alpha;
     const int64_t *n_closed, *page_table; /* page_table [batch, max_pages] */
     const uint8_t *k_pages;
-    const float *q; /* [batch, heads * rep, head_dim] */
+    const float *q; /* [batch, heads * rep, head_dim], in q_dtype (below) */
     float *out;     /* [batch, heads, width] */
+    /* copies (or NULL): request b's closed pages' side tables copied in page order beside the
+     * pool (hack_ops.paged.side_copies), copy_bytes apart from copies[b]: every head's minimum,
+     * then every head's scale (copies[b] == 0: request b's are read in its pages). The scoring
+     * then streams one buffer instead of gathering 2 x heads x head_dim values from each
+     * scattered page. */
+    int64_t copy_bytes;
+    const int64_t *copies;
+    /* q's element type: 0 float32, 1 bfloat16, 2 float16 (converted once per call here: the
+     * model's own dtype needs no torch conversion around the call) */
+    int64_t q_dtype;
+    /* copied (with copies): request b's first copied[b] closed pages are in copies[b], the rest
+     * read in their pages (a request sharing another's copy of a cached prefix) */
+    const int64_t *copied;
 } hack_select_args;
 
 static inline void load_meta(const uint8_t *p, int64_t off, int fp32, int d, float *dst) {
@@ -139,7 +152,7 @@ static inline void scaled_query(const hack_select_args *a, const float *q, int64
     for (int64_t j = 0; j < n; j++) qp[j] = mul * (a->score == 0 ? (q[j] > 0.0f ? q[j] : 0.0f) : q[j]);
 }
 
-int hack_page_scores(const hack_select_args *a) {
+static int page_scores_f32(const hack_select_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, W = a->width;
     if (d > MAX_D || d % 16 || rep < 1 || rep > MAX_REP || H < 1 || H * rep * d > SEL_MAX_QD || W < 1) return -1;
     for (int64_t b = 0; b < B; b++)
@@ -149,10 +162,15 @@ int hack_page_scores(const hack_select_args *a) {
     const int64_t runs = (W + SEL_PAGES - 1) / SEL_PAGES, n_items = B * runs;
     const int nth = a->nthreads > 0 ? (int)a->nthreads : 1;
     const int64_t meta_bytes = a->meta_fp32 ? 4 : 2;
+    if (a->copies && a->copy_bytes < 2 * H * d * meta_bytes) return -1;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
     for (int64_t it = 0; it < n_items; it++) {
         const int64_t b = it / runs, p0 = (it % runs) * SEL_PAGES;
         const int64_t p1 = p0 + SEL_PAGES < W ? p0 + SEL_PAGES : W, nc = a->n_closed[b];
+        /* where page p of request b keeps its side tables: in its copy (each head's minimum, then
+         * each head's scale), or inside the page */
+        const uint8_t *copy = a->copies ? (const uint8_t *)(intptr_t)a->copies[b] : NULL;
+        const int64_t in_copy = copy ? (a->copied ? a->copied[b] : nc) : 0;
         const float *q = a->q + b * H * rep * d;
         float qp[SEL_MAX_QD]; /* [H * rep * d] */
         scaled_query(a, q, H * rep * d, qp);
@@ -163,9 +181,14 @@ int hack_page_scores(const hack_select_args *a) {
                 for (int64_t h = 0; h < H; h++) out[h * W] = -INFINITY;
                 continue;
             }
-            const uint8_t *page = a->k_pages + a->page_table[b * a->max_pages + p] * a->k_page_bytes;
-            if (p + 1 < nc) { /* the next page's side tables while this one is scored (1 to 8 pages
-                               * ahead measured alike: the scoring is bound by its arithmetic) */
+            const int from_copy = p < in_copy;
+            const uint8_t *page = from_copy ? copy + p * a->copy_bytes
+                                            : a->k_pages + a->page_table[b * a->max_pages + p] * a->k_page_bytes;
+            const int64_t min_off = from_copy ? 0 : a->k_min_off;
+            const int64_t scale_off = from_copy ? H * d * meta_bytes : a->k_scale_off;
+            if (p + 1 >= in_copy && p + 1 < nc) { /* the next page's side tables while this one is scored
+                                                   * (1 to 8 pages ahead measured alike warm; a copy is
+                                                   * streamed) */
                 const uint8_t *next = a->k_pages + a->page_table[b * a->max_pages + p + 1] * a->k_page_bytes;
                 for (int64_t off = 0; off < H * d * meta_bytes; off += 64) {
                     __builtin_prefetch(next + a->k_min_off + off);
@@ -176,14 +199,14 @@ int hack_page_scores(const hack_select_args *a) {
                 const float *qh = q + h * rep * d, *ph = qp + h * rep * d;
 #if HACK_SIMD
                 if (!a->meta_fp32 && (d == 64 || d == 128)) { /* side tables held in registers */
-                    const uint16_t *m16 = (const uint16_t *)(page + a->k_min_off) + h * d;
-                    const uint16_t *s16 = (const uint16_t *)(page + a->k_scale_off) + h * d;
+                    const uint16_t *m16 = (const uint16_t *)(page + min_off) + h * d;
+                    const uint16_t *s16 = (const uint16_t *)(page + scale_off) + h * d;
                     out[h * W] = d == 64 ? head_bound_4(m16, s16, qh, ph, rep) : head_bound_8(m16, s16, qh, ph, rep);
                     continue;
                 }
 #endif
-                load_meta(page, a->k_min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
-                load_meta(page, a->k_scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
+                load_meta(page, min_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, mn);
+                load_meta(page, scale_off + h * d * meta_bytes, (int)a->meta_fp32, (int)d, sc);
                 out[h * W] = head_bound_any(mn, sc, qh, ph, rep, d);
             }
         }
@@ -234,6 +257,10 @@ typedef struct {
      * 0: one level. */
     int64_t sel_group, keep_groups;
     const int64_t *boxes, *box_cap;
+    /* seq_lens (or NULL): written [batch], each request's shortened length, count[b] * page_size
+     * + open_tokens[b] (the open page's tokens): one tensor fewer to compute around the call */
+    const int64_t *open_tokens;
+    int64_t *seq_lens;
 } hack_choose_args;
 
 static void sift_down(float *hs, int64_t *hi, int64_t n, int64_t i) {
@@ -378,7 +405,7 @@ static int choose_two_level(const hack_choose_args *c, const hack_decode_args *d
     return 0;
 }
 
-int hack_select_pages(const hack_choose_args *c) {
+static int select_pages_f32(const hack_choose_args *c) {
     const hack_select_args *a = &c->s;
     const int64_t B = a->batch, H = a->heads, W = a->width, K = c->budget, OW = c->out_width;
     if (K < 1 || OW < 2) return -1;
@@ -387,7 +414,7 @@ int hack_select_pages(const hack_choose_args *c) {
         if ((nc < K ? nc : K) + 1 > OW || c->num_pages[b] < 1 || c->num_pages[b] > a->max_pages) return -1;
     }
     const int64_t R = c->refine;
-    if (R < 1) return -1;
+    if (R < 1 || (c->seq_lens && (!c->open_tokens || c->page_size < 1))) return -1;
     if (R > 1 && (a->head_dim % 64 || a->rep > MAX_REP || c->page_size < 1 || c->page_size > MAX_P ||
                   c->group < 1 || a->head_dim % c->group || a->head_dim / c->group > MAX_G))
         return -1;
@@ -401,7 +428,7 @@ int hack_select_pages(const hack_choose_args *c) {
             return -1;
     }
     if (G == 0) { /* one level: every closed page scored first */
-        int rc = hack_page_scores(a);
+        int rc = page_scores_f32(a);
         if (rc) return rc;
     }
     hack_decode_args dec; /* what page_scores_quant reads of a decode call */
@@ -445,7 +472,52 @@ int hack_select_pages(const hack_choose_args *c) {
         for (int64_t j = n + 1; j < OW; j++) pos[j] = 0;
         const int64_t *row = a->page_table + b * a->max_pages, last = c->num_pages[b] - 1;
         for (int64_t j = 0; j < OW; j++) tab[j] = row[pos[j] < last ? pos[j] : last];
-        if (it % H == 0) c->count[b] = n;
+        if (it % H == 0) {
+            c->count[b] = n;
+            if (c->seq_lens) c->seq_lens[b] = n * c->page_size + c->open_tokens[b];
+        }
     }
     return failed ? -2 : 0;
+}
+
+/* a's queries as float32: a->q itself, or a converted copy in *owned (free it); NULL on a bad
+ * q_dtype or a failed allocation. */
+static const float *q_float(const hack_select_args *a, float **owned) {
+    *owned = NULL;
+    if (a->q_dtype == 0) return a->q;
+    if (a->q_dtype != 1 && a->q_dtype != 2) return NULL;
+    const int64_t n = a->batch * a->heads * a->rep * a->head_dim;
+    float *f = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!f) return NULL;
+    const uint16_t *h = (const uint16_t *)a->q;
+    if (a->q_dtype == 1) {
+        for (int64_t i = 0; i < n; i++) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(f + i, &bits, sizeof(bits));
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++) f[i] = h2f(h[i]);
+    }
+    *owned = f;
+    return f;
+}
+
+int hack_page_scores(const hack_select_args *a) {
+    float *owned;
+    hack_select_args s = *a;
+    if (!(s.q = q_float(a, &owned))) return a->q_dtype == 1 || a->q_dtype == 2 ? -2 : -1;
+    s.q_dtype = 0;
+    const int rc = page_scores_f32(&s);
+    free(owned);
+    return rc;
+}
+
+int hack_select_pages(const hack_choose_args *c) {
+    float *owned;
+    hack_choose_args cf = *c;
+    if (!(cf.s.q = q_float(&c->s, &owned))) return c->s.q_dtype == 1 || c->s.q_dtype == 2 ? -2 : -1;
+    cf.s.q_dtype = 0;
+    const int rc = select_pages_f32(&cf);
+    free(owned);
+    return rc;
 }
