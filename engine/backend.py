@@ -53,7 +53,7 @@ from hack_ops.paged import extend_strawman
 from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.paged.cpu_extend import describe as describe_extend_path
 from hack_ops.paged.group_boxes import GroupBoxCache
-from hack_ops.paged.side_copies import SideTableCopies, pool_bytes
+from hack_ops.paged.side_copies import SideTableCopies, copy_bytes, pool_bytes
 from hack_ops.paged.sparse import SparseDecode, SparseTotals
 from hack_ops.paged.static_keep import StaticKeepPages
 from hack_ops.rotation import Rotation, restore_output, rotate_qkv
@@ -176,8 +176,8 @@ class HackAttnBackend(AttentionBackend):
                         f", two levels over groups of {sp.group_pages} pages" if sp.group_pages else "",
                         sp.dense_layers - 1, sp.share_layers)
             if self.side_copies is not None:
-                lay = self.store.layout_for(self.store.num_layers - 1)
-                per_page = lay.k.minimum.nbytes + lay.k.scale.nbytes
+                last = self.store.num_layers - 1
+                lay, per_page = self.store.layout_for(last), copy_bytes(self.store, last)
                 logger.info("HACK sparse decode: each decoding request's K side tables are copied in page order "
                             "beside the pool (%d bytes per page and sparse layer, %.0f%% of a K and V page, outside "
                             "the KV budget, at most %.1f MB: past that a request's are read in its pages; "

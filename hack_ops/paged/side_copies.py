@@ -81,12 +81,25 @@ class SideTableCopies(RequestPageCache[_Entry]):
         self.refused = 0  # (request, layer) selections read in the pages because of the cap
         self.shared = 0  # requests that took another's copy of their prefix
         self._full: ForwardPlan | None = None  # the forward in which the cap was met (no more growth)
+        self._nbytes: int | None = 0  # what nbytes says (None: entries or buffers changed since)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (capacity, every copy and layer; a shared copy once)."""
-        copies = {id(e.copy): e.copy for e in self._entries.values() if e.copy is not None}
-        return sum(t.numel() for c in copies.values() for t in c.rows.values())
+        """Bytes held (capacity, every copy and layer; a shared copy once). Summed again only
+        after entries or buffers changed: a server reads it after every selection."""
+        if self._nbytes is None:
+            copies = {id(e.copy): e.copy for e in self._entries.values() if e.copy is not None}
+            self._nbytes = sum(t.numel() for c in copies.values() for t in c.rows.values())
+        return self._nbytes
+
+    def begin(self, plan: ForwardPlan, keys: list | None = None) -> None:
+        if plan is not self._plan:  # entries of requests gone or changed are dropped
+            self._nbytes = None
+        super().begin(plan, keys)
+
+    def forget(self, rows: list[int], keys: list | None = None) -> None:
+        super().forget(rows, keys)
+        self._nbytes = None
 
     def pointers(self, store, layer: int, plan: ForwardPlan, closed: list[int]
                  ) -> tuple[ctypes.Array, ctypes.Array, int]:
@@ -123,6 +136,7 @@ class SideTableCopies(RequestPageCache[_Entry]):
         """Gives entry e (request b, `want` closed pages) a copy: the share of another request's
         where their tables agree on a cached prefix (SHARE_MIN of its pages, found only for a new
         entry), else its own."""
+        self._nbytes = None  # a copy it leaves may have been its last holder's
         best, lcp = None, 0
         if e.copy is None:
             row = plan.page_table[b, :want].to(torch.long)
@@ -167,6 +181,7 @@ class SideTableCopies(RequestPageCache[_Entry]):
             if rows is not None and have:
                 grown[:have] = rows[:have]
             rows = c.rows[layer] = grown
+            self._nbytes = None
         k = store.layout_for(layer).k
         mn, sc = k.minimum, k.scale
         ids = plan.page_table[b, have:pages].to(torch.long)
