@@ -5,8 +5,11 @@ Per cell (shape x batch x context), measured side by side in one run on the same
   sparse-B     HACK decode over the pages hack_ops.sparse selects with a budget of B tokens per
                (request, KV head), the selection included (--hack-sparse-budget B; with
                --refine R, the selection refined: --hack-sparse-refine R)
-  select-B     the selection alone (page scores from the side tables, top-k, page table); one
-               level scores from the side tables' copies a server keeps (hack_ops.paged.side_copies)
+  select-B     the selection alone (page scores from the side tables, top-k, page table), as a
+               layer of a server's step makes it: one call through the step's prepared arguments
+               and outputs; one level scores from the side tables' copies a server keeps
+               (hack_ops.paged.side_copies)
+  select-B-first  the same at a step's first sparse layer, which prepares them (once a step)
   select-B-in-pages  the same selection reading the side tables inside the scattered pages
   bf16         torch SDPA over a contiguous BF16 cache of the same context (for scale)
 Reported: medians, sparse speedup over dense, and the selection's share of the sparse step. Each
@@ -126,7 +129,7 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
     from hack_ops.paged.benchcases import DecodeCase
     from hack_ops.paged.group_boxes import GroupBoxCache
     from hack_ops.paged.side_copies import SideTableCopies
-    from hack_ops.paged.sparse import SparseDecode, select_for_decode
+    from hack_ops.paged.sparse import SparseDecode, forget_prepared, select_for_decode
     from hack_ops.sparse import SparseConfig
 
     hq, h, d = SHAPES[shape]
@@ -143,10 +146,16 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
         copies = None if groups else SideTableCopies()
         fns[f"sparse-{b}"] = lambda cfg=cfg, boxes=boxes, copies=copies: decode(
             case.store, 0, case.plan, case.q, sparse=SparseDecode(cfg, boxes=boxes, copies=copies))
+        # the selection as a server's step makes it (reuse: prepared at the step's first sparse
+        # layer, then one call a layer), and that first layer's preparation with it
         fns[f"select-{b}"] = lambda cfg=cfg, boxes=boxes, copies=copies: select_for_decode(
-            case.store, 0, case.plan, case.q, cfg, boxes, copies)
+            case.store, 0, case.plan, case.q, cfg, boxes, copies, reuse=True)
+        fns[f"select-{b}-first"] = lambda cfg=cfg, boxes=boxes, copies=copies: (
+            forget_prepared(case.plan), select_for_decode(case.store, 0, case.plan, case.q, cfg, boxes, copies,
+                                                          reuse=True))
         if copies is not None:  # the same selection from the side tables inside the scattered pages
-            fns[f"select-{b}-in-pages"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg)
+            fns[f"select-{b}-in-pages"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg,
+                                                                            reuse=True)
         probe = SparseDecode(cfg, boxes=boxes, copies=copies)
         decode(case.store, 0, case.plan, case.q, sparse=probe)
         read[b] = round(probe.pages_read / max(1, probe.pages_resident), 4)

@@ -50,6 +50,8 @@ EXTEND_PREFILL_MODES = (PrefillMode.HOMOMORPHIC, PrefillMode.INT8, PrefillMode.E
 
 def _member(enum: type[StrEnum], mode: object, allowed: tuple, what: str):
     """mode as a member of `enum` within `allowed`, or ValueError naming the allowed values."""
+    if type(mode) is enum and mode in allowed:  # (a member already: every layer of a step asks)
+        return mode
     try:
         m = enum(mode)
     except ValueError:

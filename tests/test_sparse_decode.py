@@ -286,9 +286,13 @@ def test_layers_share_a_selection_and_counts_are_kept():
     q = case.q[0][-1:]
     case.store.write(0, plan, case.k[0][-1:], case.v[0][-1:])
     first = sparse.select(case.store, 0, plan, q)
+    chosen = first.table.clone()
     second = sparse.select(case.store, 1, plan, q * -1)  # other queries: still the shared selection
+    assert second is first and torch.equal(second.table, chosen) and sparse.selections == 1
     third = sparse.select(case.store, 0, plan, q * -1)  # the next group of layers selects anew
-    assert second is first and third is not first and sparse.selections == 2
+    # (a step's selections share their outputs, rewritten by each layer that selects)
+    anew = select_for_decode(case.store, 0, plan, q * -1, sparse.cfg)
+    assert sparse.selections == 2 and torch.equal(third.table, anew.table) and not torch.equal(anew.table, chosen)
     assert sparse.pages_resident == 3 * 16 and sparse.pages_read == 3 * 4
 
 

@@ -103,9 +103,16 @@ def _decode_on_codes(store: HackKVStore, layer: int, plan: ForwardPlan, q: Tenso
     selection, each request's shortened sequence of selected pages (per KV head)."""
     from . import cpu_kernel  # late import: the compiled kernel is optional
 
-    if cpu_kernel.usable(store, mode, backend, generator, window=window, logit_cap=logit_cap):
+    if generator is None:  # asked once per plan and store (every layer of a step asks alike)
+        key = ("cpu_kernel_usable", id(store), mode, backend)
+        usable = plan.memo.get(key)
+        if usable is None:
+            usable = plan.memo[key] = cpu_kernel.usable(store, mode, backend, window=window, logit_cap=logit_cap)
+    else:
+        usable = cpu_kernel.usable(store, mode, backend, generator, window=window, logit_cap=logit_cap)
+    if usable:
         return cpu_kernel.decode(store, layer, plan, q, scale, window=window, logit_cap=logit_cap,
-                                 selection=selection).to(q.dtype)
+                                 selection=selection, out_dtype=q.dtype)
     if backend == "cpu":
         raise RuntimeError(f"the compiled CPU kernel is not usable here: {cpu_kernel.why_not(store, mode, generator)}")
     if backend not in ("auto", "torch"):

@@ -55,7 +55,13 @@ class _Args(ctypes.Structure):
         *PAGE_FIELDS, "window", "head_tables")] + [
         ("logit_cap", ctypes.c_double)] + [
         (n, _P) for n in ("seq_lens", "n_closed", "page_table", "table_rows", "sink_slots", "k_open_off",
-                          "v_open_off", "k_pages", "v_pages", "k_open", "v_open", "sink_k", "sink_v", "q", "out")]
+                          "v_open_off", "k_pages", "v_pages", "k_open", "v_open", "sink_k", "sink_v", "q", "out")] + [
+        ("q_dtype", _I64), ("q_scale", ctypes.c_double), ("out_dtype", _I64)]
+
+# the query dtypes hack_decode converts (and scales) itself, by its q_dtype codes
+Q_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the output dtypes it writes, by its out_dtype codes (others: float32, then converted by torch)
+OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def build(variant: str = "native") -> Path:
@@ -88,10 +94,26 @@ def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "na
     the extend's PrefillMode).
     window / logit_cap: the layer's features; this kernel has both (a kernel without them
     returns its reason here, and the dispatcher falls back to a path that has them)."""
-    cfg = store.config
-    d = store.head_dim
     if os.environ.get("HACK_CPU_KERNEL", "1") == "0":
         return "disabled by HACK_CPU_KERNEL=0"
+    # what the store's format and the call's kind decide, looked up once (every layer of every
+    # step asks); whether the library loads is asked each time
+    memo = store.__dict__.setdefault("_kernel_refusals", {})
+    key = (mode, generator is None, phase, prefill)
+    if key not in memo:
+        memo[key] = _format_refusal(store, mode, generator, phase, prefill)
+    reason = memo[key]
+    if reason is not None:
+        return reason
+    if load(variant) is None:
+        return why_not_loaded(variant)
+    return None
+
+
+def _format_refusal(store, mode: AttentionMode | str, generator, phase: str, prefill: PrefillMode | str) -> str | None:
+    """why_not's answer from the store and the call's kind alone."""
+    cfg = store.config
+    d = store.head_dim
     if store.device.type != "cpu":
         return f"the store is on {store.device}, not the CPU"
     if mode != AttentionMode.HACK:
@@ -106,8 +128,6 @@ def why_not(store, mode: AttentionMode | str, generator=None, variant: str = "na
         return "extend with requant_elimination=False (each query needs its own re-quantized page)"
     if phase == "extend" and prefill == PrefillMode.EXACT and cfg.open_mode("v") != OpenMode.FP16:
         return "prefill 'exact' without a V tail"
-    if load(variant) is None:
-        return why_not_loaded(variant)
     return None
 
 
@@ -156,6 +176,35 @@ def _i64(x) -> torch.Tensor:
     return torch.as_tensor(x).to(torch.int64).contiguous()
 
 
+class _LayerArgs:
+    """A layer's decode arguments that stay fixed while its buffers do (geometry, format, page
+    layout, the pages and sinks), built once: a served layer starts from cold caches, where
+    building them anew (a dict of two dozen fields, a few torch calls) cost tens of microseconds
+    a call."""
+
+    __slots__ = ("args", "bufs")
+
+    def __init__(self, args: _Args, bufs: tuple) -> None:
+        self.args, self.bufs = args, bufs
+
+
+def _layer_args(store, layer: int, q: torch.Tensor) -> _Args:
+    """The decode arguments of `layer` for queries shaped like q that no call changes (max_pages,
+    nthreads and the per-call fields are set by the caller on a copy)."""
+    cache = store.__dict__.setdefault("_decode_layer_args", {})
+    key = (layer, q.shape[1], q.shape[2])
+    bufs = (store.k_pages[layer], store.v_pages[layer], store.sink_k[layer], store.sink_v[layer])
+    got = cache.get(key)
+    if got is not None and all(x is y for x, y in zip(got.bufs, bufs)):
+        return got.args
+    check_contiguous(*bufs)
+    shared = shared_args(store, layer, q, 0)
+    args = _Args(**shared, k_open_quantized=int(store.config.open_mode("k") != OpenMode.FP16),
+                 k_pages=_ptr(bufs[0]), v_pages=_ptr(bufs[1]), sink_k=_ptr(bufs[2]), sink_v=_ptr(bufs[3]))
+    cache[key] = _LayerArgs(args, bufs)
+    return args
+
+
 def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed, page_table, table_rows,
            sink_slots, k_open: torch.Tensor | None, k_open_off, v_open: torch.Tensor | None, v_open_off,
            variant: str = "native", window: int | None = None, logit_cap: float = 0.0,
@@ -166,52 +215,75 @@ def attend(store, layer: int, q: torch.Tensor, scale: float, seq_lens, n_closed,
     at k_open/v_open (fp16 [.., H, D], element offsets *_open_off[i]) unless the config reads
     them quantized. window (keys t-window..t, None: all) and logit_cap (0: none) are the layer's.
     Returns float32 [N, Hq, D]."""
+    seq, ncl, table, trows, sinks, koff, voff = (
+        _i64(x) for x in (seq_lens, n_closed, page_table, table_rows, sink_slots, k_open_off, v_open_off))
+    return _attend_i64(store, layer, q, scale, seq, ncl, table, trows, sinks, k_open, koff, v_open, voff, variant,
+                       window, logit_cap, head_tables)
+
+
+def _attend_i64(store, layer: int, q: torch.Tensor, scale: float, seq: torch.Tensor, ncl: torch.Tensor,
+                table: torch.Tensor, trows: torch.Tensor, sinks: torch.Tensor, k_open: torch.Tensor | None,
+                koff: torch.Tensor, v_open: torch.Tensor | None, voff: torch.Tensor, variant: str,
+                window: int | None, logit_cap: float, head_tables: bool,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """attend() on int64, contiguous index tensors (what its callers hold already); the output
+    in out_dtype."""
     lib = load(variant)
     if lib is None:
         raise RuntimeError(_errors.get(variant, "the CPU kernel is not available"))
     n, hq, d = q.shape
-    shared = shared_args(store, layer, q, torch.as_tensor(page_table).shape[1])
-    check_contiguous(store.k_pages[layer], store.v_pages[layer], k_open, v_open, store.sink_k[layer],
-                     store.sink_v[layer])
-    qs = (q.float() * scale).contiguous()
-    out = torch.empty(n, hq, d, dtype=torch.float32)
-    keep = [_i64(x) for x in (seq_lens, n_closed, page_table, table_rows, sink_slots, k_open_off, v_open_off)]
-    seq, ncl, table, trows, sinks, koff, voff = keep
-    a = _Args(
-        batch=n, **shared, k_open_quantized=int(store.config.open_mode("k") != OpenMode.FP16),
-        window=-1 if window is None else int(window), logit_cap=float(logit_cap or 0.0), head_tables=int(head_tables),
-        seq_lens=_ptr(seq), n_closed=_ptr(ncl), page_table=_ptr(table), table_rows=_ptr(trows),
-        sink_slots=_ptr(sinks), k_open_off=_ptr(koff), v_open_off=_ptr(voff),
-        k_pages=_ptr(store.k_pages[layer]), v_pages=_ptr(store.v_pages[layer]), k_open=_ptr(k_open),
-        v_open=_ptr(v_open), sink_k=_ptr(store.sink_k[layer]), sink_v=_ptr(store.sink_v[layer]),
-        q=_ptr(qs), out=_ptr(out),
-    )
+    a = _Args.from_buffer_copy(_layer_args(store, layer, q))
+    check_contiguous(k_open, v_open)
+    code = Q_DTYPES.get(q.dtype)
+    if code is None or not q.is_contiguous():  # the kernel converts float32 / bf16 / fp16 itself
+        q, code = q.float().contiguous(), 0
+    out_code = OUT_DTYPES.get(out_dtype)
+    out = torch.empty(n, hq, d, dtype=torch.float32 if out_code is None else out_dtype)
+    a.batch, a.max_pages, a.nthreads, a.out_dtype = n, table.shape[1], torch.get_num_threads(), out_code or 0
+    a.window, a.logit_cap, a.head_tables = -1 if window is None else int(window), float(logit_cap or 0.0), int(head_tables)
+    a.seq_lens, a.n_closed, a.page_table, a.table_rows = seq.data_ptr(), ncl.data_ptr(), table.data_ptr(), trows.data_ptr()
+    a.sink_slots, a.k_open_off, a.v_open_off = sinks.data_ptr(), koff.data_ptr(), voff.data_ptr()
+    a.k_open, a.v_open = _ptr(k_open), _ptr(v_open)
+    a.q, a.q_dtype, a.q_scale, a.out = q.data_ptr(), code, float(scale), out.data_ptr()
     rc = lib.hack_decode(ctypes.byref(a))
     if rc == -2:
         raise MemoryError("the CPU decode kernel could not allocate its work items")
     if rc != 0:
         raise RuntimeError("the CPU kernel rejected the geometry (or a query with no key to attend)")
-    return out
+    return out if out_code is not None else out.to(out_dtype)
+
+
+def _plan_inputs(store, plan) -> tuple[torch.Tensor, ...]:
+    """The decode kernel's index inputs of a plan (int64, contiguous: lengths, closed pages, page
+    table, table rows, sink slots, tail offsets), built once per plan: every layer of a forward
+    reads the same."""
+    key = ("cpu_decode_inputs", id(store))
+    got = plan.memo.get(key)
+    if got is None:
+        p = store.page_size
+        seq = _i64(plan.seq_lens)
+        off = plan.rows.to(torch.int64) * (p * store.num_heads * store.head_dim)  # each request's tail row
+        got = plan.memo[key] = (seq, _i64(seq // p), _i64(plan.page_table), torch.arange(plan.batch_size),
+                                _i64(plan.sink_slot.clamp(min=0)), off.contiguous())
+    return got
 
 
 def decode(store, layer: int, plan, q: torch.Tensor, scale: float, variant: str = "native",
-           window: int | None = None, logit_cap: float = 0.0, selection=None) -> torch.Tensor:
-    """Decode attention for the plan's batch (one query per request): float32 [B, Hq, D].
+           window: int | None = None, logit_cap: float = 0.0, selection=None,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Decode attention for the plan's batch (one query per request): [B, Hq, D] in out_dtype
+    (float32 by default; bfloat16 written by the kernel, others converted from float32).
     selection (hack_ops.paged.sparse.PageSelection): read only the selected pages, each KV
     head its own (sparse decode: the shortened sequences, through per-head page tables)."""
-    p = store.page_size
-    hd = store.num_heads * store.head_dim
-    rows = plan.rows.to(torch.int64)
-    off = rows * (p * hd)  # each request's tail row
-    seq, table, per_head = plan.seq_lens, plan.page_table, False
+    seq, ncl, table, trows, sinks, off = _plan_inputs(store, plan)
+    per_head = False
     if selection is not None:
         if window is not None:
             raise ValueError("sparse decode does not apply to a sliding-window layer (its window bounds the pages)")
-        seq, per_head = selection.seq_lens, True
-        table = selection.table.reshape(-1, selection.table.shape[-1])
-    return attend(store, layer, q, scale, seq, seq // p, table,
-                  torch.arange(plan.batch_size), plan.sink_slot.clamp(min=0), store.tail("k", layer), off,
-                  store.tail("v", layer), off, variant, window=window, logit_cap=logit_cap, head_tables=per_head)
+        seq, ncl, table = selection.kernel_inputs()
+        per_head = True
+    return _attend_i64(store, layer, q, scale, seq, ncl, table, trows, sinks, store.tail("k", layer), off,
+                       store.tail("v", layer), off, variant, window, logit_cap, per_head, out_dtype)
 
 
 def simd(variant: str = "native") -> bool:

@@ -63,6 +63,8 @@ def load(variant: str = "native") -> ctypes.CDLL | None:
         lib.hack_store.restype = ctypes.c_int
         lib.hack_store_sum.argtypes = [_P, _I64, _I64, _I64, _I64, _P]
         lib.hack_store_sum.restype = ctypes.c_int
+        lib.hack_append_tails.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P]
+        lib.hack_append_tails.restype = ctypes.c_int
     _bound[variant] = lib
     return lib
 
@@ -167,3 +169,42 @@ def write(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v: Tenso
     rc = lib.hack_store(ctypes.byref(a))
     if rc != 0:
         raise RuntimeError(f"the compiled store rejected the call ({'geometry' if rc == 1 else 'out of memory'})")
+
+
+def _tail_slots(plan: ForwardPlan) -> tuple[Tensor, Tensor, bool]:
+    """Each new token's tail row and slot (int64, contiguous), and whether the environment lets
+    the compiled append run, once per plan (every layer's store step asks; reading the
+    environment alone cost ~15 us a call from cold caches)."""
+    got = plan.memo.get("tail_slots")
+    if got is None:
+        on = os.environ.get("HACK_CPU_STORE", "1") != "0" and os.environ.get("HACK_CPU_KERNEL", "1") != "0"
+        got = plan.memo["tail_slots"] = (plan.tok_row.to(torch.int64).contiguous(),
+                                         plan.tok_off.to(torch.int64).contiguous(), on)
+    return got
+
+
+def append_tails(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
+                 variant: str = "native") -> bool:
+    """write.append_to_tails in one compiled call, finiteness checked there (ValueError naming
+    the tensor; nothing written): the store step of most decode steps. False (nothing done)
+    where it does not apply: the compiled library disabled (HACK_CPU_STORE=0 or HACK_CPU_KERNEL=0,
+    read once per plan) or missing, an input dtype or layout it does not read (the caller then
+    checks and writes with torch)."""
+    rows, offs, on = _tail_slots(plan)
+    if not on:
+        return False
+    lib = load(variant)
+    dt = _IN_DTYPES.get(k.dtype)
+    tail_k, tail_v = store.tail("k", layer), store.tail("v", layer)
+    if (lib is None or dt is None or v.dtype is not k.dtype or tail_k is None or tail_v is None
+            or not (k.is_contiguous() and v.is_contiguous() and tail_k.is_contiguous() and tail_v.is_contiguous())):
+        return False
+    hd = store.num_heads * store.head_dim
+    rc = lib.hack_append_tails(k.data_ptr(), v.data_ptr(), dt, k.shape[0], hd, tail_k.shape[1], rows.data_ptr(),
+                               offs.data_ptr(), tail_k.data_ptr(), tail_v.data_ptr())
+    if rc in (-3, -4):
+        raise ValueError(f"{'k' if rc == -3 else 'v'} contains NaN or inf; nothing was written")
+    if rc != 0:
+        raise RuntimeError("the compiled tail append rejected its arguments")
+    return True
+

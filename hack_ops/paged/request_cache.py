@@ -36,6 +36,7 @@ class RequestPageCache(Generic[E]):
         self._entries: dict[Hashable, E] = {}
         self._plan: ForwardPlan | None = None
         self._keys: list[Hashable] = []
+        self.version = 0  # bumped whenever the set of entries changes (what derived caches check)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -58,6 +59,8 @@ class RequestPageCache(Generic[E]):
             if n <= plan.page_table.shape[1] and int(plan.num_pages[b]) >= n \
                     and torch.equal(plan.page_table[b, :n].to(torch.long), e.ids):
                 kept[key] = e
+        if keys != self._keys or len(kept) != len(self._entries):
+            self.version += 1
         self._entries, self._plan, self._keys = kept, plan, keys
 
     def forget(self, rows: list[int], keys: list[Hashable] | None = None) -> None:
@@ -67,3 +70,4 @@ class RequestPageCache(Generic[E]):
         for key in request_keys(rows, keys):
             self._entries.pop(key, None)
         self._plan = None
+        self.version += 1

@@ -82,6 +82,10 @@ class SideTableCopies(RequestPageCache[_Entry]):
         self.shared = 0  # requests that took another's copy of their prefix
         self._full: ForwardPlan | None = None  # the forward in which the cap was met (no more growth)
         self._nbytes: int | None = 0  # what nbytes says (None: entries or buffers changed since)
+        # per layer, pointers()'s last answer and what it was for (the entries' version, the
+        # requests' closed pages, the store): a decode step whose requests closed no page since
+        # the last one gets the same answer without a Python pass over its requests
+        self._answers: dict[int, tuple] = {}
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +114,11 @@ class SideTableCopies(RequestPageCache[_Entry]):
         buffers stay alive while the cache holds the entries (until the next begin)."""
         if plan is not self._plan:
             self.begin(plan)
+        last = self._answers.get(layer)
+        if last is not None and last[0] == self.version and last[1] is store and last[2] == closed:
+            self.refused += last[3]  # (over the cap: as often refused as when it was answered)
+            return last[4]
+        refused = self.refused
         width = copy_bytes(store, layer)
         n = len(closed)
         ptrs, held = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
@@ -130,6 +139,7 @@ class SideTableCopies(RequestPageCache[_Entry]):
             if e.limit is None:  # the pages the entry stands for: its own copy's
                 e.ids = e.copy.ids
             ptrs[b], held[b] = rows.data_ptr(), upto
+        self._answers[layer] = (self.version, store, list(closed), self.refused - refused, (ptrs, held, width))
         return ptrs, held, width
 
     def _place(self, plan: ForwardPlan, b: int, e: _Entry, want: int) -> None:
@@ -137,6 +147,7 @@ class SideTableCopies(RequestPageCache[_Entry]):
         where their tables agree on a cached prefix (SHARE_MIN of its pages, found only for a new
         entry), else its own."""
         self._nbytes = None  # a copy it leaves may have been its last holder's
+        self.version += 1
         best, lcp = None, 0
         if e.copy is None:
             row = plan.page_table[b, :want].to(torch.long)

@@ -81,6 +81,12 @@ class PageSelection:
         """Closed pages each KV head reads, summed over the requests (the totals' pages read)."""
         return int(self.n_closed.sum())
 
+    def kernel_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """What the CPU decode kernel reads (int64, contiguous): the shortened lengths, the
+        closed pages below them (lengths // page size) and the per-head table [B * H, W]."""
+        return (self.seq_lens.to(torch.int64).contiguous(), (self.seq_lens // self.page_size).to(torch.int64).contiguous(),
+                self.table.reshape(-1, self.table.shape[-1]).to(torch.int64).contiguous())
+
     def head_csr_from_host(self, n_pages: list[int]) -> tuple[Tensor, Tensor]:
         """head_csr() without reading the selection back from its device (a boolean gather
         waits for it): n_pages[b], the pages each KV head of request b reads (its selected closed
@@ -152,7 +158,13 @@ class _ChooseArgs(ctypes.Structure):  # hack_choose_args of csrc/hack_select.c
         (n, _P) for n in ("recent_from", "num_pages", "positions", "table", "count")] + [
         (n, _I64) for n in ("refine", "page_size", "k_bits", "group", "k_codes_off", "k_sums_off", "k_sums_bytes",
                             "sel_group", "keep_groups")] + [(n, _P) for n in ("boxes", "box_cap", "open_tokens",
-                                                                               "seq_lens")]
+                                                                               "seq_lens", "read_total")]
+
+
+class _LayerArgs(ctypes.Structure):  # hack_select_layer of csrc/hack_select.c
+    _fields_ = [(n, _I64) for n in ("k_page_bytes", "k_min_off", "k_scale_off", "meta_fp32", "k_bits", "group",
+                                    "k_codes_off", "k_sums_off", "k_sums_bytes")] + [
+        ("levels", ctypes.c_double), ("k_pages", _P)]
 
 
 _typed: set[int] = set()  # libraries whose selection entry points have their ctypes signatures
@@ -163,13 +175,16 @@ def _library():
     from . import cpu_kernel  # late import: the compiled kernels are optional
 
     lib = cpu_kernel.load("native")
-    if lib is None or not hasattr(lib, "hack_select_pages"):
+    if lib is None or not hasattr(lib, "hack_select_pages_at"):
         return None
     if id(lib) not in _typed:  # once per library: this runs every sparse layer of every step
         lib.hack_page_scores.argtypes = [ctypes.POINTER(_SelArgs)]
         lib.hack_page_scores.restype = ctypes.c_int
         lib.hack_select_pages.argtypes = [ctypes.POINTER(_ChooseArgs)]
         lib.hack_select_pages.restype = ctypes.c_int
+        lib.hack_select_pages_at.argtypes = [ctypes.POINTER(_ChooseArgs), ctypes.POINTER(_LayerArgs), _P,
+                                             ctypes.POINTER(_I64), ctypes.POINTER(_I64), _I64]
+        lib.hack_select_pages_at.restype = ctypes.c_int
         _typed.add(id(lib))
     return lib
 
@@ -223,6 +238,8 @@ class _LayerConsts:
     sums_off: int
     sums_bytes: int
     group: int  # K's quantization group in channels (the decode kernel's, for the refinement)
+    per_channel: bool  # K's side tables per channel (what the selection scores from)
+    args: _LayerArgs  # the same, as hack_select_pages_at takes them
 
 
 def _layer_consts(store, layer: int) -> _LayerConsts:
@@ -233,11 +250,16 @@ def _layer_consts(store, layer: int) -> _LayerConsts:
         buf = store.k_pages[layer]
         if not buf.is_contiguous():
             raise RuntimeError("the K pages must be contiguous")
-        got = cache[layer] = _LayerConsts(
-            buf=buf, page_bytes=lay.k.page_bytes, min_off=lay.k.minimum.offset, scale_off=lay.k.scale.offset,
-            meta_fp32=int(lay.k.minimum.dtype == torch.float32), bits=lay.k.bits, codes_off=lay.k.codes.offset,
-            sums_off=lay.k.sums.offset, sums_bytes=lay.k.sums.dtype.itemsize,
-            group=store.config_for(layer).head_group(store.head_dim))
+        fields = dict(page_bytes=lay.k.page_bytes, min_off=lay.k.minimum.offset, scale_off=lay.k.scale.offset,
+                      meta_fp32=int(lay.k.minimum.dtype == torch.float32), bits=lay.k.bits,
+                      codes_off=lay.k.codes.offset, sums_off=lay.k.sums.offset, sums_bytes=lay.k.sums.dtype.itemsize,
+                      group=store.config_for(layer).head_group(store.head_dim))
+        args = _LayerArgs(k_page_bytes=fields["page_bytes"], k_min_off=fields["min_off"],
+                          k_scale_off=fields["scale_off"], meta_fp32=fields["meta_fp32"], k_bits=fields["bits"],
+                          group=fields["group"], k_codes_off=fields["codes_off"], k_sums_off=fields["sums_off"],
+                          k_sums_bytes=fields["sums_bytes"], levels=float((1 << fields["bits"]) - 1),
+                          k_pages=buf.data_ptr())
+        got = cache[layer] = _LayerConsts(buf=buf, per_channel=lay.k.per_channel, args=args, **fields)
     return got
 
 
@@ -391,7 +413,7 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
         a.s.copies = a.s.copied = None
     rc = _library().hack_select_pages(ctypes.byref(a))
     if rc == -2:
-        raise MemoryError("the page-selection kernel could not allocate its heap")
+        raise MemoryError("the page-selection kernel could not allocate its heap or its float queries")
     if rc != 0:
         raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
                            f"{q.shape[1] // store.num_heads} query heads per KV head)")
@@ -399,15 +421,121 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
                          seq_lens=seq_lens, resident=_plan_inputs(plan, p).n_closed)
 
 
+@dataclass(eq=False)
+class _StepSelection(PageSelection):
+    """A prepared step's selection: the same outputs rewritten by each layer that selects, and
+    the closed pages read, summed by the kernel (no torch call to count them)."""
+
+    read: ctypes.c_int64 | None = None
+    inputs: tuple[Tensor, Tensor, Tensor] | None = None  # kernel_inputs(), views of the outputs
+
+    def closed_read(self) -> int:
+        return self.read.value
+
+    def kernel_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        return self.inputs  # (n_closed is lengths // page size: the open page holds < page size tokens)
+
+
+@dataclass
+class _Step:
+    """One forward's compiled one-level selection, prepared at its first sparse layer: the
+    arguments every layer shares and the outputs each layer writes in turn. A served layer
+    starts from cold caches, where each Python statement and torch call around the kernel costs
+    microseconds; prepared, a layer passes only its pages, queries and copies (one call)."""
+
+    args: _ChooseArgs
+    keep: list  # the tensors args points into
+    q_dtype: torch.dtype
+    q_shape: torch.Size
+    closed: list[int]  # each request's closed pages
+    dense: bool  # no request has more closed pages than the budget: every layer reads all
+    selection: _StepSelection
+    call: Callable[..., int]
+
+
+_NOT_PREPARED = object()  # a plan's memo entry: this forward's selection is not prepared (generic path)
+
+
+def _prepare_step(store, plan: ForwardPlan, q: Tensor, cfg: SparseConfig) -> _Step | None:
+    """The step's prepared selection, or None where only the generic path takes it."""
+    lib = _library()
+    if (lib is None or not plan.is_decode or store.device.type != "cpu" or cfg.group_pages
+            or q.dtype not in _Q_DTYPES or not q.is_contiguous() or (cfg.refine > 1 and store.head_dim % 64)):
+        return None
+    p = store.page_size
+    pin = _plan_inputs(plan, p)
+    call = _select_call(store, plan, q, cfg)
+    a = _ChooseArgs.from_buffer_copy(call.args)  # the step's own: kernel_select rewrites the memo's outputs
+    b, h, width = a.s.batch, a.s.heads, call.width
+    positions = torch.zeros(b, h, width, dtype=torch.int64)
+    table = torch.zeros(b, h, width, dtype=torch.int64)
+    count = torch.zeros(b, dtype=torch.int64)
+    seq_lens = torch.zeros(b, dtype=torch.int64)
+    read = ctypes.c_int64(0)
+    a.positions, a.table, a.count, a.seq_lens = (positions.data_ptr(), table.data_ptr(), count.data_ptr(),
+                                                 seq_lens.data_ptr())
+    a.read_total = ctypes.addressof(read)
+    a.s.q_dtype = _Q_DTYPES[q.dtype]
+    sel = _StepSelection(page_size=p, positions=positions, table=table, n_closed=count, seq_lens=seq_lens,
+                         resident=pin.n_closed, read=read, inputs=(seq_lens, count, table.view(b * h, width)))
+    return _Step(args=a, keep=call.keep + [positions, table, count, seq_lens, read], q_dtype=q.dtype,
+                 q_shape=q.shape, closed=pin.closed, dense=pin.most_closed <= cfg.budget_pages(p), selection=sel,
+                 call=lib.hack_select_pages_at)
+
+
+def forget_prepared(plan: ForwardPlan) -> None:
+    """Drops what the plan's sparse selections prepared (inputs, arguments, outputs): the next
+    layer prepares them again, as a new forward's first sparse layer does (a benchmark times it)."""
+    for key in [k for k in plan.memo if isinstance(k, tuple) and k[0] in ("sparse_inputs", "sparse_call",
+                                                                          "sparse_step")]:
+        del plan.memo[key]
+
+
+def _select_in_step(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig,
+                    copies: SideTableCopies | None) -> PageSelection | None | object:
+    """select_for_decode through the forward's prepared step: its one selection object,
+    rewritten (each layer's decode reads it before the next layer selects), None (every page),
+    or _NOT_PREPARED where the generic path must answer."""
+    key = ("sparse_step", id(store), cfg)
+    st = plan.memo.get(key)
+    if st is None:
+        st = plan.memo[key] = _prepare_step(store, plan, q, cfg) or _NOT_PREPARED
+    if st is _NOT_PREPARED or q.dtype is not st.q_dtype or q.shape != st.q_shape or not q.is_contiguous():
+        return _NOT_PREPARED
+    lc = _layer_consts(store, layer)
+    if not lc.per_channel:
+        return _NOT_PREPARED  # (the generic path says why)
+    if st.dense:
+        return None
+    if not _usable(store, layer, q):
+        return _NOT_PREPARED
+    ptrs, held, cb = copies.pointers(store, layer, plan, st.closed) if copies is not None else (None, None, 0)
+    rc = st.call(st.args, lc.args, q.data_ptr(), ptrs, held, cb)
+    if rc == -2:
+        raise MemoryError("the page-selection kernel could not allocate its heap or its float queries")
+    if rc != 0:
+        raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
+                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    return st.selection
+
+
 def select_for_decode(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseConfig,
-                      boxes: GroupBoxCache | None = None, copies: SideTableCopies | None = None
-                      ) -> PageSelection | None:
+                      boxes: GroupBoxCache | None = None, copies: SideTableCopies | None = None,
+                      reuse: bool = False) -> PageSelection | None:
     """The pages a decode step of `plan` reads at `layer` under `cfg`, for queries q [B, Hq, D]
     (scaled or not: the ranking is the same). None when no request has more closed pages than
     the budget (every page is read: dense decode). The compiled selection where available (two
     levels, cfg.group_pages, from the cached group `boxes`; one level from the side tables'
     `copies` where given, else from the pages); else the portable path, which gathers the side
-    tables (and computes the group boxes anew)."""
+    tables (and computes the group boxes anew).
+    reuse: the one-level compiled selection of the same plan and cfg returns one selection
+    object for every layer, rewritten by each call (a server's decode step, whose layer reads
+    its selection before the next layer selects), prepared once per plan; else a new one each
+    call."""
+    if reuse:
+        got = _select_in_step(store, layer, plan, q, cfg, copies)
+        if got is not _NOT_PREPARED:
+            return got
     if not plan.is_decode:
         raise ValueError("sparse selection is for decode steps (one new token per request)")
     p = store.page_size
@@ -531,7 +659,7 @@ class SparseDecode:
             if self.selector is not None:
                 sel = self.selector(store, layer, plan, q, self.cfg)
             else:
-                sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes, self.copies)
+                sel = select_for_decode(store, layer, plan, q, self.cfg, self.boxes, self.copies, reuse=True)
             self._plan, self._last, self._reuse_left = plan, sel, self.cfg.share_layers - 1
             self.selections += 1
             if t is not None:

@@ -229,11 +229,17 @@ class HackKVStore:
               backend: StoreBackend | str = StoreBackend.AUTO) -> None:
         """Store the new tokens' K and V ([N, H, D], N = plan.num_new_tokens) of one layer.
 
-        backend 'auto': a plan whose tokens only append to FP16 tails (most decode steps) is two
-        index writes; otherwise the compiled store when it covers the configuration
+        backend 'auto': a plan whose tokens only append to FP16 tails (most decode steps) is one
+        compiled call on the CPU (cpu_store.append_tails; else two index writes); otherwise the compiled store when it covers the configuration
         (cpu_store.why_not), else the PyTorch reference. All leave the same bytes (tested)."""
         self._check_layer(layer)
-        backend = StoreBackend(backend)
+        backend = backend if type(backend) is StoreBackend else StoreBackend(backend)
+        if backend == StoreBackend.AUTO and self.device.type == "cpu" and self._appends_only(plan):
+            self._check_kv(plan, k, v, finite=False)
+            if not cpu_store.append_tails(self, layer, plan, k, v):  # (checks finiteness itself)
+                self._check_kv(plan, k, v)
+                append_to_tails(self, layer, plan, k, v)
+            return
         self._check_kv(plan, k, v)
         if backend == StoreBackend.TORCH:
             write_tokens(self, layer, plan, k, v, generator)
@@ -255,15 +261,16 @@ class HackKVStore:
             plan.appends_only = appends_only(self.config, plan)
         return plan.appends_only
 
-    def _check_kv(self, plan: ForwardPlan, k: Tensor, v: Tensor) -> None:
-        """The store step's input checks, once for every implementation."""
+    def _check_kv(self, plan: ForwardPlan, k: Tensor, v: Tensor, finite: bool = True) -> None:
+        """The store step's input checks, once for every implementation (finite=False: all but
+        finiteness, which the compiled tail append checks itself)."""
         shape = (plan.num_new_tokens, self.num_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, Tensor) or not t.is_floating_point():
                 raise ValueError(f"{name} must be a floating-point tensor")
             if tuple(t.shape) != shape:
                 raise ValueError(f"{name} must be [new_tokens, heads, head_dim] = {shape}, got {tuple(t.shape)}")
-            if t.numel() and not _all_finite(t):
+            if finite and t.numel() and not _all_finite(t):
                 raise ValueError(f"{name} contains NaN or inf; nothing was written")
 
     def _check_layer(self, layer: int) -> None:

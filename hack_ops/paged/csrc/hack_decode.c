@@ -151,7 +151,74 @@ static void run_item(const item_t *it, float *m_out, float *l_out, float *o_out,
         fp16_pv(a->sink_v + a->sink_slots[it->b] * a->sink_tokens * hd + it->h * d, (int)sinks, hd, d, rep, s, nt, o_out);
 }
 
+static int decode_f32(const hack_decode_args *a);
+
+/* a's queries, scaled, as float32 in a converted copy (free it); NULL on a failed allocation
+ * (*bad set on a q_dtype it does not know). Each value is float(q) * float(q_scale), what
+ * torch's q.float() * scale computes. */
+static float *scaled_q(const hack_decode_args *a, int *bad) {
+    const int64_t n = a->batch * a->heads * a->rep * a->head_dim;
+    *bad = a->q_dtype < 0 || a->q_dtype > 2;
+    if (*bad) return NULL;
+    float *f = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1));
+    if (!f) return NULL;
+    const float s = a->q_scale == 0.0 ? 1.0f : (float)a->q_scale;
+    const uint16_t *h = (const uint16_t *)a->q;
+    for (int64_t i = 0; i < n; i++) {
+        float v;
+        if (a->q_dtype == 0) {
+            v = a->q[i];
+        } else if (a->q_dtype == 1) {
+            const uint32_t bits = (uint32_t)h[i] << 16;
+            memcpy(&v, &bits, sizeof(v));
+        } else {
+            v = h2f(h[i]);
+        }
+        f[i] = v * s;
+    }
+    return f;
+}
+
+/* float -> bfloat16, rounded to nearest even; NaN -> 0x7fc0 (c10::BFloat16's conversion) */
+static inline uint16_t f2bf(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof(x));
+    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
 int hack_decode(const hack_decode_args *a) {
+    const int plain_q = a->q_dtype == 0 && (a->q_scale == 0.0 || a->q_scale == 1.0);
+    if (plain_q && a->out_dtype == 0) return decode_f32(a);
+    if (a->batch < 0 || a->heads < 0 || a->rep < 0 || a->head_dim < 0 || a->out_dtype < 0 || a->out_dtype > 1)
+        return -1;
+    const int64_t n = a->batch * a->heads * a->rep * a->head_dim;
+    hack_decode_args s = *a;
+    float *qf = NULL, *of = NULL;
+    if (!plain_q) {
+        int bad;
+        if (!(qf = scaled_q(a, &bad))) return bad ? -1 : -2;
+        s.q = qf;
+        s.q_dtype = 0;
+        s.q_scale = 0.0;
+    }
+    if (a->out_dtype == 1) {
+        if (!(of = (float *)malloc(sizeof(float) * (size_t)(n > 0 ? n : 1)))) { free(qf); return -2; }
+        s.out = of;
+        s.out_dtype = 0;
+    }
+    const int rc = decode_f32(&s);
+    if (rc == 0 && of) {
+        uint16_t *o16 = (uint16_t *)a->out;
+        for (int64_t i = 0; i < n; i++) o16[i] = f2bf(of[i]);
+    }
+    free(qf);
+    free(of);
+    return rc;
+}
+
+static int decode_f32(const hack_decode_args *a) {
     const int64_t B = a->batch, H = a->heads, rep = a->rep, d = a->head_dim, P = a->page_size;
     if (d > MAX_D || d % 64 || rep > MAX_REP || d / a->group > MAX_G || P > 256) return -1;
     if (a->head_tables && a->window >= 0) return -1; /* a per-head table shortens the sequence: no window then */

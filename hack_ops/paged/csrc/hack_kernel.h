@@ -62,8 +62,16 @@ typedef struct {
     const int64_t *k_open_off, *v_open_off; /* element offset of each query's open region */
     const uint8_t *k_pages, *v_pages;
     const uint16_t *k_open, *v_open, *sink_k, *sink_v; /* fp16, [.., H, D] per token */
-    const float *q;                                    /* [N, H*rep, D], already scaled */
+    const float *q;                                    /* [N, H*rep, D], in q_dtype */
     float *out;                                        /* [N, H*rep, D] */
+    /* q's element type (0 float32, 1 bfloat16, 2 float16) and the factor hack_decode applies to
+     * it on entry (the softmax scale; 0 or 1: none): the model's queries are converted here once
+     * per call instead of by torch calls around it. 0 with no factor: q is read as it is. */
+    int64_t q_dtype;
+    double q_scale;
+    /* out's element type: 0 float32, 1 bfloat16 (rounded to nearest even, as torch converts),
+     * so a bfloat16 model's output needs no conversion after the call */
+    int64_t out_dtype;
 } hack_decode_args;
 
 typedef struct {
