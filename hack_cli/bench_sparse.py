@@ -9,7 +9,8 @@ Per cell (shape x batch x context), measured side by side in one run on the same
                layer of a server's step makes it: one call through the step's prepared arguments
                and outputs; one level scores from the side tables' copies a server keeps
                (hack_ops.paged.side_copies)
-  select-B-first  the same at a step's first sparse layer, which prepares them (once a step)
+  select-B-first  the same at a step's first sparse layer, which prepares them (once a step;
+               one level)
   select-B-in-pages  the same selection reading the side tables inside the scattered pages
   bf16         torch SDPA over a contiguous BF16 cache of the same context (for scale)
 Reported: medians, sparse speedup over dense, and the selection's share of the sparse step. Each
@@ -150,10 +151,11 @@ def measure(shape: str, batch: int, context: int, budgets: list[int], score: str
         # layer, then one call a layer), and that first layer's preparation with it
         fns[f"select-{b}"] = lambda cfg=cfg, boxes=boxes, copies=copies: select_for_decode(
             case.store, 0, case.plan, case.q, cfg, boxes, copies, reuse=True)
-        fns[f"select-{b}-first"] = lambda cfg=cfg, boxes=boxes, copies=copies: (
-            forget_prepared(case.plan), select_for_decode(case.store, 0, case.plan, case.q, cfg, boxes, copies,
-                                                          reuse=True))
-        if copies is not None:  # the same selection from the side tables inside the scattered pages
+        if copies is not None:  # (one level: two levels are not prepared per step)
+            fns[f"select-{b}-first"] = lambda cfg=cfg, copies=copies: (
+                forget_prepared(case.plan), select_for_decode(case.store, 0, case.plan, case.q, cfg, None, copies,
+                                                              reuse=True))
+            # the same selection from the side tables inside the scattered pages
             fns[f"select-{b}-in-pages"] = lambda cfg=cfg: select_for_decode(case.store, 0, case.plan, case.q, cfg,
                                                                             reuse=True)
         probe = SparseDecode(cfg, boxes=boxes, copies=copies)

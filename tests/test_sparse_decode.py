@@ -530,6 +530,18 @@ def test_sparse_benchmark_cell_with_two_levels():
     assert r["selection_share"][1024] > 0 and r["speedup"][1024] > 0  # times are the benchmark's to judge
 
 
+def test_sparse_benchmark_cell_with_one_level_times_the_step_s_first_layer_too():
+    """One level: the selection from the copies, at a later layer (prepared) and at the step's
+    first (preparing), and reading the side tables in the pages."""
+    _need_kernel("native")
+    from hack_cli.bench_sparse import measure
+
+    r = measure("smollm2", 1, 4096, [1024], "bound", 0, 1)
+    assert set(r["ms"]) == {"dense", "bf16", "sparse-1024", "select-1024", "select-1024-first",
+                            "select-1024-in-pages"}
+    assert 0.2 < r["pages_read_fraction"][1024] < 0.3  # 16 of 64 pages
+
+
 def test_sparse_benchmark_starts_every_timed_call_from_cold_caches():
     """`hack bench sparse --cache cold` (the default): the flush runs before every timed call of
     every method, outside its timing; it writes a buffer larger than the hosts' last-level cache."""

@@ -82,3 +82,22 @@ def test_disabled_or_unread_inputs_take_the_torch_writes(monkeypatch):
 def _table_args(lens: list[int]):
     rows = [4, 1, 0][: len(lens)]
     return scattered_table(lens, P, 6, rows, 40, generator=torch.Generator().manual_seed(1)), rows, lens, [1] * len(lens)
+
+
+def test_token_rows_apart_as_in_a_fused_projection_are_read_in_place():
+    """K and V as SGLang hands them over: views into one [N, (Hq + 2 H) D] QKV output, each
+    token's H x D values contiguous, tokens a whole row apart."""
+    lens = [2 * P + 7, P + 20, 11]
+    (ref, mine), (pr, pm) = _stores_and_plan(lens)
+    k, v = _kv(3, 3, 64, torch.bfloat16, seed=4)
+    qkv = torch.randn(3, (9 + 6) * 64).to(torch.bfloat16)
+    kv = qkv[:, 9 * 64:].view(3, 2, 3, 64)
+    kv[:, 0], kv[:, 1] = k, v
+    ks, vs = qkv[:, 9 * 64:12 * 64].view(3, 3, 64), qkv[:, 12 * 64:].view(3, 3, 64)
+    assert not ks.is_contiguous() and torch.equal(ks, k) and torch.equal(vs, v)
+    append_to_tails(ref, 0, pr, k, v)
+    assert cpu_store.append_tails(mine, 0, pm, ks, vs)
+    for name in ("k", "v"):
+        assert torch.equal(ref.tails[name][0].view(torch.int16), mine.tails[name][0].view(torch.int16)), name
+    assert not cpu_store.append_tails(mine, 0, pm, ks.transpose(1, 2).contiguous().transpose(1, 2), vs)
+

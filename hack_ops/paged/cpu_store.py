@@ -63,7 +63,7 @@ def load(variant: str = "native") -> ctypes.CDLL | None:
         lib.hack_store.restype = ctypes.c_int
         lib.hack_store_sum.argtypes = [_P, _I64, _I64, _I64, _I64, _P]
         lib.hack_store_sum.restype = ctypes.c_int
-        lib.hack_append_tails.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P]
+        lib.hack_append_tails.argtypes = [_P, _P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I64, _I64]
         lib.hack_append_tails.restype = ctypes.c_int
     _bound[variant] = lib
     return lib
@@ -183,6 +183,13 @@ def _tail_slots(plan: ForwardPlan) -> tuple[Tensor, Tensor, bool]:
     return got
 
 
+def _token_rows(x: Tensor) -> bool:
+    """Whether each token's [H, D] values of x [N, H, D] are contiguous (tokens any stride apart,
+    as in a view of a fused QKV projection's output)."""
+    _, h, d = x.shape
+    return (x.stride(2) == 1 or d == 1) and (x.stride(1) == d or h == 1) and (x.stride(0) >= h * d or x.shape[0] <= 1)
+
+
 def append_tails(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v: Tensor,
                  variant: str = "native") -> bool:
     """write.append_to_tails in one compiled call, finiteness checked there (ValueError naming
@@ -197,11 +204,12 @@ def append_tails(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v
     dt = _IN_DTYPES.get(k.dtype)
     tail_k, tail_v = store.tail("k", layer), store.tail("v", layer)
     if (lib is None or dt is None or v.dtype is not k.dtype or tail_k is None or tail_v is None
-            or not (k.is_contiguous() and v.is_contiguous() and tail_k.is_contiguous() and tail_v.is_contiguous())):
+            or not (_token_rows(k) and _token_rows(v) and tail_k.is_contiguous() and tail_v.is_contiguous())):
         return False
     hd = store.num_heads * store.head_dim
     rc = lib.hack_append_tails(k.data_ptr(), v.data_ptr(), dt, k.shape[0], hd, tail_k.shape[1], rows.data_ptr(),
-                               offs.data_ptr(), tail_k.data_ptr(), tail_v.data_ptr())
+                               offs.data_ptr(), tail_k.data_ptr(), tail_v.data_ptr(),
+                               k.stride(0) if k.shape[0] > 1 else hd, v.stride(0) if v.shape[0] > 1 else hd)
     if rc in (-3, -4):
         raise ValueError(f"{'k' if rc == -3 else 'v'} contains NaN or inf; nothing was written")
     if rc != 0:

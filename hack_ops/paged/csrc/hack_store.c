@@ -664,26 +664,30 @@ int hack_store_sum(const float *e, int64_t n, int64_t cols, int64_t order, int64
 
 /* The store step of a forward that only appends to the FP16 tails (no page closes, no token is a
  * sink: HackKVStore.write's appends_only case, most decode steps): token t's K and V, hd = heads
- * x head_dim values each in dtype dt (IN_F32, IN_F16, IN_BF16), into slot offs[t] of tail row
- * rows[t] (tails [rows, p, hd] fp16), rounded to nearest as torch's .to(float16) does. Nothing
- * is written unless every value is finite: -3 when K holds a NaN or inf, -4 when V does; -1 for
- * bad arguments. One call instead of a dozen torch calls, each costing microseconds from the
- * cold caches a served layer starts from. */
+ * x head_dim contiguous values each in dtype dt (IN_F32, IN_F16, IN_BF16), token t's starting at
+ * element t * k_stride of k (t * v_stride of v: the model's V is often a view into a fused QKV
+ * output), into slot offs[t] of tail row rows[t] (tails [rows, p, hd] fp16), rounded to nearest
+ * as torch's .to(float16) does. Nothing is written unless every value is finite: -3 when K holds
+ * a NaN or inf, -4 when V does; -1 for bad arguments. One call instead of a dozen torch calls,
+ * each costing microseconds from the cold caches a served layer starts from. */
 int hack_append_tails(const void *k, const void *v, int64_t dt, int64_t n, int64_t hd, int64_t p,
-                      const int64_t *rows, const int64_t *offs, uint16_t *tail_k, uint16_t *tail_v) {
-    if (dt < IN_F32 || dt > IN_BF16 || n < 0 || hd < 1 || p < 1) return -1;
+                      const int64_t *rows, const int64_t *offs, uint16_t *tail_k, uint16_t *tail_v,
+                      int64_t k_stride, int64_t v_stride) {
+    if (dt < IN_F32 || dt > IN_BF16 || n < 0 || hd < 1 || p < 1 || k_stride < hd || v_stride < hd) return -1;
     for (int64_t t = 0; t < n; t++)
         if (rows[t] < 0 || offs[t] < 0 || offs[t] >= p) return -1;
-    for (int64_t i = 0; i < n * hd; i++)
-        if (!isfinite(load_in(k, i, (int)dt))) return -3;
-    for (int64_t i = 0; i < n * hd; i++)
-        if (!isfinite(load_in(v, i, (int)dt))) return -4;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < hd; c++)
+            if (!isfinite(load_in(k, t * k_stride + c, (int)dt))) return -3;
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < hd; c++)
+            if (!isfinite(load_in(v, t * v_stride + c, (int)dt))) return -4;
     for (int64_t t = 0; t < n; t++) {
         _Float16 *dk = (_Float16 *)tail_k + (rows[t] * p + offs[t]) * hd;
         _Float16 *dv = (_Float16 *)tail_v + (rows[t] * p + offs[t]) * hd;
         for (int64_t c = 0; c < hd; c++) {
-            dk[c] = (_Float16)load_in(k, t * hd + c, (int)dt);
-            dv[c] = (_Float16)load_in(v, t * hd + c, (int)dt);
+            dk[c] = (_Float16)load_in(k, t * k_stride + c, (int)dt);
+            dv[c] = (_Float16)load_in(v, t * v_stride + c, (int)dt);
         }
     }
     return 0;
