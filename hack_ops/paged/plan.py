@@ -103,7 +103,9 @@ def build_plan(req_to_token: Tensor, rows, seq_lens, ext_lens, page_size: int) -
     prefix_t = seq_t - ext_t
     npg = (seq_t + p - 1) // p
     max_pages = int(npg.max())
-    table = req_to_token[rows_t][:, : max_pages * p : p].to(torch.long)
+    # each page's first slot, the columns taken before the rows (gathering whole rows first copied
+    # the pool's full context width per request every step)
+    table = req_to_token[:, : max_pages * p : p][rows_t].to(torch.long)
     if table.shape[1] < max_pages:  # req_to_token narrower than whole pages: pad the view
         table = torch.nn.functional.pad(table, (0, max_pages - table.shape[1]))
     used = torch.arange(max_pages)[None, :] < npg[:, None]
