@@ -388,7 +388,7 @@ static int choose_two_level(const hack_choose_args *c, const hack_decode_args *d
     /* the candidates' side tables are one head's slice of pages far apart: fetched SEL_AHEAD
      * candidates ahead, or each page waits on memory (the one-level pass reads every head of a
      * page at once, in page order, and the hardware prefetches it) */
-#define SEL_AHEAD 16384
+#define SEL_AHEAD 8
     int64_t cand[SEL_AHEAD], nq = 0, done = 0, next = 1; /* a ring: cand[done % SEL_AHEAD] is scored next */
     m = 0;
     for (;;) {
