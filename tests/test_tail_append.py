@@ -73,7 +73,7 @@ def test_disabled_or_unread_inputs_take_the_torch_writes(monkeypatch):
     assert not cpu_store.append_tails(a, 0, pa, k, v)  # a dtype the kernel does not read
     a.write(0, pa, k, v)
     monkeypatch.setenv("HACK_CPU_STORE", "0")
-    _, plan = b, b.plan(*_table_args(lens))
+    plan = b.plan(*_table_args(lens))
     assert not cpu_store.append_tails(b, 0, plan, k.float(), v.float())  # (read once per plan)
     b.write(0, plan, k, v)
     assert torch.equal(a.tails["k"][0], b.tails["k"][0]) and torch.equal(a.tails["v"][0], b.tails["v"][0])
@@ -81,7 +81,8 @@ def test_disabled_or_unread_inputs_take_the_torch_writes(monkeypatch):
 
 def _table_args(lens: list[int]):
     rows = [4, 1, 0][: len(lens)]
-    return scattered_table(lens, P, 6, rows, 40, generator=torch.Generator().manual_seed(1)), rows, lens, [1] * len(lens)
+    table = scattered_table(lens, P, 6, rows, 40, generator=torch.Generator().manual_seed(1))
+    return table, rows, lens, [1] * len(lens)
 
 
 def test_token_rows_apart_as_in_a_fused_projection_are_read_in_place():

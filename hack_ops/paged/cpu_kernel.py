@@ -240,8 +240,10 @@ def _attend_i64(store, layer: int, q: torch.Tensor, scale: float, seq: torch.Ten
     out_code = OUT_DTYPES.get(out_dtype)
     out = torch.empty(n, hq, d, dtype=torch.float32 if out_code is None else out_dtype)
     a.batch, a.max_pages, a.nthreads, a.out_dtype = n, table.shape[1], torch.get_num_threads(), out_code or 0
-    a.window, a.logit_cap, a.head_tables = -1 if window is None else int(window), float(logit_cap or 0.0), int(head_tables)
-    a.seq_lens, a.n_closed, a.page_table, a.table_rows = seq.data_ptr(), ncl.data_ptr(), table.data_ptr(), trows.data_ptr()
+    a.window = -1 if window is None else int(window)
+    a.logit_cap, a.head_tables = float(logit_cap or 0.0), int(head_tables)
+    a.seq_lens, a.n_closed = seq.data_ptr(), ncl.data_ptr()
+    a.page_table, a.table_rows = table.data_ptr(), trows.data_ptr()
     a.sink_slots, a.k_open_off, a.v_open_off = sinks.data_ptr(), koff.data_ptr(), voff.data_ptr()
     a.k_open, a.v_open = _ptr(k_open), _ptr(v_open)
     a.q, a.q_dtype, a.q_scale, a.out = q.data_ptr(), code, float(scale), out.data_ptr()

@@ -215,4 +215,3 @@ def append_tails(store: "KVBuffers", layer: int, plan: ForwardPlan, k: Tensor, v
     if rc != 0:
         raise RuntimeError("the compiled tail append rejected its arguments")
     return True
-

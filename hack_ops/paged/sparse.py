@@ -84,8 +84,9 @@ class PageSelection:
     def kernel_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
         """What the CPU decode kernel reads (int64, contiguous): the shortened lengths, the
         closed pages below them (lengths // page size) and the per-head table [B * H, W]."""
-        return (self.seq_lens.to(torch.int64).contiguous(), (self.seq_lens // self.page_size).to(torch.int64).contiguous(),
-                self.table.reshape(-1, self.table.shape[-1]).to(torch.int64).contiguous())
+        seq = self.seq_lens.to(torch.int64).contiguous()
+        return seq, (seq // self.page_size).contiguous(), self.table.reshape(-1, self.table.shape[-1]).to(
+            torch.int64).contiguous()
 
     def head_csr_from_host(self, n_pages: list[int]) -> tuple[Tensor, Tensor]:
         """head_csr() without reading the selection back from its device (a boolean gather

@@ -230,8 +230,9 @@ class HackKVStore:
         """Store the new tokens' K and V ([N, H, D], N = plan.num_new_tokens) of one layer.
 
         backend 'auto': a plan whose tokens only append to FP16 tails (most decode steps) is one
-        compiled call on the CPU (cpu_store.append_tails; else two index writes); otherwise the compiled store when it covers the configuration
-        (cpu_store.why_not), else the PyTorch reference. All leave the same bytes (tested)."""
+        compiled call on the CPU (cpu_store.append_tails; else two index writes); otherwise the
+        compiled store when it covers the configuration (cpu_store.why_not), else the PyTorch
+        reference. All leave the same bytes (tested)."""
         self._check_layer(layer)
         backend = backend if type(backend) is StoreBackend else StoreBackend(backend)
         if backend == StoreBackend.AUTO and self.device.type == "cpu" and self._appends_only(plan):
