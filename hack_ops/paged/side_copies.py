@@ -81,7 +81,8 @@ class SideTableCopies(RequestPageCache[_Entry]):
         self.refused = 0  # (request, layer) selections read in the pages because of the cap
         self.shared = 0  # requests that took another's copy of their prefix
         self._full: ForwardPlan | None = None  # the forward in which the cap was met (no more growth)
-        self._nbytes: int | None = 0  # what nbytes says (None: entries or buffers changed since)
+        # what nbytes says and the entries' version it was summed at (None: a buffer grew since)
+        self._nbytes: tuple[int, int] | None = None
         # per layer, pointers()'s last answer and what it was for (the entries' version, the
         # requests' closed pages, the store): a decode step whose requests closed no page since
         # the last one gets the same answer without a Python pass over its requests
@@ -90,20 +91,12 @@ class SideTableCopies(RequestPageCache[_Entry]):
     @property
     def nbytes(self) -> int:
         """Bytes held (capacity, every copy and layer; a shared copy once). Summed again only
-        after entries or buffers changed: a server reads it after every selection."""
-        if self._nbytes is None:
+        after entries changed (the version) or a buffer grew: a server reads it after every
+        selection."""
+        if self._nbytes is None or self._nbytes[0] != self.version:
             copies = {id(e.copy): e.copy for e in self._entries.values() if e.copy is not None}
-            self._nbytes = sum(t.numel() for c in copies.values() for t in c.rows.values())
-        return self._nbytes
-
-    def begin(self, plan: ForwardPlan, keys: list | None = None) -> None:
-        if plan is not self._plan:  # entries of requests gone or changed are dropped
-            self._nbytes = None
-        super().begin(plan, keys)
-
-    def forget(self, rows: list[int], keys: list | None = None) -> None:
-        super().forget(rows, keys)
-        self._nbytes = None
+            self._nbytes = (self.version, sum(t.numel() for c in copies.values() for t in c.rows.values()))
+        return self._nbytes[1]
 
     def pointers(self, store, layer: int, plan: ForwardPlan, closed: list[int]
                  ) -> tuple[ctypes.Array, ctypes.Array, int]:
@@ -146,8 +139,7 @@ class SideTableCopies(RequestPageCache[_Entry]):
         """Gives entry e (request b, `want` closed pages) a copy: the share of another request's
         where their tables agree on a cached prefix (SHARE_MIN of its pages, found only for a new
         entry), else its own."""
-        self._nbytes = None  # a copy it leaves may have been its last holder's
-        self.version += 1
+        self.version += 1  # (a copy it leaves may have been its last holder's: nbytes is summed again)
         best, lcp = None, 0
         if e.copy is None:
             row = plan.page_table[b, :want].to(torch.long)

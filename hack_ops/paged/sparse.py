@@ -302,6 +302,15 @@ def _score_args(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageScor
     return a
 
 
+def _check_rc(rc: int, kernel: str, allocation: str, store, q: Tensor) -> None:
+    """A selection kernel's return code as the error it stands for (0: none)."""
+    if rc == -2:
+        raise MemoryError(f"the {kernel} kernel could not allocate {allocation}")
+    if rc != 0:
+        raise RuntimeError(f"the {kernel} kernel rejected the geometry (head_dim {q.shape[2]}, "
+                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+
+
 SEL_MAX_QD = 16384  # csrc/hack_select.c: query heads x head_dim of one request
 
 
@@ -329,11 +338,7 @@ def kernel_scores(store, layer: int, plan: ForwardPlan, q: Tensor, score: PageSc
     keep: list = []
     a = _score_args(store, layer, plan, q, score, keep)
     rc = _library().hack_page_scores(ctypes.byref(a))
-    if rc == -2:
-        raise MemoryError("the page-score kernel could not allocate its float queries")
-    if rc != 0:
-        raise RuntimeError(f"the page-score kernel rejected the geometry (head_dim {q.shape[2]}, "
-                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    _check_rc(rc, "page-score", "its float queries", store, q)
     return keep[3]
 
 
@@ -413,11 +418,7 @@ def kernel_select(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: SparseCo
     else:
         a.s.copies = a.s.copied = None
     rc = _library().hack_select_pages(ctypes.byref(a))
-    if rc == -2:
-        raise MemoryError("the page-selection kernel could not allocate its heap or its float queries")
-    if rc != 0:
-        raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
-                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    _check_rc(rc, "page-selection", "its heap or its float queries", store, q)
     return PageSelection(page_size=p, positions=positions, table=table, n_closed=count,
                          seq_lens=seq_lens, resident=_plan_inputs(plan, p).n_closed)
 
@@ -512,11 +513,7 @@ def _select_in_step(store, layer: int, plan: ForwardPlan, q: Tensor, cfg: Sparse
         return _NOT_PREPARED
     ptrs, held, cb = copies.pointers(store, layer, plan, st.closed) if copies is not None else (None, None, 0)
     rc = st.call(st.args, lc.args, q.data_ptr(), ptrs, held, cb)
-    if rc == -2:
-        raise MemoryError("the page-selection kernel could not allocate its heap or its float queries")
-    if rc != 0:
-        raise RuntimeError(f"the page-selection kernel rejected the geometry (head_dim {q.shape[2]}, "
-                           f"{q.shape[1] // store.num_heads} query heads per KV head)")
+    _check_rc(rc, "page-selection", "its heap or its float queries", store, q)
     return st.selection
 
 
