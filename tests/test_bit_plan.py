@@ -203,3 +203,42 @@ def test_the_calibration_spends_the_budget_by_score_per_byte():
     assert heads["head_plan_score_share"] == pytest.approx((0.30 + 0.20 / 3 * 2) / 0.80)
     flat = head_analysis(scores, {t: torch.ones(30, 3) for t in "kv"}, torch.rand(30, 3), [(21, "k")])
     assert flat["head_plan_score_share"] == pytest.approx(flat["layer_plan_score_share"]) and not flat["heads_matter_more"]
+
+
+def test_a_round_spends_up_to_its_share_and_joins_the_plan_so_far():
+    from hack_eval.calibrate import choose
+
+    geo = (30, 3, 64)
+    scores = {(layer, t): 0.0 for layer in range(30) for t in "kv"}
+    scores.update({(21, "k"): 0.30, (18, "k"): 0.20, (18, "v"): 0.15, (0, "v"): 0.10, (5, "k"): -0.05})
+    one = model_bytes_per_token(HackConfig(four_bit_k_layers=(21,)), 30, 3, 64, 4096)["ratio"] \
+        - model_bytes_per_token(HackConfig(), 30, 3, 64, 4096)["ratio"]
+    assert choose(scores, geo, 1.0, 4096, spend=one * 2.5) == [(18, "k"), (21, "k")]
+    assert choose(scores, geo, 1.0, 4096, spend=0.0) == [(21, "k")]  # the first always
+    # what the plan holds is not taken again, and the budget counts it
+    assert choose(scores, geo, 1.0, 4096, picks=[(21, "k")], spend=one * 1.5) == [(18, "k")]
+    base = model_bytes_per_token(HackConfig(four_bit_k_layers=(21,)), 30, 3, 64, 4096)["ratio"]
+    assert choose(scores, geo, base + one * 0.5, 4096, picks=[(21, "k")]) == []
+    assert (5, "k") not in choose(scores, geo, 1.0, 4096)  # a tensor that costs loss is never raised
+
+
+def test_a_candidate_scores_the_share_of_each_loss_it_takes_back():
+    from hack_eval.calibrate import Loss, scores_from_gains
+
+    plain = Loss(kl=0.2, answer_nll=5.0)
+    base = Loss(kl=0.1, answer_nll=3.0)  # half of plain's 4-nat rise over exact still lost
+    cands = {(3, "k"): Loss(kl=0.05, answer_nll=3.0), (4, "v"): Loss(kl=0.1, answer_nll=2.0),
+             (5, "k"): Loss(kl=0.12, answer_nll=3.5)}
+    s = scores_from_gains(plain, 1.0, base, cands)
+    assert s[(3, "k")]["score"] == pytest.approx(0.05 / 0.2)
+    assert s[(4, "v")]["score"] == pytest.approx(1.0 / 4.0)
+    assert s[(5, "k")]["score"] == pytest.approx(-0.02 / 0.2 - 0.5 / 4.0)
+    assert s[(5, "k")]["kl_gain"] == pytest.approx(-0.02) and s[(4, "v")]["answer_nll_gain"] == pytest.approx(1.0)
+    # where the plain format lost nothing of the answer, the answer adds nothing
+    flat = scores_from_gains(Loss(0.2, 1.0), 1.0, base, cands)
+    assert flat[(4, "v")]["score"] == pytest.approx(0.0)
+    # nor once the plan keeps it (a rise of 1 of plain's 4 nats, or under a nat), nor where plain's
+    # own rise is under a nat: the KL alone decides
+    for plain_, base_ in ((plain, Loss(0.1, 2.0)), (Loss(0.2, 1.5), Loss(0.1, 1.5)), (plain, Loss(0.1, 1.9))):
+        kept = scores_from_gains(plain_, 1.0, base_, cands)
+        assert kept[(4, "v")]["score"] == pytest.approx((base_.kl - 0.1) / 0.2, abs=1e-9)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +215,20 @@ def test_accuracy_bits_plan_sparse_rows_read_the_plan():
     bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--bits-plan", "--sparse-refine",
                           "2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "give --sparse-budgets too" in bad.stderr, bad.stderr[-500:]
+
+
+def test_accuracy_plan_files_add_rows_for_the_same_model_only():
+    """--bits-plan --plan-file: a row for the file's plan next to the shipped one; a plan measured on
+    other weights is refused with both hashes; --plan-file without --bits-plan is refused."""
+    from hack_cli.cmd_eval import _plan_variants
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "study" / "plans"
+    rows = _plan_variants("smollm2", ["dequant"], plan_files=[str(root / "smollm2-2026-11-26.json")])
+    old = [r for r in rows if r.name == "default, bit plan smollm2-2026-11-26.json"]
+    assert len(old) == 1 and old[0].mode == "dequant"
+    assert old[0].config.four_bit_k_layers == (4, 5, 7, 8, 10, 17, 18, 23)  # the file's plan, not the shipped one
+    with pytest.raises(ValueError, match="was measured for model"):
+        _plan_variants("smollm2", ["dequant"], plan_files=[str(root / "gemma3-2026-11-26.json")])
+    bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--plan-file",
+                          str(root / "smollm2-2026-11-26.json")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "give --bits-plan too" in bad.stderr, bad.stderr[-500:]
