@@ -29,7 +29,7 @@ choice is decisive:
   ~700 tokens back, which only the 3 full-attention layers can read. Of 6 such prompts BF16
   reproduces the passage for all 24 tokens in 4; the greedy bar GREEDY_MIN holds on those 4 for
   the plan's server. Measured there (common prefix with BF16, of 24): every layer at 2 bits 0, 5,
-  0, 0 (0.05 of the length: the 2-bit full layers lose the passage); the plan with the dense
+  0, 0 (0.05 of the length: the 2-bit full layers lose the passage); the plan of 2026-11-26 with the dense
   prefill 16, 24, 22, 24 (0.90, 2026-11-27).
 The price is capacity: the plan holds fewer tokens than the all-2-bit server in the same budget
 (test_capacity_same_budget; docs/engine.md states the target it misses).
