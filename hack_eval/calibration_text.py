@@ -49,9 +49,13 @@ class CalibrationText(str, enum.Enum):
     GSM8K = "gsm8k"
 
 
+def _gsm8k_path() -> Path:
+    return Path(os.environ.get(ENV_VAR) or DEFAULT_PATH)
+
+
 def text_path() -> Path:
     """The GSM8K JSONL: $HACK_CALIBRATION_TEXT, else GSM8K's training split in shared/."""
-    path = Path(os.environ.get(ENV_VAR) or DEFAULT_PATH)
+    path = _gsm8k_path()
     if not path.is_file():
         raise FileNotFoundError(f"no calibration text at {path}: set {ENV_VAR} to a JSONL file of "
                                 "{\"question\", \"answer\"} rows (GSM8K's train.jsonl)")
@@ -187,7 +191,7 @@ def describe(text: CalibrationText | str) -> str:
     text = CalibrationText(text)
     parts = {CalibrationText.PLAYS: f"the last {HELD_OUT_PLAYS} Shakespeare plays (held out of the accuracy study)",
              CalibrationText.CHAT: f"ShareGPT conversations past the first {CHAT_FIRST}",
-             CalibrationText.GSM8K: f"{text_path().parent.name}/{text_path().name} (GSM8K train less the workloads' "
-                                    "sample)"}
+             CalibrationText.GSM8K: f"{_gsm8k_path().parent.name}/{_gsm8k_path().name} (GSM8K train less the "
+                                    "workloads' sample)"}
     kinds = list(parts) if text == CalibrationText.MIX else [text]
     return "; ".join(parts[k] for k in kinds) + ", an access code hidden in each item"

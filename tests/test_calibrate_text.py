@@ -72,3 +72,16 @@ def test_items_hold_their_needle_and_answer(tok):
     assert "Question:" in tok.decode(list(gsm.ids)) and gsm.source == CalibrationText.GSM8K
     with pytest.raises(ValueError):
         build_items(tok, 100, 1)
+
+
+def test_without_the_gsm8k_file_only_its_items_are_refused(tok, monkeypatch, tmp_path):
+    """Where the GSM8K file is missing, a mix that needs it stops before any measurement, naming the
+    path; plays and chat items need nothing outside the packages, and a plan's description does not
+    read the file."""
+    from hack_eval.calibration_text import ENV_VAR, describe
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "absent.jsonl"))
+    with pytest.raises(FileNotFoundError, match="absent.jsonl"):
+        build_items(tok, 512, 3)
+    assert [it.source for it in build_items(tok, 512, 2)] == [CalibrationText.PLAYS, CalibrationText.CHAT]
+    assert "absent.jsonl" in describe("mix")
