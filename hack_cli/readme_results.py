@@ -159,13 +159,15 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Accuracy, SmolLM2-135M", (
         Source("docs/study/accuracy-smollm2-2k-plan-rounds.json",
-               lambda d: f"perplexity {_x3(_row(d, 'default, calibrated bit plan', 'hack')['ppl_ratio'])} of exact "
-                         f"(2K; plain 2-bit {_x3(_row(d, 'default, plain 2-bit', 'hack')['ppl_ratio'])})",
+               lambda d: f"perplexity {_x3(_row(d, 'default, bit plan smollm2-2026-11-26.json', 'hack')['ppl_ratio'])} "
+                         f"of exact (2K; plain 2-bit {_x3(_row(d, 'default, plain 2-bit', 'hack')['ppl_ratio'])})",
                "docs/accuracy.md#today", NO_AMX, "2026-12-02", "hack eval accuracy --bits-plan"),
-        Source("docs/study/retrieval-smollm2-4k-served-plan-rounds.json",
+        Source("docs/study/retrieval-smollm2-4k-served-sparse.json",
                lambda d: f"pass key at 4K, served, calibrated bits (default) "
-                         f"{_pct(_row(d, 'hack', 'served')['accuracy'], 0)} of {_row(d, 'hack', 'served')['items']}, "
-                         f"BF16 {_pct(_row(d, 'bf16', 'served')['accuracy'], 0)}",
+                         f"{_pct(_row(d, 'hack', 'served')['accuracy'], 0)} of {_row(d, 'hack', 'served')['items']}",
+               "docs/accuracy.md#today", NO_AMX, "2026-11-29", "hack eval retrieval --served hack,..."),
+        Source("docs/study/retrieval-smollm2-4k-served-plan-rounds.json",
+               lambda d: f"BF16 {_pct(_row(d, 'bf16', 'served')['accuracy'], 0)} (the same items)",
                "docs/accuracy.md#today", NO_AMX, "2026-12-02", "hack eval retrieval --served bf16,hack"),
         Source("docs/study/retrieval-smollm2-4k-served.json",
                lambda d: f"plain 2-bit {_pct(_row(d, 'hack', 'served')['accuracy'], 0)}",
