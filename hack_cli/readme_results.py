@@ -72,6 +72,19 @@ def _row(d: dict, variant: str, mode: str) -> dict:
     return next(r for r in d["rows"] if r["variant"] == variant and r["mode"] == mode)
 
 
+def _ppl_against_plain(d: dict, variant: str) -> str:
+    """A `hack eval accuracy --bits-plan` run's perplexity for `variant` (the shipped plan's row), with
+    the plain 2-bit format's beside it."""
+    ratio = lambda v: _x3(_row(d, v, "hack")["ppl_ratio"])  # noqa: E731
+    return f"perplexity {ratio(variant)} of exact (2K; plain 2-bit {ratio('default, plain 2-bit')})"
+
+
+def _served_pass_key(d: dict) -> str:
+    """A `hack eval retrieval --served` run's pass keys found by the default HACK server."""
+    r = _row(d, "hack", "served")
+    return f"pass key at 4K, served, calibrated bits (default) {_pct(r['accuracy'], 0)} of {r['items']}"
+
+
 def _gpu_decode(d: dict) -> str:
     r = [c["hack_vs_bf16"] for c in d["results"] if c["phase"] == "decode"]
     return f"Triton: {_x(min(r))}-{_x(max(r))} (slower; {len(r)} cells)"
@@ -159,12 +172,10 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Accuracy, SmolLM2-135M", (
         Source("docs/study/accuracy-smollm2-2k-plan-rounds.json",
-               lambda d: f"perplexity {_x3(_row(d, 'default, bit plan smollm2-2026-11-26.json', 'hack')['ppl_ratio'])} "
-                         f"of exact (2K; plain 2-bit {_x3(_row(d, 'default, plain 2-bit', 'hack')['ppl_ratio'])})",
+               lambda d: _ppl_against_plain(d, "default, bit plan smollm2-2026-11-26.json"),
                "docs/accuracy.md#today", NO_AMX, "2026-12-02", "hack eval accuracy --bits-plan"),
         Source("docs/study/retrieval-smollm2-4k-served-sparse.json",
-               lambda d: f"pass key at 4K, served, calibrated bits (default) "
-                         f"{_pct(_row(d, 'hack', 'served')['accuracy'], 0)} of {_row(d, 'hack', 'served')['items']}",
+               _served_pass_key,
                "docs/accuracy.md#today", NO_AMX, "2026-11-29", "hack eval retrieval --served hack,..."),
         Source("docs/study/retrieval-smollm2-4k-served-plan-rounds.json",
                lambda d: f"BF16 {_pct(_row(d, 'bf16', 'served')['accuracy'], 0)} (the same items)",
@@ -176,12 +187,10 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Accuracy, Gemma-3-270M", (
         Source("docs/study/accuracy-gemma3-2k-plan-rounds.json",
-               lambda d: f"perplexity {_x3(_row(d, 'default, calibrated bit plan', 'hack')['ppl_ratio'])} of exact "
-                         f"(2K; plain 2-bit {_x3(_row(d, 'default, plain 2-bit', 'hack')['ppl_ratio'])})",
+               lambda d: _ppl_against_plain(d, "default, calibrated bit plan"),
                "docs/accuracy.md#today", NO_AMX, "2026-12-01", "hack eval accuracy --model gemma3 --bits-plan"),
         Source("docs/study/retrieval-gemma3-4k-served-plan-rounds.json",
-               lambda d: f"pass key at 4K, served, calibrated bits (default) {_pct(_row(d, 'hack', 'served')['accuracy'], 0)}"
-                         f" of {_row(d, 'hack', 'served')['items']}",
+               _served_pass_key,
                "docs/accuracy.md#today", NO_AMX, "2026-12-01", "hack eval retrieval --model gemma3 --served hack"),
         Source("docs/study/retrieval-gemma3-4k-served-50.json",
                lambda d: f"BF16 {_pct(_row(d, 'bf16', 'served')['accuracy'], 0)} of 50 (the same items), plain 2-bit "

@@ -369,9 +369,9 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
         scored = scores_from_gains(plain, exact_nll, base, cand)
         if not rounds:
             first = scored
-        room = budget - _ratio(_config(picks), geo, ctx)
-        taken = choose({k: v["score"] for k, v in scored.items()}, geo, budget, ctx, picks, spend=room / 2)
-        cost = {k: _ratio(_config(picks + [k]), geo, ctx) - _ratio(_config(picks), geo, ctx) for k in candidates}
+        here = _ratio(_config(picks), geo, ctx)
+        taken = choose({k: v["score"] for k, v in scored.items()}, geo, budget, ctx, picks, spend=(budget - here) / 2)
+        cost = {k: _ratio(_config(picks + [k]), geo, ctx) - here for k in candidates}
         ranked = sorted(candidates, key=lambda k: (-scored[k]["score"] / max(cost[k], 1e-12), k))
         rounds.append({"base": {"kl": base.kl, "answer_nll": base.answer_nll}, "measured": len(candidates),
                        "retrieval_scored": not retrieval_kept(plain, exact_nll, base),
@@ -394,8 +394,10 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
     planned = [s.score(Variant("plan", "dequant", plan_cfg)) for s in scorers]
     plain_rows = [s.score(Variant("plain", "dequant", cfg)) for s in scorers]
     heads = head_analysis({k: v["score"] for k, v in first.items()}, err, needle, picks)
-    row = lambda rows: {"kl": _mean(rows).kl, "answer_nll": _mean(rows).answer_nll,  # noqa: E731
-                        "answered": sum(r.answered for r in rows)}
+    def row(rows: list[Loss]) -> dict:
+        mean = _mean(rows)
+        return {"kl": mean.kl, "answer_nll": mean.answer_nll, "answered": sum(r.answered for r in rows)}
+
     measurements = {
         "method": "rounds of marginal gains from the plan so far (hack_eval.calibrate)",
         "per_layer": [{"layer": layer,
