@@ -50,22 +50,38 @@ def run_served_fidelity(model_name: str, methods: list[str], prompts: int = 6, n
             log(f"[{m}] {len(items)} prompts done")
         finally:
             server.stop()
-    ref = outputs["bf16"]
+    return {"model": model_name, "prompts": prompts, "prompt_tokens": [len(p) for p in items],
+            "new_tokens": n_new, "budget_mb": budget_mb, "rows": fidelity_rows(outputs, args, n_new)}
+
+
+def fidelity_rows(outputs: dict[str, list[list[int]]], args: dict[str, list[str]], n_new: int) -> list[dict]:
+    """Per method, its common prefixes with the BF16 server's continuations and their share of the
+    length; where the fp32 server ran, the same against its continuations as well
+    ('agreement_fp32'): how far each method, BF16 included, stays from unrounded arithmetic."""
     rows = []
     for m, outs in outputs.items():
-        pre = [common_prefix(r, o) for r, o in zip(ref, outs)]
-        rows.append({"method": m, "config": " ".join(args[m]), "prefixes": pre,
-                     "agreement": sum(pre) / (n_new * len(items))})
-    return {"model": model_name, "prompts": prompts, "prompt_tokens": [len(p) for p in items],
-            "new_tokens": n_new, "budget_mb": budget_mb, "rows": rows}
+        row = {"method": m, "config": " ".join(args[m])}
+        for ref, key in (("bf16", ""), ("fp32", "_fp32")):
+            if ref in outputs:
+                pre = [common_prefix(r, o) for r, o in zip(outputs[ref], outs)]
+                row["prefixes" + key] = pre
+                row["agreement" + key] = sum(pre) / (n_new * len(outs)) if outs else 0.0
+        rows.append(row)
+    return rows
 
 
 def render_fidelity(res: dict, command: str) -> str:
+    fp32 = all("agreement_fp32" in r for r in res["rows"])
     lines = ["# Prefill fidelity through real servers", "",
              f"Model {res['model']}, {res['prompts']} ShareGPT first turns ({', '.join(map(str, res['prompt_tokens']))} "
              f"tokens), {res['new_tokens']} greedy tokens, KV budget {res['budget_mb']:g} MB per server, radix cache "
              "off. Each method's common prefix with the BF16 server's continuation:", "", "```", command, "```", "",
-             "| method | config | prefixes | of the length |", "|---|---|---|---|"]
+             "| method | config | prefixes | of the length |" + (" of the length, against fp32 |" if fp32 else ""),
+             "|---|---|---|---|" + ("---|" if fp32 else "")]
     for r in res["rows"]:
-        lines.append(f"| {r['method']} | {r['config']} | {', '.join(map(str, r['prefixes']))} | {r['agreement']:.2f} |")
+        lines.append(f"| {r['method']} | {r['config']} | {', '.join(map(str, r['prefixes']))} | {r['agreement']:.2f} |"
+                     + (f" {r['agreement_fp32']:.2f} |" if fp32 else ""))
+    if fp32:
+        lines += ["", "fp32 is the same model in float32 weights and KV cache: the BF16 server's own distance from "
+                  "unrounded arithmetic is its row's first share, the floor under any lossy KV format's."]
     return "\n".join(lines) + "\n"

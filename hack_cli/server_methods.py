@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 METHODS = {
     "bf16": ["--attention-backend", "torch_native"],
+    # the same model with float32 weights and KV: what the BF16 server computes, without its
+    # rounding (the yardstick for how far BF16 itself stays from exact arithmetic)
+    "fp32": ["--attention-backend", "torch_native", "--dtype", "float32"],
     "hack": ["--kv-cache-dtype", "hack"],  # the server's defaults, --hack-bits auto (the calibrated plan) included
     "hack-2bit": ["--kv-cache-dtype", "hack", "--hack-4bit-layers", "none"],  # every layer at 2 bits (no plan)
     # every code at 4 bits (no plan): ~31% of BF16's bytes, the format's near-lossless ceiling
