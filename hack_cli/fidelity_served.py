@@ -76,12 +76,14 @@ def render_fidelity(res: dict, command: str) -> str:
              f"Model {res['model']}, {res['prompts']} ShareGPT first turns ({', '.join(map(str, res['prompt_tokens']))} "
              f"tokens), {res['new_tokens']} greedy tokens, KV budget {res['budget_mb']:g} MB per server, radix cache "
              "off. Each method's common prefix with the BF16 server's continuation:", "", "```", command, "```", "",
-             "| method | config | prefixes | of the length |" + (" of the length, against fp32 |" if fp32 else ""),
+             "| method | config | prefixes | of the length |"
+             + (" of the length, against fp32 |" if fp32 else ""),
              "|---|---|---|---|" + ("---|" if fp32 else "")]
     for r in res["rows"]:
         lines.append(f"| {r['method']} | {r['config']} | {', '.join(map(str, r['prefixes']))} | {r['agreement']:.2f} |"
                      + (f" {r['agreement_fp32']:.2f} |" if fp32 else ""))
     if fp32:
-        lines += ["", "fp32 is the same model in float32 weights and KV cache: the BF16 server's own distance from "
-                  "unrounded arithmetic is its row's first share, the floor under any lossy KV format's."]
+        lines += ["", "fp32 is the same model in float32 weights and KV cache: the bf16 row's share against fp32 "
+                  "is how far BF16's own rounding takes greedy decoding from unrounded arithmetic, the yardstick "
+                  "for any lossy KV format's row."]
     return "\n".join(lines) + "\n"
