@@ -14,12 +14,13 @@ from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS, RaisedTensors
 from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode
 from hack_ops.paged.chunk_codes import layout_refusal
 from hack_ops.rotation import Rotation
-from hack_ops.sparse import PageScore, SparseConfig
+from hack_ops.sparse import SparseConfig
 from hack_ops.static_keep import KeepUnit, StaticKeep
 
 from .bit_plans import bits_spec
 from .layer_sets import LayerSet, LayerSpec, parse_layer_set
 from .settings import BACKEND_NAME, KV_CACHE_DTYPE, EngineSettings
+from .sparse_choice import ScoreChoice
 
 # How every --hack-4bit-layers / --4bit-layers flag shows its value: indices or a LayerSet's name.
 LAYER_SPEC_METAVAR = "L,L,...|" + "|".join(m.value for m in LayerSet)
@@ -189,11 +190,12 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         help="Sparse decode: a layer's selection is reused by the next K-1 sparse layers (MPCache's "
              "layer-wise index sharing; default 1: every layer selects its own).")),
     "hack_sparse_score": ("--hack-sparse-score", dict(
-        choices=[s.value for s in PageScore],
-        help="Sparse decode: how a page is scored: bound (default; the exact upper bound of q.k over the "
-             "page; the better on 64-channel heads such as SmolLM2's) or linear (MPCache's stand-in, "
-             "q.(0.6 max + 0.4 min); the better on 256-channel heads such as Gemma-3's, with --hack-sparse-refine 2: "
-             "docs/sparse.md).")),
+        choices=[s.value for s in ScoreChoice],
+        help="Sparse decode: how a page is scored: auto (default: by the model's head width, chosen at startup "
+             "and logged: the bound on heads of up to 128 channels, linear refined twice on wider ones; "
+             "engine/sparse_choice.py), bound (the exact upper bound of q.k over the page; the better on "
+             "64-channel heads such as SmolLM2's) or linear (MPCache's stand-in, q.(0.6 max + 0.4 min); the "
+             "better on 256-channel heads such as Gemma-3's, with --hack-sparse-refine 2: docs/sparse.md).")),
     "hack_sparse_groups": ("--hack-sparse-groups", dict(
         type=_non_negative_int, metavar="PAGES",
         help="Sparse decode: score groups of this many pages first (their boxes kept per request, computed "

@@ -47,12 +47,15 @@ class PlanRefusal(ValueError):
     """A --hack-bits choice the server refuses at startup (one sentence)."""
 
 
-def _geometry(model_path: str, trust_remote_code: bool) -> tuple[int, int, int] | None:
-    """(layers, KV heads, head_dim) from the model's HF config, or None when it cannot be read."""
+def model_geometry(model_path: str, trust_remote_code: bool) -> tuple[int, int, int] | None:
+    """(layers, KV heads, head_dim) from a local model folder's HF config, or None when it cannot
+    be read (or the path is no local folder: nothing is fetched)."""
     from transformers import AutoConfig
 
     from .model_checks import text_config
 
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        return None
     try:
         cfg = text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     except (ValueError, OSError, KeyError):
@@ -115,7 +118,7 @@ def resolve_plan(spec: BitsSpec | None, model_path: str | None, manual: bool, un
                         model_hash(model_path)[:HASH_CHARS], model_path, SHIPPED_DIR, model_path)
             return None
         plan, where = found
-    geo = _geometry(str(model_path), trust_remote_code)
+    geo = model_geometry(str(model_path), trust_remote_code)
     reason = plan_for_check(plan, *geo) if geo is not None else None
     if reason:
         raise PlanRefusal(f"--hack-bits: {reason}; run `hack calibrate {model_path}`")

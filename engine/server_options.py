@@ -13,7 +13,7 @@ from typing import Any
 
 from hack_ops.config import HackConfig
 
-from . import page_tier
+from . import page_tier, sparse_choice
 from . import settings as settings_mod
 from .args import HackArgumentError, check_combination, settings_from_options
 from .bit_plans import PlanRefusal, resolve_for_namespace, resolve_plan
@@ -32,6 +32,7 @@ def apply_cli_namespace(ns: Any) -> None:
             plan = resolve_for_namespace(ns)  # before the layer set: --hack-4bit-layers given is the override
         except PlanRefusal as exc:
             raise HackArgumentError(str(exc)) from None
+        sparse_choice.resolve_for_namespace(ns)  # `--hack-sparse-score auto` becomes the model's score
     _resolve_layer_set(ns)
     try:
         page_tier.apply(ns)

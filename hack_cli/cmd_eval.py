@@ -10,6 +10,7 @@ from pathlib import Path
 from engine.args import LAYER_SPEC_METAVAR, layer_list
 from hack_eval.models import MODELS
 from hack_ops.rotation import Rotation
+from hack_ops.sparse import PageScore
 
 from .server_methods import METHOD_NAMES as SERVED_METHODS
 
@@ -63,6 +64,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     acc.add_argument("--sparse-refine", type=int, default=1, metavar="R",
                      help="with --sparse-budgets: each budget also with the selection refined (the server's "
                           "--hack-sparse-refine R; default 1: no refined rows)")
+    acc.add_argument("--sparse-refined-only", action="store_true",
+                     help="with --sparse-refine R > 1: score only the refined rows, not the budgets' unrefined ones")
+    acc.add_argument("--sparse-score", choices=[s.value for s in PageScore], default=PageScore.BOUND.value,
+                     help="how the --sparse-budgets rows rank pages (the server's --hack-sparse-score): 'bound' "
+                          "(default) or MPCache's 'linear' stand-in")
+    acc.add_argument("--no-plain", action="store_true",
+                     help="with --bits-plan: leave out the plain 2-bit row (exact and the plan's rows only)")
     _add_report_flags(acc, "accuracy")
     acc.set_defaults(func=_accuracy)
 
@@ -244,12 +252,18 @@ def _accuracy(args: argparse.Namespace) -> int:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.plan_file and not args.bits_plan:
         raise ValueError("--plan-file adds rows to --bits-plan's; give --bits-plan too")
+    if args.no_plain and not args.bits_plan:
+        raise ValueError("--no-plain leaves a row out of --bits-plan's; give --bits-plan too")
+    if args.sparse_score != PageScore.BOUND.value and not args.sparse_budgets:
+        raise ValueError("--sparse-score ranks the --sparse-budgets rows' pages; give --sparse-budgets too")
     if args.bits_plan:
         if args.variants or args.quick or args.core or args.four_bit_layers:
             raise ValueError("--bits-plan scores its own three rows (and --sparse-budgets' rows over the plan); "
                              "drop --variants/--quick/--core/--4bit-layers")
-        rows = _plan_variants(args.model, _csv(args.modes), sparse_budgets=_sparse_budgets(args),
-                              sparse_refine=_sparse_refine(args), plan_files=args.plan_file)
+        rows = _plan_variants(args.model, _csv(args.modes), plain=not args.no_plain,
+                              sparse_budgets=_sparse_budgets(args), sparse_refine=_sparse_refine(args),
+                              plan_files=args.plan_file, sparse_score=args.sparse_score,
+                              sparse_refined_only=args.sparse_refined_only)
         res = run_study(context=args.context, essays=args.essays, plays=args.plays, gen_prompts=args.gen_prompts,
                         gen_tokens=args.gen_tokens, threads=args.threads, log=log, model_name=args.model,
                         path=args.attention_path, variants=rows)
@@ -261,18 +275,21 @@ def _accuracy(args: argparse.Namespace) -> int:
                     variant_patterns=_patterns(args.variants), modes=_csv(args.modes),
                     path=args.attention_path, four_bit_layers=_layer_indices(args),
                     raised=_raised(args), four_bit_rotation=_four_bit_rotation(args),
-                    sparse_budgets=_sparse_budgets(args), sparse_refine=_sparse_refine(args))
+                    sparse_budgets=_sparse_budgets(args), sparse_refine=_sparse_refine(args),
+                    sparse_score=args.sparse_score, sparse_refined_only=args.sparse_refined_only)
     _write_reports(args, "accuracy", [args.context], res, render(res, _rerun_command("accuracy")))
     return 0
 
 
 def _plan_variants(model: str, modes: list[str] | None, plain: bool = True,
                    sparse_budgets: tuple[int, ...] = (), sparse_refine: int = 1,
-                   plan_files: list[str] | tuple[str, ...] = ()) -> list:
+                   plan_files: list[str] | tuple[str, ...] = (), sparse_score: str = "bound",
+                   sparse_refined_only: bool = False) -> list:
     """exact, the plain default (unless not `plain`) and the default with the model's bit plan, in
     `modes` (default hack), and with each plan of `plan_files` (ValueError where one was measured
     on other weights); with sparse_budgets, the plan's format under sparse decode at each budget
-    too (refined as well with sparse_refine > 1), in the same modes."""
+    too (refined as well with sparse_refine > 1, or only refined with sparse_refined_only; pages
+    ranked by sparse_score), in the same modes."""
     from hack_eval.models import prepare
     from hack_eval.runner import EXACT, Variant
     from hack_eval.variants import sparse_variants
@@ -298,7 +315,8 @@ def _plan_variants(model: str, modes: list[str] | None, plain: bool = True,
         rows += [Variant(f"default, bit plan {name}", mode.strip(), other.apply(HackConfig())) for name, other in others]
     if sparse_budgets:
         rows += sparse_variants(sparse_budgets, modes or ["hack"], sparse_refine, base=plan.apply(HackConfig()),
-                                name="default, calibrated bit plan")
+                                name="default, calibrated bit plan", score=sparse_score,
+                                refined_only=sparse_refined_only)
     return rows
 
 
@@ -319,6 +337,8 @@ def _sparse_budgets(args: argparse.Namespace) -> tuple[int, ...]:
 def _sparse_refine(args: argparse.Namespace) -> int:
     """--sparse-refine, checked: positive, and only beside --sparse-budgets."""
     r = args.sparse_refine
+    if getattr(args, "sparse_refined_only", False) and r <= 1:
+        raise ValueError("--sparse-refined-only keeps the refined rows: give --sparse-refine R > 1")
     if r < 1:
         raise ValueError(f"--sparse-refine takes a positive count of candidates per page, got {r}")
     if r > 1 and not args.sparse_budgets:

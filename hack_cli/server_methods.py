@@ -33,20 +33,22 @@ METHODS = {
 # suffixes: -shareK, one selection serving K layers (--hack-sparse-share-layers K); -refineR, R
 # candidates per free page ranked by their own keys (--hack-sparse-refine R); -groupsG, two levels
 # over groups of G pages (--hack-sparse-groups G); -linear, MPCache's linear page score instead of
-# the bound (--hack-sparse-score linear)
+# the bound (--hack-sparse-score linear); -auto, the score (and, on wide heads, the refinement) the
+# server picks for the model (--hack-sparse-score auto). Without -linear or -auto the method names
+# the bound (--hack-sparse-score bound), what it named before `auto` became the server's default.
 SPARSE_PREFIX = "hack-sparse-"
-SHARE_SUFFIX, REFINE_SUFFIX, GROUPS_SUFFIX, LINEAR_SUFFIX = "share", "refine", "groups", "linear"
+SHARE_SUFFIX, REFINE_SUFFIX, GROUPS_SUFFIX, LINEAR_SUFFIX, AUTO_SUFFIX = "share", "refine", "groups", "linear", "auto"
 # hack-static-FRACTION: the default server with look-once static eviction keeping that fraction of
 # each prompt's closed pages (--hack-static-keep FRACTION), as disagg.server_cmd names the PD
 # cluster's methods (STATIC_PREFIX)
 METHOD_NAMES = [*METHODS,
-                f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{GROUPS_SUFFIX}G][-{LINEAR_SUFFIX}]",
+                f"{SPARSE_PREFIX}TOKENS[-{SHARE_SUFFIX}K][-{REFINE_SUFFIX}R][-{GROUPS_SUFFIX}G][-{LINEAR_SUFFIX}|-{AUTO_SUFFIX}]",
                 f"{STATIC_PREFIX}FRACTION"]
 
 
 def _sparse_args(method: str) -> tuple[int, list[str]] | None:
-    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-refineR][-groupsG][-linear] method
-    (None: not one)."""
+    """(budget, server options) of a hack-sparse-TOKENS[-shareK][-refineR][-groupsG][-linear|-auto]
+    method (None: not one)."""
     if not method.startswith(SPARSE_PREFIX):
         return None
     budget, *rest = method[len(SPARSE_PREFIX):].split("-")
@@ -68,9 +70,10 @@ def _sparse_args(method: str) -> tuple[int, list[str]] | None:
         if not g.isdigit() or int(g) < 1:
             return None
         opts += ["--hack-sparse-groups", g]
-    if rest and rest[0] == LINEAR_SUFFIX:
-        rest.pop(0)
-        opts += ["--hack-sparse-score", "linear"]
+    score = "bound"
+    if rest and rest[0] in (LINEAR_SUFFIX, AUTO_SUFFIX):
+        score = "linear" if rest.pop(0) == LINEAR_SUFFIX else ""
+    opts += ["--hack-sparse-score", score] if score else []
     return None if rest else (int(budget), opts)
 
 
@@ -95,7 +98,7 @@ def method_args(method: str, four_bit_layers: "tuple[int, ...] | LayerSet | None
     only that tensor of those layers 4 bits: --hack-4bit-tensors; hack-sparse-TOKENS is the
     default server with --hack-sparse-budget TOKENS; -shareK adds --hack-sparse-share-layers K,
     -refineR --hack-sparse-refine R, -groupsG --hack-sparse-groups G, -linear --hack-sparse-score
-    linear; hack-static-FRACTION the
+    linear, -auto no score (the server's auto), neither --hack-sparse-score bound; hack-static-FRACTION the
     default server with --hack-static-keep FRACTION)."""
     from engine.layer_sets import LayerSet
     from hack_ops.config import RaisedTensors, raised_tensors

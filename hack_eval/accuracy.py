@@ -112,9 +112,12 @@ def run_study(
     four_bit_rotation: Rotation | str = Rotation.NONE,
     sparse_budgets: tuple[int, ...] = (),
     sparse_refine: int = 1,
+    sparse_score: str = "bound",
+    sparse_refined_only: bool = False,
 ) -> dict:
     """sparse_budgets: add the default format under sparse decode at these token budgets
-    (variants.sparse_variants, in `modes` or both modes; refined too with sparse_refine > 1). variant_patterns: instead of the quick/core/full set, the rows of the full study whose
+    (variants.sparse_variants, in `modes` or both modes; refined too with sparse_refine > 1, or
+    only refined with sparse_refined_only; pages ranked by sparse_score). variant_patterns: instead of the quick/core/full set, the rows of the full study whose
     name or config label contains one of these (plus the exact baseline). path: where the
     attention runs (attention_paths.AttentionPath; rows the fast paths refuse run on the
     reference either way, and each row records where it ran). modes: with variant_patterns,
@@ -138,7 +141,8 @@ def run_study(
     else:
         variants = quick_variants() if quick else core_variants() if core else study_variants()
     raised_rows = layer_bits_variants(four_bit_layers, modes, raised, four_bit_rotation) if four_bit_layers else []
-    raised_rows += sparse_variants(sparse_budgets, modes, sparse_refine) if sparse_budgets else []
+    raised_rows += (sparse_variants(sparse_budgets, modes, sparse_refine, score=sparse_score,
+                                    refined_only=sparse_refined_only) if sparse_budgets else [])
     variants = variants + raised_rows
     torch.manual_seed(0)  # stochastic-rounding variants draw from the global generator
     model, tok = load_model(prepare(model_name, log=log), threads=threads)

@@ -78,19 +78,26 @@ def layer_bits_variants(layers: tuple[int, ...] | list[int], modes: list[str] | 
 
 
 def sparse_variants(budgets: tuple[int, ...] | list[int], modes: list[str] | None = None,
-                    refine: int = 1, base: HackConfig = DEFAULT, name: str = "default") -> list[Variant]:
+                    refine: int = 1, base: HackConfig = DEFAULT, name: str = "default",
+                    score: "PageScore | str" = "bound", refined_only: bool = False) -> list[Variant]:
     """The format `base` (the plain default unless given, e.g. a model's bit plan applied) read
     by sparse decode (hack_ops.sparse, the server's --hack-sparse-budget with its other
     defaults) at each token budget, in 'hack' and 'dequant' or only the given modes; with
-    refine > 1, each budget also refined (--hack-sparse-refine). Every scored position reads as
-    a decode step would: the closed pages its own selection keeps (not the first two layers,
-    nor sliding-window ones). `name` starts each row's name."""
-    from hack_ops.sparse import SparseConfig
+    refine > 1, each budget also refined (--hack-sparse-refine), or only refined with
+    `refined_only`. `score` ranks the pages (--hack-sparse-score; named in the row unless the
+    bound). Every scored position reads as a decode step would: the closed pages its own
+    selection keeps (not the first two layers, nor sliding-window ones). `name` starts each
+    row's name."""
+    from hack_ops.sparse import PageScore, SparseConfig
 
+    score = PageScore(score)
+    if refined_only and refine <= 1:
+        raise ValueError("refined_only keeps the refined rows: give refine > 1")
     wanted = None if modes is None else {attention_mode(m.strip()) for m in modes if m.strip()}
-    kinds = [1] + ([refine] if refine > 1 else [])
-    return [Variant(f"{name}, sparse decode {b} tokens" + (f", refine {r}" if r > 1 else ""), m, base,
-                    sparse=SparseConfig(budget_tokens=b, refine=r))
+    kinds = ([] if refined_only else [1]) + ([refine] if refine > 1 else [])
+    tag = "" if score == PageScore.BOUND else f", {score.value} score"
+    return [Variant(f"{name}, sparse decode {b} tokens{tag}" + (f", refine {r}" if r > 1 else ""), m, base,
+                    sparse=SparseConfig(budget_tokens=b, refine=r, score=score))
             for b in budgets for r in kinds for m in ("hack", "dequant") if wanted is None or attention_mode(m) in wanted]
 
 

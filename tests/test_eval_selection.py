@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from hack_eval.selection import Score, box_bounds, scores_of
@@ -84,3 +85,23 @@ def test_study_rows_of_sparse_decode_refined():
     bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", "--sparse-refine", "2"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "give --sparse-budgets too" in bad.stderr
+
+
+def test_study_rows_of_sparse_decode_by_score_refined_only():
+    """--sparse-score linear names the score in each row and sets it; --sparse-refined-only keeps
+    the refined rows alone; the flags that shape rows a run does not have are refused."""
+    from hack_eval.variants import sparse_variants
+    from hack_ops.sparse import PageScore
+
+    rows = sparse_variants([1024, 2048], ["dequant"], refine=2, score="linear", refined_only=True)
+    assert [r.name for r in rows] == ["default, sparse decode 1024 tokens, linear score, refine 2",
+                                      "default, sparse decode 2048 tokens, linear score, refine 2"]
+    assert {(r.sparse.score, r.sparse.refine) for r in rows} == {(PageScore.LINEAR, 2)}
+    with pytest.raises(ValueError, match="refine > 1"):
+        sparse_variants([1024], ["dequant"], refine=1, refined_only=True)
+    for argv, message in ((["--no-plain"], "give --bits-plan too"),
+                          (["--sparse-score", "linear"], "give --sparse-budgets too"),
+                          (["--sparse-budgets", "1024", "--sparse-refined-only"], "give --sparse-refine R > 1")):
+        bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "accuracy", *argv],
+                             capture_output=True, text=True, timeout=120)
+        assert bad.returncode != 0 and message in bad.stderr, (argv, bad.stderr[-400:])

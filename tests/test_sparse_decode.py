@@ -447,24 +447,29 @@ def test_sparse_methods_of_the_served_benchmarks():
 
     assert sparse_budget("hack-sparse-2048") == 2048 and sparse_budget("hack-sparse-x") is None
     assert not is_method("hack-sparse-0") and is_method("hack-sparse-1024") and is_method("hack")
-    assert method_args("hack-sparse-1024", None) == ["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024"]
-    assert method_args("hack-sparse-1024-share2", None)[-2:] == ["--hack-sparse-share-layers", "2"]
-    assert sparse_budget("hack-sparse-1024-share2") == 1024 and method_args("hack-sparse-512-share1", None)[-1] == "512"
+    bound = ["--hack-sparse-score", "bound"]  # a method without -linear/-auto names the bound, as it always did
+    assert method_args("hack-sparse-1024", None) == ["--kv-cache-dtype", "hack", "--hack-sparse-budget", "1024", *bound]
+    assert method_args("hack-sparse-1024-share2", None)[-4:] == ["--hack-sparse-share-layers", "2", *bound]
+    assert sparse_budget("hack-sparse-1024-share2") == 1024 and method_args("hack-sparse-512-share1", None)[-3] == "512"
     assert method_args("hack-sparse-1024-share2-linear", None)[-4:] == [
         "--hack-sparse-share-layers", "2", "--hack-sparse-score", "linear"]
     assert method_args("hack-sparse-1024-linear", None)[-2:] == ["--hack-sparse-score", "linear"]
-    assert method_args("hack-sparse-1024-refine2", None)[-2:] == ["--hack-sparse-refine", "2"]
+    assert method_args("hack-sparse-1024-refine2", None)[-4:] == ["--hack-sparse-refine", "2", *bound]
     assert method_args("hack-sparse-1024-share2-refine4-linear", None)[-6:] == [
         "--hack-sparse-share-layers", "2", "--hack-sparse-refine", "4", "--hack-sparse-score", "linear"]
-    assert method_args("hack-sparse-1024-refine1", None)[-1] == "1024"
-    assert method_args("hack-sparse-2048-refine2-groups8", None)[-4:] == [
-        "--hack-sparse-refine", "2", "--hack-sparse-groups", "8"]
+    assert method_args("hack-sparse-1024-refine1", None)[-3] == "1024"
+    assert method_args("hack-sparse-2048-refine2-groups8", None)[-6:] == [
+        "--hack-sparse-refine", "2", "--hack-sparse-groups", "8", *bound]
     assert method_args("hack-sparse-2048-groups8-linear", None)[-4:] == [
         "--hack-sparse-groups", "8", "--hack-sparse-score", "linear"]
+    # -auto: no score given, the server chooses for the model (engine.sparse_choice)
+    assert method_args("hack-sparse-2048-auto", None) == ["--kv-cache-dtype", "hack", "--hack-sparse-budget", "2048"]
+    assert method_args("hack-sparse-2048-refine4-auto", None)[-2:] == ["--hack-sparse-refine", "4"]
     for bad in ("hack-sparse", "hack-sparse-1024-share0", "hack-sparse-1024-share", "hack-sparse-1024-sharex",
                 "hack-sparse-1024-linear-share2", "hack-sparse-1024-x", "hack-sparse-1024-",
                 "hack-sparse-1024-refine0", "hack-sparse-1024-refine", "hack-sparse-1024-refine2-share2",
-                "hack-sparse-1024-groups0", "hack-sparse-1024-groups8-refine2"):
+                "hack-sparse-1024-groups0", "hack-sparse-1024-groups8-refine2", "hack-sparse-1024-auto-linear",
+                "hack-sparse-1024-linear-auto", "hack-sparse-1024-auto-share2"):
         assert not is_method(bad)
         with pytest.raises(ValueError, match="unknown KV method"):
             method_args(bad, None)
