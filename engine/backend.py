@@ -171,8 +171,9 @@ class HackAttnBackend(AttentionBackend):
         if self.sparse.enabled:
             sp = self.sparse
             logger.info("HACK sparse decode: %d tokens of closed pages per request and KV head (recent %d), "
-                        "scored by %s%s; layers 0..%d and sliding-window layers read every page; a selection "
+                        "scored by %s%s%s; layers 0..%d and sliding-window layers read every page; a selection "
                         "serves %d layer(s)", sp.budget_tokens, sp.recent_tokens, sp.score.value,
+                        f", refined {sp.refine}x by the candidates' own keys" if sp.refine > 1 else "",
                         f", two levels over groups of {sp.group_pages} pages" if sp.group_pages else "",
                         sp.dense_layers - 1, sp.share_layers)
             if self.side_copies is not None:
