@@ -252,7 +252,10 @@ def render_retrieval(results: dict, command: str) -> str:
         f"Model: {results['model']}. {results['items_per_context']} items per context, seed "
         f"{results['seed']}: a 5-digit pass key stated twice at depth "
         f"{', '.join(depths)} (in turn) of a Paul Graham essay haystack, then asked for; exact match "
-        f"of greedy decoding{how}. Zero-shot; the prompt is in the JSON next to this file.", command) + [
+        f"of greedy decoding{how}. Zero-shot; the prompt is in the JSON next to this file."
+        + (" The items come from one seeded sequence over the contexts in the order given, so a context's "
+           "items are another run's only where the contexts before it were the same."
+           if len(results.get("contexts", [])) > 1 else ""), command) + [
         "| variant | mode | config | context | exact match | " + " | ".join(f"depth {d}" for d in depths)
         + " | seconds |",
         "|---|---|---|---|---|" + "---|" * len(depths) + "---|",

@@ -39,6 +39,19 @@ def test_items_have_the_asked_length_key_and_depth(tok):
     assert again == items  # seeded
     assert build_items(tok, [256], per_cell=5, seed=4) != items[:5]
     assert len({it.ids[10:60] for it in items}) > 1  # haystacks differ between items
+    # one seeded sequence over the contexts in order: the first context's items are a run of that
+    # context alone, a later context's are not (the report says so)
+    assert build_items(tok, [256], per_cell=5, seed=3) == items[:5]
+    assert build_items(tok, [1024], per_cell=5, seed=3) != items[5:]
+
+
+def test_the_report_says_how_items_follow_the_contexts():
+    from hack_eval.retrieval import render_retrieval
+
+    res = {"model": "m", "items_per_context": 2, "seed": 0, "depths": [0.5], "served": False, "rows": []}
+    note = "items are another run's only where the contexts before it were the same"
+    assert note in render_retrieval({**res, "contexts": [256, 1024]}, "cmd")
+    assert note not in render_retrieval({**res, "contexts": [1024]}, "cmd")
 
 
 def test_too_short_a_context_is_refused(tok):
