@@ -74,10 +74,9 @@ def resolve_for_namespace(ns: Any) -> None:
     """Replace `--hack-sparse-score auto` (or none given) in a parsed server namespace by the score
     for the served model, and set --hack-sparse-refine where `auto` takes one; logs the choice.
     Nothing happens while sparse decode is off (no budget)."""
-    given = getattr(ns, "hack_sparse_score", None)
-    if not getattr(ns, "hack_sparse_budget", None) or given not in (None, ScoreChoice.AUTO.value):
-        if given == ScoreChoice.AUTO.value:
-            ns.hack_sparse_score = None  # off: the default score, nothing to choose
+    if getattr(ns, "hack_sparse_score", None) == ScoreChoice.AUTO.value:
+        ns.hack_sparse_score = None  # `auto` is what none given means
+    if getattr(ns, "hack_sparse_score", None) is not None or not getattr(ns, "hack_sparse_budget", None):
         return
     from .bit_plans import model_geometry
 
@@ -94,6 +93,6 @@ def _on_gpu(ns: Any) -> bool:
     device = getattr(ns, "device", None)
     if device:
         return str(device).startswith("cuda")
-    import torch
+    from .cpu_runtime import gpu_available
 
-    return torch.cuda.is_available()
+    return gpu_available()
