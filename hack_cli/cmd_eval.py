@@ -108,6 +108,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                           f"{', '.join(SERVED_METHODS)}; hack-4bit-layers takes --4bit-layers), each answer "
                           "decoded greedily by the server")
     ret.add_argument("--budget-mb", type=float, default=256.0, help="with --served: the KV budget of every server")
+    ret.add_argument("--items-digest", action="store_true",
+                     help="only print, per context, the hash of the items --model/--contexts/--items/--seed build "
+                          "(the items_digest a run's JSON records; equal digests: the same questions), and exit; "
+                          "loads the tokenizer alone")
     _add_report_flags(ret, "retrieval")
     ret.set_defaults(func=_retrieval)
 
@@ -436,6 +440,15 @@ def _retrieval(args: argparse.Namespace) -> int:
     if not contexts or min(contexts) < 64 or args.items < 1:
         raise ValueError("need contexts of at least 64 tokens and at least one item per context")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.items_digest:
+        from transformers import AutoTokenizer
+
+        from hack_eval.models import prepare
+        from hack_eval.retrieval import build_items, items_digest
+
+        tok = AutoTokenizer.from_pretrained(str(prepare(args.model, log=log)))
+        print(json.dumps(items_digest(build_items(tok, contexts, args.items, args.seed))))
+        return 0
     if args.served is not None:
         from .retrieval_served import run_served_retrieval
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from hack_eval.retrieval import ANSWER, DEPTHS, INTRO, NEEDLE, QUESTION, Item, build_items
+from hack_eval.retrieval import ANSWER, DEPTHS, INTRO, NEEDLE, QUESTION, Item, build_items, items_digest
 
 from .server_methods import METHOD_NAMES, is_method, method_args
 
@@ -95,7 +95,8 @@ def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, me
     # the servers load the model in its config's dtype (BF16 here), not the study's float32
     title = MODEL_TITLES.get(model_name, model_name).replace("float32", "served in BF16")
     return {"model": title, "contexts": contexts, "items_per_context": per_cell,
-            "seed": seed, "depths": list(DEPTHS), "attention_path": "server", "served": True,
+            "seed": seed, "items_digest": items_digest(items), "depths": list(DEPTHS),
+            "attention_path": "server", "served": True,
             "four_bit_layers": list(four_bit_layers or []), "budget_mb": budget_mb,
             "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
             "rows": rows, "needle_attention": None}

@@ -9,6 +9,7 @@ generated token), and only the answer positions' logits are computed.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 from dataclasses import dataclass
@@ -81,6 +82,16 @@ def build_items(tok: Any, contexts: list[int], per_cell: int, seed: int = 0,
             items.append(Item(context, depth, key, tuple(prompt + answer), len(prompt),
                               needle_start=len(intro) + cut, needle_len=len(needle)))
     return items
+
+
+def items_digest(items: list[Item]) -> dict[str, str]:
+    """Per context, a short hash of its items' tokens (prompt and answer, in order): two runs asked
+    the same questions at a context exactly where their digests agree, whatever flags built them."""
+    by_context: dict[int, Any] = {}
+    for it in items:
+        h = by_context.setdefault(it.context, hashlib.sha256())
+        h.update(len(it.ids).to_bytes(4, "little") + b"".join(t.to_bytes(4, "little") for t in it.ids))
+    return {str(c): h.hexdigest()[:12] for c, h in by_context.items()}
 
 
 @torch.inference_mode()
@@ -234,12 +245,21 @@ def run_study_retrieval(model_name: str, contexts: list[int], per_cell: int, see
     rows = run_retrieval(model, variants, items, log=log, path=path)
     attn = needle_attention(model, items, log=log) if needle else None
     return {"model": MODEL_TITLES.get(model_name, model_name), "contexts": contexts, "items_per_context": per_cell,
-            "seed": seed, "depths": list(DEPTHS), "attention_path": attention_path(path).value,
+            "seed": seed, "items_digest": items_digest(items), "depths": list(DEPTHS),
+            "attention_path": attention_path(path).value,
             "four_bit_layers": list(four_bit_layers or []),
             "raised_tensors": [raised_tensors(t).value for t in raised] if four_bit_layers else [],
             "four_bit_rotation": Rotation(four_bit_rotation).value if four_bit_layers else Rotation.NONE.value,
             "prompt": {"intro": INTRO, "needle": NEEDLE, "question": QUESTION, "answer": ANSWER},
             "rows": rows, "needle_attention": attn}
+
+
+def _digest_note(digest: dict[str, str] | None) -> str:
+    if not digest:
+        return ""
+    cells = ", ".join(f"{c} `{d}`" for c, d in digest.items())
+    return (f" Items by context (items_digest, a hash of their tokens; another run asked the same questions "
+            f"exactly where its digest is the same): {cells}.")
 
 
 def render_retrieval(results: dict, command: str) -> str:
@@ -253,9 +273,10 @@ def render_retrieval(results: dict, command: str) -> str:
         f"{results['seed']}: a 5-digit pass key stated twice at depth "
         f"{', '.join(depths)} (in turn) of a Paul Graham essay haystack, then asked for; exact match "
         f"of greedy decoding{how}. Zero-shot; the prompt is in the JSON next to this file."
-        + (" The items come from one seeded sequence over the contexts in the order given, so a context's "
-           "items are another run's only where the contexts before it were the same."
-           if len(results.get("contexts", [])) > 1 else ""), command) + [
+        + " The items come from one seeded sequence over the contexts in the order given, and their haystacks "
+          "from as much essay text as the longest context asks, so a context's items are another run's only "
+          "where the contexts before it and the longest context were the same."
+        + _digest_note(results.get("items_digest")), command) + [
         "| variant | mode | config | context | exact match | " + " | ".join(f"depth {d}" for d in depths)
         + " | seconds |",
         "|---|---|---|---|---|" + "---|" * len(depths) + "---|",

@@ -39,19 +39,40 @@ def test_items_have_the_asked_length_key_and_depth(tok):
     assert again == items  # seeded
     assert build_items(tok, [256], per_cell=5, seed=4) != items[:5]
     assert len({it.ids[10:60] for it in items}) > 1  # haystacks differ between items
-    # one seeded sequence over the contexts in order: the first context's items are a run of that
-    # context alone, a later context's are not (the report says so)
-    assert build_items(tok, [256], per_cell=5, seed=3) == items[:5]
+    # one seeded sequence over the contexts in order: a later context's items are not a run of
+    # that context alone (the report says so, and the digests tell them apart)
     assert build_items(tok, [1024], per_cell=5, seed=3) != items[5:]
+
+
+def test_items_digest_tells_runs_apart_exactly(tok):
+    from hack_eval.retrieval import items_digest
+
+    items = build_items(tok, [256, 1024], per_cell=5, seed=3)
+    digest = items_digest(items)
+    assert list(digest) == ["256", "1024"] and all(len(d) == 12 for d in digest.values())
+    assert items_digest(build_items(tok, [256, 1024], per_cell=5, seed=3)) == digest  # same settings, same hash
+    assert items_digest(build_items(tok, [256, 1024], per_cell=5, seed=4))["256"] != digest["256"]
+    assert items_digest(build_items(tok, [1024], per_cell=5, seed=3))["1024"] != digest["1024"]
+    # the hash follows the tokens, not the settings: the same items, however built, hash alike
+    assert items_digest(items[:5]) == {"256": digest["256"]}
+    # the haystacks are drawn from as much essay text as the longest context asks: a longer list can
+    # move even the first context's items (a run of 256 alone against 256 beside a far longer one)
+    far = build_items(tok, [256, 60_000], per_cell=5, seed=3)
+    alone = build_items(tok, [256], per_cell=5, seed=3)
+    assert [it.key for it in far[:5]] == [it.key for it in alone[:5]]  # the keys are drawn alike
+    assert items_digest(far)["256"] != items_digest(alone)["256"]
 
 
 def test_the_report_says_how_items_follow_the_contexts():
     from hack_eval.retrieval import render_retrieval
 
     res = {"model": "m", "items_per_context": 2, "seed": 0, "depths": [0.5], "served": False, "rows": []}
-    note = "items are another run's only where the contexts before it were the same"
+    note = "items are another run's only where the contexts before it and the longest context were the same"
     assert note in render_retrieval({**res, "contexts": [256, 1024]}, "cmd")
-    assert note not in render_retrieval({**res, "contexts": [1024]}, "cmd")
+    assert note in render_retrieval({**res, "contexts": [1024]}, "cmd")
+    digested = render_retrieval({**res, "contexts": [256, 1024], "items_digest": {"256": "ab12", "1024": "cd34"}},
+                                "cmd")
+    assert "256 `ab12`, 1024 `cd34`" in digested
 
 
 def test_too_short_a_context_is_refused(tok):
@@ -101,7 +122,9 @@ def test_needle_attention_finds_the_heads_that_copy_the_key():
 
 
 @pytest.mark.slow
-def test_cli_writes_report_and_json(tmp_path):
+def test_cli_writes_report_and_json(tmp_path, tok):
+    from hack_eval.retrieval import items_digest
+
     out, js = tmp_path / "r.md", tmp_path / "r.json"
     subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "128",
                     "--items", "2", "--threads", "2", "--needle-attention", "--4bit-layers", "1,2",
@@ -116,6 +139,12 @@ def test_cli_writes_report_and_json(tmp_path):
     assert all(r["items"] == 2 and 0 <= r["accuracy"] <= 1 and r["context"] == 128 for r in res["rows"])
     text = out.read_text()
     assert "hack eval retrieval --contexts 128 --items 2 --threads 2" in text and "| default | hack |" in text
+    # the run records which questions it asked; --items-digest prints the same hash without a model
+    digest = items_digest(build_items(tok, [128], per_cell=2, seed=0))
+    assert res["items_digest"] == digest and f"128 `{digest['128']}`" in text
+    only = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "128",
+                           "--items", "2", "--items-digest"], capture_output=True, text=True, timeout=300, check=True)
+    assert json.loads(only.stdout) == digest
     bad = subprocess.run([sys.executable, "-m", "hack_cli.main", "eval", "retrieval", "--contexts", "16"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "at least 64 tokens" in bad.stderr
@@ -152,7 +181,7 @@ def test_cli_served_asks_real_servers(tmp_path):
                     "--served", "bf16,hack-4bit-layers", "--4bit-layers", "1,2", "--out", "",
                     "--json-out", str(js)], capture_output=True, text=True, timeout=900, check=True)
     res = json.loads(js.read_text())
-    assert res["served"] and res["four_bit_layers"] == [1, 2]
+    assert res["served"] and res["four_bit_layers"] == [1, 2] and list(res["items_digest"]) == ["256"]
     rows = {r["variant"]: r for r in res["rows"]}
     assert set(rows) == {"bf16", "hack-4bit-layers"} and all(r["items"] == 2 for r in rows.values())
     assert rows["hack-4bit-layers"]["config"] == "--kv-cache-dtype hack --hack-4bit-layers 1,2"
