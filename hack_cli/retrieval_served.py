@@ -1,6 +1,7 @@
 """Passkey retrieval through real servers (`hack eval retrieval --served METHODS`): the study's
-items (hack_eval.retrieval.build_items, the same seed gives the same items) sent to one colocated
-SGLang server per KV method, each answer decoded greedily by the server and matched exactly.
+items (hack_eval.retrieval.build_items: the same seed and --contexts list give the same items, as
+items_digest shows) sent to one colocated SGLang server per KV method, each answer decoded
+greedily by the server and matched exactly.
 
 Where the study scores a format on the HF model with the cache emulated per layer, this runs
 what a user runs: SGLang's scheduler, chunked prefill, the HACK pool and kernels (or BF16's), so
