@@ -192,10 +192,11 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_sparse_score": ("--hack-sparse-score", dict(
         choices=[s.value for s in ScoreChoice],
         help="Sparse decode: how a page is scored: auto (default: by the model's head width, chosen at startup "
-             "and logged: the bound on heads of up to 128 channels, linear refined twice on wider ones; "
+             "and logged: the bound on heads of up to 128 channels, linear on wider ones, refined four times at "
+             "budgets up to 1024 tokens and twice above; "
              "engine/sparse_choice.py), bound (the exact upper bound of q.k over the page; the better on "
              "64-channel heads such as SmolLM2's) or linear (MPCache's stand-in, q.(0.6 max + 0.4 min); the "
-             "better on 256-channel heads such as Gemma-3's, with --hack-sparse-refine 2: docs/sparse.md).")),
+             "better on 256-channel heads such as Gemma-3's, refined: docs/sparse.md).")),
     "hack_sparse_groups": ("--hack-sparse-groups", dict(
         type=_non_negative_int, metavar="PAGES",
         help="Sparse decode: score groups of this many pages first (their boxes kept per request, computed "

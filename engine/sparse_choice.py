@@ -10,7 +10,9 @@ Which score keeps the pages a query needs turns with the number of channels a K 
   reverses: the bound 65 / 91%, linear 92 / 99%; served at 8K with a 2K budget, the bound refined
   twice found 26 keys, linear 39, linear refined twice 42 (dense 44). So: linear, refined twice
   (`--hack-sparse-refine 2`) where no refinement is asked for and the path has one (the CPU path;
-  the GPU selection is the score alone).
+  the GPU selection is the score alone). At a 1K budget twice is too few: linear refined twice
+  found 37 / 36 keys at 4K / 8K (dense 42 / 44), refined four times 42 / 40; so budgets up to 1K
+  take four (the candidates then cover about as many tokens as a 2K budget's twice).
 - 128-channel heads have not been measured here: `auto` keeps the bound there (Quest's choice on
   such heads), and the startup log says it is a default, not a measurement.
 
@@ -32,8 +34,11 @@ logger = logging.getLogger(__name__)
 # From this head width up the linear score ranks pages better than the bound (measured at 256;
 # 64 favours the bound; 128, unmeasured, stays with the bound).
 LINEAR_FROM_HEAD_DIM = 256
-# The refinement the linear score takes on wide heads where none is given (Gemma-3's 42 keys above).
+# The refinement the linear score takes on wide heads where none is given (Gemma-3's 42 keys above),
+# and the larger one at budgets up to SMALL_BUDGET_TOKENS (Gemma-3 at 1K: 42 / 40 keys against 37 / 36).
 WIDE_HEAD_REFINE = 2
+SMALL_BUDGET_TOKENS = 1024
+SMALL_BUDGET_REFINE = 4
 
 
 class ScoreChoice(str, enum.Enum):
@@ -51,12 +56,14 @@ class SparseChoice:
     reason: str
 
 
-def choose(head_dim: int | None, on_gpu: bool, refine_given: bool) -> SparseChoice:
-    """The page score (and refinement) for heads of `head_dim` channels (None: unknown)."""
+def choose(head_dim: int | None, on_gpu: bool, refine_given: bool, budget: int | None = None) -> SparseChoice:
+    """The page score (and refinement) for heads of `head_dim` channels (None: unknown) at a budget
+    of `budget` tokens (None: unknown, taken as above SMALL_BUDGET_TOKENS)."""
     if head_dim is None:
         return SparseChoice(PageScore.BOUND, None, "the model's head width is unknown: the bound, the exact one")
     if head_dim >= LINEAR_FROM_HEAD_DIM:
-        refine = None if refine_given or on_gpu else WIDE_HEAD_REFINE
+        small = budget is not None and budget <= SMALL_BUDGET_TOKENS
+        refine = None if refine_given or on_gpu else (SMALL_BUDGET_REFINE if small else WIDE_HEAD_REFINE)
         how = "" if refine is None else f", refined {refine}x (--hack-sparse-refine {refine})"
         return SparseChoice(PageScore.LINEAR, refine,
                             f"{head_dim}-channel heads: MPCache's linear score{how}, which kept Gemma-3's pass keys "
@@ -81,7 +88,8 @@ def resolve_for_namespace(ns: Any) -> None:
     from .bit_plans import model_geometry
 
     geo = model_geometry(str(getattr(ns, "model_path", "") or ""), bool(getattr(ns, "trust_remote_code", False)))
-    choice = choose(None if geo is None else geo[2], _on_gpu(ns), getattr(ns, "hack_sparse_refine", None) is not None)
+    choice = choose(None if geo is None else geo[2], _on_gpu(ns), getattr(ns, "hack_sparse_refine", None) is not None,
+                    int(ns.hack_sparse_budget))
     ns.hack_sparse_score = choice.score.value
     if choice.refine is not None:
         ns.hack_sparse_refine = choice.refine

@@ -17,7 +17,8 @@ cpu_runtime.prepare()
 from transformers import LlamaConfig  # noqa: E402
 
 from engine import settings as settings_mod  # noqa: E402
-from engine.sparse_choice import LINEAR_FROM_HEAD_DIM, WIDE_HEAD_REFINE, choose  # noqa: E402
+from engine.sparse_choice import (LINEAR_FROM_HEAD_DIM, SMALL_BUDGET_REFINE, SMALL_BUDGET_TOKENS,  # noqa: E402
+                                  WIDE_HEAD_REFINE, choose)
 from engine.server_options import apply_cli_namespace  # noqa: E402
 from hack_ops.sparse import PageScore, SparseConfig  # noqa: E402
 
@@ -44,7 +45,15 @@ def test_the_rule_by_head_width():
     assert c128.score == PageScore.BOUND and "not measured" in c128.reason
     wide = choose(LINEAR_FROM_HEAD_DIM, False, False)
     assert (wide.score, wide.refine) == (PageScore.LINEAR, WIDE_HEAD_REFINE) and "Gemma-3" in wide.reason
+    # budgets up to 1K take the larger refinement on wide heads; narrow heads none at any budget
+    assert choose(256, False, False, budget=SMALL_BUDGET_TOKENS).refine == SMALL_BUDGET_REFINE
+    assert choose(256, False, False, budget=512).refine == SMALL_BUDGET_REFINE
+    assert choose(256, False, False, budget=SMALL_BUDGET_TOKENS + 16).refine == WIDE_HEAD_REFINE
+    assert choose(256, False, False, budget=2048).refine == WIDE_HEAD_REFINE
+    assert choose(64, False, False, budget=512).refine is None
     assert choose(256, on_gpu=True, refine_given=False).refine is None  # the GPU selection has no refinement
+    assert choose(256, True, False, budget=512).refine is None
+    assert choose(256, False, True, budget=512).refine is None
     assert choose(256, False, refine_given=True).refine is None  # a refinement given by hand stays
     assert choose(None, False, False).score == PageScore.BOUND
 
@@ -57,13 +66,18 @@ def _published(parser, *argv: str) -> SparseConfig:
 def test_the_server_publishes_the_models_score(sglang_parser, tmp_path, caplog):
     wide = _llama(tmp_path / "wide", 256)
     narrow = _llama(tmp_path / "narrow", 64)
-    base = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "1024")
+    base = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "2048")
     with caplog.at_level("INFO", logger="engine.sparse_choice"):
         assert _published(sglang_parser, "--model-path", wide, *base) == SparseConfig(
-            budget_tokens=1024, score="linear", refine=WIDE_HEAD_REFINE)
+            budget_tokens=2048, score="linear", refine=WIDE_HEAD_REFINE)
     assert "--hack-sparse-score auto = linear: 256-channel heads" in caplog.text
     assert _published(sglang_parser, "--model-path", wide, *base, "--hack-sparse-score", "auto") == SparseConfig(
-        budget_tokens=1024, score="linear", refine=WIDE_HEAD_REFINE)
+        budget_tokens=2048, score="linear", refine=WIDE_HEAD_REFINE)
+    # the budget reaches the rule: 1K on wide heads is refined four times
+    small = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "1024")
+    assert _published(sglang_parser, "--model-path", wide, *small) == SparseConfig(
+        budget_tokens=1024, score="linear", refine=SMALL_BUDGET_REFINE)
+    base = small
     assert _published(sglang_parser, "--model-path", narrow, *base) == SparseConfig(budget_tokens=1024, score="bound")
     # by hand: the score, or the refinement, as given
     assert _published(sglang_parser, "--model-path", wide, *base, "--hack-sparse-score", "bound") == SparseConfig(
