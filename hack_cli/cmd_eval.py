@@ -441,12 +441,11 @@ def _retrieval(args: argparse.Namespace) -> int:
         raise ValueError("need contexts of at least 64 tokens and at least one item per context")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if args.items_digest:
-        from transformers import AutoTokenizer
-
         from hack_eval.models import prepare
         from hack_eval.retrieval import build_items, items_digest
+        from hack_eval.workloads import tokenizer
 
-        tok = AutoTokenizer.from_pretrained(str(prepare(args.model, log=log)))
+        tok = tokenizer(prepare(args.model, log=log))
         print(json.dumps(items_digest(build_items(tok, contexts, args.items, args.seed))))
         return 0
     if args.served is not None:

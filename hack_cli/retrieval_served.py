@@ -14,6 +14,7 @@ import time
 from typing import Callable
 
 from hack_eval.retrieval import ANSWER, DEPTHS, INTRO, NEEDLE, QUESTION, Item, build_items, items_digest
+from hack_eval.workloads import tokenizer
 
 from .server_methods import METHOD_NAMES, is_method, method_args
 
@@ -56,7 +57,6 @@ def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, me
                          four_bit_layers: tuple[int, ...] | None = None, budget_mb: float = 256.0,
                          log: Callable[[str], None] = print, raised: str = "kv") -> dict:
     """Exact-match accuracy of each method's server on the study's items (see the module)."""
-    from transformers import AutoTokenizer
 
     from engine.launcher import SGLangServer
     from hack_eval.accuracy import MODEL_TITLES
@@ -72,7 +72,7 @@ def run_served_retrieval(model_name: str, contexts: list[int], per_cell: int, me
         # SGLang refuses a prompt whose length plus the tokens asked for reaches the context length
         raise ValueError(f"--contexts {max(contexts)}: a prompt and its answer must stay under {model_name}'s "
                          f"context length of {limit} tokens for a server to take them; use {limit - 192} or less")
-    items = build_items(AutoTokenizer.from_pretrained(str(path)), contexts, per_cell, seed)
+    items = build_items(tokenizer(path), contexts, per_cell, seed)
     longest = max(len(item.ids) for item in items)
     rows: list[dict] = []
     for m in methods:

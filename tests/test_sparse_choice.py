@@ -77,15 +77,17 @@ def test_the_server_publishes_the_models_score(sglang_parser, tmp_path, caplog):
     small = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "1024")
     assert _published(sglang_parser, "--model-path", wide, *small) == SparseConfig(
         budget_tokens=1024, score="linear", refine=SMALL_BUDGET_REFINE)
-    base = small
-    assert _published(sglang_parser, "--model-path", narrow, *base) == SparseConfig(budget_tokens=1024, score="bound")
+    assert _published(sglang_parser, "--model-path", narrow, *small) == SparseConfig(budget_tokens=1024, score="bound")
     # by hand: the score, or the refinement, as given
-    assert _published(sglang_parser, "--model-path", wide, *base, "--hack-sparse-score", "bound") == SparseConfig(
+    assert _published(sglang_parser, "--model-path", wide, *small, "--hack-sparse-score", "bound") == SparseConfig(
         budget_tokens=1024, score="bound")
+    # (a refinement other than the one `auto` would take at that budget)
     assert _published(sglang_parser, "--model-path", wide, *base, "--hack-sparse-refine", "4") == SparseConfig(
-        budget_tokens=1024, score="linear", refine=4)
+        budget_tokens=2048, score="linear", refine=4)
+    assert _published(sglang_parser, "--model-path", wide, *small, "--hack-sparse-refine", "2") == SparseConfig(
+        budget_tokens=1024, score="linear", refine=2)
     # no local folder to read the width from: the bound, the exact score
-    assert _published(sglang_parser, "--model-path", str(tmp_path / "absent"), *base).score == PageScore.BOUND
+    assert _published(sglang_parser, "--model-path", str(tmp_path / "absent"), *small).score == PageScore.BOUND
 
 
 def test_auto_while_sparse_decode_is_off_chooses_nothing(sglang_parser, tmp_path):
