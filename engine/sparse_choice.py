@@ -10,9 +10,9 @@ Which score keeps the pages a query needs turns with the number of channels a K 
   reverses: the bound 65 / 91%, linear 92 / 99%; served at 8K with a 2K budget, the bound refined
   twice found 26 keys, linear 39, linear refined twice 42 (dense 44). So: linear, refined twice
   (`--hack-sparse-refine 2`) where no refinement is asked for and the path has one (the CPU path;
-  the GPU selection is the score alone). At a 1K budget twice is too few: linear refined twice
-  found 37 / 36 keys at 4K / 8K (dense 42 / 44), refined four times 42 / 40; so budgets up to 1K
-  take four (the candidates then cover about as many tokens as a 2K budget's twice).
+  the GPU selection is the score alone). At budgets up to 2K twice is too few: at 1K linear refined
+  twice found 37 / 36 keys at 4K / 8K (dense 42 / 44), refined four times 42 / 40; at 2K twice 42 /
+  42, four times 42 / 44; so budgets up to 2K take four, larger ones (not measured) twice.
 - 128-channel heads have not been measured here: `auto` keeps the bound there (Quest's choice on
   such heads), and the startup log says it is a default, not a measurement.
 
@@ -34,10 +34,11 @@ logger = logging.getLogger(__name__)
 # From this head width up the linear score ranks pages better than the bound (measured at 256;
 # 64 favours the bound; 128, unmeasured, stays with the bound).
 LINEAR_FROM_HEAD_DIM = 256
-# The refinement the linear score takes on wide heads where none is given (Gemma-3's 42 keys above),
-# and the larger one at budgets up to SMALL_BUDGET_TOKENS (Gemma-3 at 1K: 42 / 40 keys against 37 / 36).
+# The refinement the linear score takes on wide heads where none is given, above SMALL_BUDGET_TOKENS
+# (not measured there), and the larger one up to it (Gemma-3 at 1K: 42 / 40 keys against 37 / 36 at
+# 4K / 8K; at 2K: 42 / 44 against 42 / 42; dense 42 / 44).
 WIDE_HEAD_REFINE = 2
-SMALL_BUDGET_TOKENS = 1024
+SMALL_BUDGET_TOKENS = 2048
 SMALL_BUDGET_REFINE = 4
 
 

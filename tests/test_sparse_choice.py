@@ -45,11 +45,12 @@ def test_the_rule_by_head_width():
     assert c128.score == PageScore.BOUND and "not measured" in c128.reason
     wide = choose(LINEAR_FROM_HEAD_DIM, False, False)
     assert (wide.score, wide.refine) == (PageScore.LINEAR, WIDE_HEAD_REFINE) and "Gemma-3" in wide.reason
-    # budgets up to 1K take the larger refinement on wide heads; narrow heads none at any budget
+    # budgets up to 2K take the larger refinement on wide heads; narrow heads none at any budget
+    assert SMALL_BUDGET_TOKENS == 2048
     assert choose(256, False, False, budget=SMALL_BUDGET_TOKENS).refine == SMALL_BUDGET_REFINE
-    assert choose(256, False, False, budget=512).refine == SMALL_BUDGET_REFINE
+    assert choose(256, False, False, budget=1024).refine == SMALL_BUDGET_REFINE
     assert choose(256, False, False, budget=SMALL_BUDGET_TOKENS + 16).refine == WIDE_HEAD_REFINE
-    assert choose(256, False, False, budget=2048).refine == WIDE_HEAD_REFINE
+    assert choose(256, False, False, budget=4096).refine == WIDE_HEAD_REFINE
     assert choose(64, False, False, budget=512).refine is None
     assert choose(256, on_gpu=True, refine_given=False).refine is None  # the GPU selection has no refinement
     assert choose(256, True, False, budget=512).refine is None
@@ -66,26 +67,26 @@ def _published(parser, *argv: str) -> SparseConfig:
 def test_the_server_publishes_the_models_score(sglang_parser, tmp_path, caplog):
     wide = _llama(tmp_path / "wide", 256)
     narrow = _llama(tmp_path / "narrow", 64)
-    base = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "2048")
+    base = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "4096")
     with caplog.at_level("INFO", logger="engine.sparse_choice"):
         assert _published(sglang_parser, "--model-path", wide, *base) == SparseConfig(
-            budget_tokens=2048, score="linear", refine=WIDE_HEAD_REFINE)
+            budget_tokens=4096, score="linear", refine=WIDE_HEAD_REFINE)
     assert "--hack-sparse-score auto = linear: 256-channel heads" in caplog.text
     assert _published(sglang_parser, "--model-path", wide, *base, "--hack-sparse-score", "auto") == SparseConfig(
-        budget_tokens=2048, score="linear", refine=WIDE_HEAD_REFINE)
-    # the budget reaches the rule: 1K on wide heads is refined four times
-    small = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "1024")
+        budget_tokens=4096, score="linear", refine=WIDE_HEAD_REFINE)
+    # the budget reaches the rule: 2K on wide heads is refined four times
+    small = ("--kv-cache-dtype", "hack", "--device", "cpu", "--hack-sparse-budget", "2048")
     assert _published(sglang_parser, "--model-path", wide, *small) == SparseConfig(
-        budget_tokens=1024, score="linear", refine=SMALL_BUDGET_REFINE)
-    assert _published(sglang_parser, "--model-path", narrow, *small) == SparseConfig(budget_tokens=1024, score="bound")
+        budget_tokens=2048, score="linear", refine=SMALL_BUDGET_REFINE)
+    assert _published(sglang_parser, "--model-path", narrow, *small) == SparseConfig(budget_tokens=2048, score="bound")
     # by hand: the score, or the refinement, as given
     assert _published(sglang_parser, "--model-path", wide, *small, "--hack-sparse-score", "bound") == SparseConfig(
-        budget_tokens=1024, score="bound")
+        budget_tokens=2048, score="bound")
     # (a refinement other than the one `auto` would take at that budget)
     assert _published(sglang_parser, "--model-path", wide, *base, "--hack-sparse-refine", "4") == SparseConfig(
-        budget_tokens=2048, score="linear", refine=4)
+        budget_tokens=4096, score="linear", refine=4)
     assert _published(sglang_parser, "--model-path", wide, *small, "--hack-sparse-refine", "2") == SparseConfig(
-        budget_tokens=1024, score="linear", refine=2)
+        budget_tokens=2048, score="linear", refine=2)
     # no local folder to read the width from: the bound, the exact score
     assert _published(sglang_parser, "--model-path", str(tmp_path / "absent"), *small).score == PageScore.BOUND
 
