@@ -301,7 +301,7 @@ def incompatible_reason(message: str, addr: str) -> str:
     return (f"incompatible prefill/decode pairing with {addr}: prefill has "
             f"{pd_state.describe_fingerprint(pre)}; decode has {pd_state.describe_fingerprint(dec)}. "
             "Start both with the same model and the same --kv-cache-dtype/--hack-* options (and the same bit plan: "
-            "--hack-bits, which each server's log names)")
+            "--hack-bits, which each server's log names, with its rotation: --hack-rotation)")
 
 
 CONNECTOR = PdConnector()

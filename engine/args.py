@@ -83,6 +83,9 @@ def _positive_float(text: str) -> float:
     return v
 
 
+# --hack-rotation's default: the bit plan's rotation (engine.server_options), none without a plan.
+ROTATION_AUTO = "auto"
+
 # dest -> (flag, argparse kwargs). Defaults are None so that "given" and "defaulted" differ.
 HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "hack_partition_size": ("--hack-partition-size", dict(
@@ -121,10 +124,13 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         type=_non_negative_int, metavar="N",
         help="First N tokens of every sequence kept in FP16 (attention sinks).")),
     "hack_rotation": ("--hack-rotation", dict(
-        choices=[r.value for r in Rotation],
+        choices=[ROTATION_AUTO, *(r.value for r in Rotation)],
         help="Orthogonal Walsh-Hadamard rotation per head before quantization (head_dim a power "
-             "of two): none (default); hadamard_k rotates Q and K; hadamard_v rotates V and the "
-             "output back; hadamard_kv both; signed_* adds a fixed seeded random sign diagonal.")),
+             "of two): auto (default) takes the bit plan's (--hack-bits: hadamard_kv in SmolLM2's "
+             "shipped plan, where it cut perplexity's excess by half at no bytes; none in Gemma-3's, "
+             "and with no plan); none; hadamard_k rotates Q and K; hadamard_v rotates V and the "
+             "output back; hadamard_kv both; signed_* adds a fixed seeded random sign diagonal. "
+             "Given, it overrides the plan's.")),
     "hack_k_outlier_channels": ("--hack-k-outlier-channels", dict(
         type=_non_negative_int, metavar="N",
         help="Dense-and-sparse K: keep each page's N widest K channels per head in FP16 outside the "
@@ -193,7 +199,7 @@ HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         choices=[s.value for s in ScoreChoice],
         help="Sparse decode: how a page is scored: auto (default: by the model's head width, chosen at startup "
              "and logged: the bound on heads of up to 128 channels, linear on wider ones, refined four times at "
-             "budgets up to 1024 tokens and twice above; "
+             "budgets up to 2048 tokens and twice above; "
              "engine/sparse_choice.py), bound (the exact upper bound of q.k over the page; the better on "
              "64-channel heads such as SmolLM2's) or linear (MPCache's stand-in, q.(0.6 max + 0.4 min); the "
              "better on 256-channel heads such as Gemma-3's, refined: docs/sparse.md).")),
@@ -371,7 +377,8 @@ def given_hack_options(ns: Any) -> list[str]:
 
 def settings_from_options(ns: Any, enabled: bool) -> EngineSettings:
     """Build EngineSettings from a namespace holding the hack_* attributes (missing = default)."""
-    changes = {f: getattr(ns, d) for d, f in _CONFIG_FIELDS.items() if getattr(ns, d, None) is not None}
+    changes = {f: getattr(ns, d) for d, f in _CONFIG_FIELDS.items()
+               if getattr(ns, d, None) not in (None, ROTATION_AUTO)}  # auto: the plan's, applied later
     if getattr(ns, "hack_disable_summation_elimination", None):
         changes["summation_elimination"] = False
     if getattr(ns, "hack_disable_requant_elimination", None):

@@ -15,7 +15,7 @@ from hack_ops.config import HackConfig
 
 from . import page_tier, sparse_choice
 from . import settings as settings_mod
-from .args import HackArgumentError, check_combination, settings_from_options
+from .args import ROTATION_AUTO, HackArgumentError, check_combination, settings_from_options
 from .bit_plans import PlanRefusal, resolve_for_namespace, resolve_plan
 from .layer_sets import LayerSet, auto_reason, resolve_for_model_path
 from .settings import KV_CACHE_DTYPE
@@ -41,8 +41,9 @@ def apply_cli_namespace(ns: Any) -> None:
     settings = None
     if enabled or getattr(ns, "hack_kv_budget_mb", None) is not None:
         settings = settings_from_options(ns, enabled=enabled)
-    if plan is not None:
-        settings = replace(settings, config=plan.apply(settings.config))
+    if plan is not None:  # a --hack-rotation given keeps its rotation; auto (the default) takes the plan's
+        rotation_given = getattr(ns, "hack_rotation", None) not in (None, ROTATION_AUTO)
+        settings = replace(settings, config=plan.apply(settings.config, rotation=not rotation_given))
     for key, value in check_combination(ns, settings).items():
         setattr(ns, key, value)
     if enabled:

@@ -26,6 +26,10 @@ METHODS = {
     "hack-exact-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "exact"],
     "hack-dense-prefill": ["--kv-cache-dtype", "hack", "--hack-prefill", "dense"],
     "hack-4bit-layers": ["--kv-cache-dtype", "hack"],  # + --hack-4bit-layers (method_args)
+    # the default server with the Walsh-Hadamard rotation of K and V (Q too, the output back), and
+    # without any (--hack-rotation auto, the default, takes the bit plan's: SmolLM2's rotates)
+    "hack-rotation": ["--kv-cache-dtype", "hack", "--hack-rotation", "hadamard_kv"],
+    "hack-no-rotation": ["--kv-cache-dtype", "hack", "--hack-rotation", "none"],
 }
 
 

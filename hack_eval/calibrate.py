@@ -23,6 +23,14 @@ the study's own tools in 'dequant' mode (the layout's error without the INT8 noi
     SHORTLIST best by KL alone, are measured.
 Rounds end when no candidate fits the budget or none buys anything.
 
+Then the rotation (hack_ops.rotation): the plan is scored on the same items with its codes taken
+under each candidate rotation (ROTATION_CANDIDATES: Walsh-Hadamard on K and V, the accuracy
+study's best), and a rotation is kept where it cuts the plan's KL by at least ROTATION_GAIN and
+finds as many access codes. A rotation costs no bytes, but it is model-dependent (it halved
+SmolLM2's perplexity excess over its plan and raised Gemma-3's, docs/accuracy.md), so it is
+measured per model, like the bits. `--layers-from PLAN` runs this step alone on an earlier plan's
+layers (the rounds are the slow part).
+
 Heads or layers: from one exact pass, the relative error each tensor's 2-bit codes put on each
 KV head's attention output and the attention mass each head puts on the needle. The per-head
 analysis spreads each layer's round-1 score over its KV heads in proportion to that error and
@@ -34,15 +42,16 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from hack_ops import HackConfig
-from hack_ops.bit_plan import BitPlan, model_hash
+from hack_ops.bit_plan import BitPlan, model_hash, plan_for_check
 from hack_ops.layout import model_bytes_per_token
+from hack_ops.rotation import Rotation, head_dim_refusal
 
 from .attention_paths import study_attention
 from .calibration_text import CalibrationItem, CalibrationText, build_items, describe
@@ -62,6 +71,13 @@ RETRIEVAL_KEPT = 0.25
 # plain format's rise was 0.3 nats, and the plans it steered came out "better than exact").
 RETRIEVAL_FLOOR = 1.0
 
+# The rotations the calibration tries on the plan it chose (hadamard_kv: the study's best scope;
+# its signed and single-tensor variants measured no better, docs/accuracy.md), and the share of the
+# plan's KL one must take away to be kept (less is within what the items' choice moves).
+ROTATION_CANDIDATES = (Rotation.HADAMARD_KV,)
+ROTATION_GAIN = 0.10
+ROTATION_AUTO = "auto"  # CalibrationSettings.rotation: measure the candidates and keep what pays
+
 Key = tuple[int, str]  # (layer, "k" or "v")
 
 
@@ -74,9 +90,12 @@ class CalibrationSettings:
     seed: int = 0
     threads: int | None = None
     text: CalibrationText = CalibrationText.MIX
+    rotation: str = ROTATION_AUTO  # or a Rotation value: the plan's codes under it, measured, not chosen
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", CalibrationText(self.text))
+        if self.rotation != ROTATION_AUTO:
+            object.__setattr__(self, "rotation", Rotation(self.rotation).value)
         if not 0 < self.budget_fraction <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget_fraction}")
         if self.context < 256 or self.items < 1 or self.budget_context < 1:
@@ -275,6 +294,15 @@ def retrieval_kept(plain: Loss, exact_nll: float, base: Loss) -> bool:
     return min(rise, plain_rise) < RETRIEVAL_FLOOR or rise <= RETRIEVAL_KEPT * plain_rise
 
 
+def choose_rotation(plan: dict, rotated: dict[str, dict]) -> str:
+    """The rotation (a Rotation value) to keep from the plan's measured rows on the items (each
+    {'kl', 'answer_nll', 'answered'}): the one with the lowest KL among those that take at least
+    ROTATION_GAIN of the unrotated plan's KL away and find as many codes; 'none' when none does."""
+    paying = [(row["kl"], name) for name, row in rotated.items()
+              if row["kl"] <= (1 - ROTATION_GAIN) * plan["kl"] and row["answered"] >= plan["answered"]]
+    return min(paying)[1] if paying else Rotation.NONE.value
+
+
 def choose(scores: dict[Key, float], geo: tuple[int, int, int], budget: float, context: int,
            picks: list[Key] | tuple[Key, ...] = (), spend: float | None = None) -> list[Key]:
     """The (layer, tensor) pairs to add to `picks`, by score per byte, largest first, while the
@@ -328,14 +356,28 @@ def head_analysis(scores: dict[Key, float], err: dict[str, torch.Tensor],
     }
 
 
+def _row(rows: list[Loss]) -> dict:
+    mean = _mean(rows)
+    return {"kl": mean.kl, "answer_nll": mean.answer_nll, "answered": sum(r.answered for r in rows)}
+
+
 def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSettings = CalibrationSettings(),
-              command: str = "", log: Callable[[str], None] = print) -> BitPlan:
-    """Measure the model in `model_path` and return its bit plan (not written: BitPlan.write)."""
+              command: str = "", log: Callable[[str], None] = print, layers_from: BitPlan | None = None) -> BitPlan:
+    """Measure the model in `model_path` and return its bit plan (not written: BitPlan.write).
+    layers_from: an earlier plan for the same weights whose layers are kept as they are (its
+    rounds and per-layer measurements are carried over); only the rotation step and the check run."""
     t_start = time.time()
+    if layers_from is not None and layers_from.model_hash != model_hash(model_path):
+        raise ValueError(f"--layers-from: the plan was measured on model {layers_from.short_hash}, not the "
+                         f"weights in {model_path}")
     torch.manual_seed(settings.seed)
     model, tok = load_model(Path(model_path), threads=settings.threads)
     geo = model_geometry(model)
     n_layers, _, _ = geo
+    if layers_from is not None and plan_for_check(layers_from, *geo):
+        raise ValueError(f"--layers-from: {plan_for_check(layers_from, *geo)}")
+    if settings.rotation != ROTATION_AUTO and head_dim_refusal(settings.rotation, geo[2]):
+        raise ValueError(head_dim_refusal(settings.rotation, geo[2]))
     items = build_items(tok, settings.context, settings.items, settings.seed, settings.text)
     cfg = HackConfig()
     err = {t: torch.zeros(n_layers, geo[1]) for t in TENSORS}
@@ -343,6 +385,8 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
     scorers = []
     for item in items:
         scorers.append(_ItemScorer(model, item))
+        if layers_from is not None:  # its per-head analysis is carried over
+            continue
         probe = _head_probe(model, item, geo, cfg)
         for t in TENSORS:
             err[t] += probe["err"][t] / len(items)
@@ -355,7 +399,10 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
     first: dict[Key, dict] = {}
     plain: Loss | None = None
     candidates = [(layer, t) for layer in range(n_layers) for t in TENSORS]
-    while True:
+    if layers_from is not None:  # the layers are the earlier plan's: no rounds
+        picks = sorted([(l, "k") for l in layers_from.k_layers] + [(l, "v") for l in layers_from.v_layers])
+        candidates = []
+    while candidates:
         candidates = [k for k in candidates if k not in picks and _ratio(_config(picks + [k]), geo, ctx) <= budget + 1e-9]
         if not candidates:
             break
@@ -391,13 +438,33 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
         candidates = list(dict.fromkeys([k for k in ranked if k not in taken][:SHORTLIST]
                                         + [k for k in by_kl if k not in taken][:SHORTLIST]))
     plan_cfg = _config(picks)
-    planned = [s.score(Variant("plan", "dequant", plan_cfg)) for s in scorers]
+    planned = _row([s.score(Variant("plan", "dequant", plan_cfg)) for s in scorers])
     plain_rows = [s.score(Variant("plain", "dequant", cfg)) for s in scorers]
+    tried = ([r for r in ROTATION_CANDIDATES if head_dim_refusal(r, geo[2]) is None]
+             if settings.rotation == ROTATION_AUTO else
+             [Rotation(settings.rotation)] if settings.rotation != Rotation.NONE.value else [])
+    rotated = {r.value: _row([s.score(Variant("plan", "dequant", plan_cfg.replace(rotation=r))) for s in scorers])
+               for r in tried}
+    chosen = choose_rotation(planned, rotated) if settings.rotation == ROTATION_AUTO else settings.rotation
+    log(f"calibrate: rotation {chosen} (plan KL {planned['kl']:.4f}; "
+        + ", ".join(f"{name} {row['kl']:.4f}" for name, row in rotated.items()) + f") ({time.time() - t_start:.0f} s)")
+    rotation_step = {"tried": {Rotation.NONE.value: planned, **rotated}, "chosen": chosen,
+                     "rule": (f"kept where it takes >= {ROTATION_GAIN:.0%} of the plan's KL away and finds as "
+                              "many codes" if settings.rotation == ROTATION_AUTO else "given (--rotation)"),
+                     "mode": "dequant"}
+    check = {"exact_answer_nll": exact_nll, "plain": _row(plain_rows), "plan": rotation_step["tried"][chosen],
+             "items": len(items), "mode": "dequant", "sources": [i.source.value for i in items]}
+    final_cfg = plan_cfg.replace(rotation=Rotation(chosen))
+    calibration = {"text": describe(settings.text), "text_kind": settings.text.value,
+                   "context": settings.context, "items": settings.items, "seed": settings.seed,
+                   "seconds": round(time.time() - t_start, 1),
+                   "date": datetime.date.today().isoformat(), "command": command}
+    if layers_from is not None:  # the layers' own calibration stays the plan's record; this step beside it
+        measurements = {**layers_from.measurements, "check": check, "rotation": rotation_step}
+        return replace(layers_from, rotation=chosen, bytes_ratio=_ratio(final_cfg, geo, settings.budget_context),
+                       calibration={**layers_from.calibration, "rotation_step": calibration},
+                       measurements=measurements)
     heads = head_analysis({k: v["score"] for k, v in first.items()}, err, needle, picks)
-    def row(rows: list[Loss]) -> dict:
-        mean = _mean(rows)
-        return {"kl": mean.kl, "answer_nll": mean.answer_nll, "answered": sum(r.answered for r in rows)}
-
     measurements = {
         "method": "rounds of marginal gains from the plan so far (hack_eval.calibrate)",
         "per_layer": [{"layer": layer,
@@ -408,21 +475,16 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
                       for layer in range(n_layers)],
         "rounds": rounds,
         "heads": heads,
-        "check": {"exact_answer_nll": exact_nll, "plain": row(plain_rows), "plan": row(planned),
-                  "items": len(items), "mode": "dequant",
-                  "sources": [i.source.value for i in items]},
+        "check": check,
+        "rotation": rotation_step,
     }
     return BitPlan(
         model_hash=model_hash(model_path), model=model_name, num_layers=n_layers, num_kv_heads=geo[1],
         head_dim=geo[2], k_layers=tuple(l for l, t in picks if t == "k"),
         v_layers=tuple(l for l, t in picks if t == "v"), budget_fraction=settings.budget_fraction,
-        budget_context=settings.budget_context, bytes_ratio=_ratio(plan_cfg, geo, settings.budget_context),
-        plain_bytes_ratio=_ratio(cfg, geo, settings.budget_context),
-        calibration={"text": describe(settings.text), "text_kind": settings.text.value,
-                     "context": settings.context, "items": settings.items, "seed": settings.seed,
-                     "seconds": round(time.time() - t_start, 1),
-                     "date": datetime.date.today().isoformat(), "command": command},
-        measurements=measurements)
+        budget_context=settings.budget_context, bytes_ratio=_ratio(final_cfg, geo, settings.budget_context),
+        plain_bytes_ratio=_ratio(cfg, geo, settings.budget_context), calibration=calibration,
+        measurements=measurements, rotation=chosen)
 
 
 def render(plan: BitPlan) -> str:
@@ -433,11 +495,16 @@ def render(plan: BitPlan) -> str:
     lines = [f"bit plan for {plan.model} (model {plan.short_hash}): {plan.summary()}",
              f"calibration: {plan.calibration['items']} items of {plan.calibration['context']} tokens, "
              f"{plan.calibration['seconds']:.0f} s; {plan.calibration['text']}",
+             *([f"check and rotation step: {step['items']} items of {step['context']} tokens, {step['seconds']:.0f} s, "
+                f"{step['date']}; {step['text']}"] if (step := plan.calibration.get("rotation_step")) else []),
              f"on those items ({c['mode']}): KL plain {c['plain']['kl']:.4f} -> plan {c['plan']['kl']:.4f}; "
              f"answer NLL exact {c['exact_answer_nll']:.3f}, plain {c['plain']['answer_nll']:.3f}, plan "
              f"{c['plan']['answer_nll']:.3f}; codes found plain {c['plain']['answered']}/{c['items']}, plan "
              f"{c['plan']['answered']}/{c['items']}",
-             "rounds: " + "; ".join(f"{i + 1}: {', '.join(r['taken']) or 'nothing'}" for i, r in enumerate(m["rounds"])),
+             ("rounds: " + "; ".join(f"{i + 1}: {', '.join(r['taken']) or 'nothing'}"
+                                     for i, r in enumerate(m["rounds"]))
+              if "rounds" in m else "rounds: none recorded (a plan ranked once, before rounds)"),
+             _render_rotation(m.get("rotation")),
              f"heads vs layers ({h['kv_heads']} KV heads): at the plan's bytes a per-layer plan takes "
              f"{100 * h['layer_plan_score_share']:.1f}% of the round-1 score, a per-head plan would take "
              f"{100 * h['head_plan_score_share']:.1f}% (x{h['head_over_layer']:.2f}; bar x{h['bar']:.2f}): "
@@ -446,3 +513,10 @@ def render(plan: BitPlan) -> str:
     lines.append("top layers by round-1 score (K / V): " + "; ".join(
         f"{r['layer']}: {r['k_score']:.3f} / {r['v_score']:.3f}" for r in ranked))
     return "\n".join(lines)
+
+
+def _render_rotation(step: dict | None) -> str:
+    if step is None:
+        return "rotation: not measured (a plan written before the rotation step): none"
+    tried = ", ".join(f"{name} KL {row['kl']:.4f} ({row['answered']} codes)" for name, row in step["tried"].items())
+    return f"rotation: {step['chosen']} ({step['rule']}; {tried})"

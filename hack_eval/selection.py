@@ -24,6 +24,7 @@ from torch import Tensor
 from hack_ops.attention import k_pages_quantized, soft_cap, visible
 from hack_ops.config import HackConfig
 from hack_ops.quant import dequantize
+from hack_ops.rotation import rotate_qkv
 from hack_ops.sparse import (PageScore, SparseConfig, kept_group_pages, page_best, page_scores, refine_scores,
                              select_pages)
 
@@ -143,6 +144,9 @@ def run_selection(model_name: str, context: int, per_cell: int, budgets: list[in
         rows = torch.arange(item.answer_start, len(item.ids) - 1)
         if not base.layer_is_sparse(layer, window) or not len(rows):
             return
+        # the plan's rotation, as the server applies it before the store: pages of rotated keys
+        # (the scores q.k are the same, the codes and their boxes are not)
+        q, k, _ = rotate_qkv(q.float(), k.float(), k.float(), cfg.rotation)
         lc = cfg.for_layer(layer, n_layers) if cfg.per_layer else cfg
         bits = lc.bits("k")
         h, rep = k.shape[1], q.shape[1] // k.shape[1]

@@ -5,9 +5,11 @@ retrieval sit and writes a plan under a byte budget; a server with `--hack-bits 
 default) loads the plan of the model it serves. A plan belongs to one model's weights: it is
 keyed by the model's hash (model_hash: config.json and the weight files) and lives beside the
 model folder (`hack-bits-<hash>.json`), or ships in this package (hack_ops/plans/) for the
-project's own models. The plan only says which tensors are raised; the rest of the format
-(partition size, orientation, sinks) is the server's HackConfig, and HackConfig's
-four_bit_k_layers / four_bit_v_layers carry the plan to every path that lays out pages.
+project's own models. The plan says which tensors are raised, and which rotation
+(hack_ops.rotation) the codes are taken under where the calibration measured one to pay; the
+rest of the format (partition size, orientation, sinks) is the server's HackConfig, and
+HackConfig's four_bit_k_layers / four_bit_v_layers / rotation carry the plan to every path that
+lays out pages.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import HackConfig
+from .rotation import Rotation, rotation as _rotation
 
 PLAN_VERSION = 1
 PLAN_PREFIX = "hack-bits-"
@@ -70,7 +73,9 @@ class BitPlan:
     the server's --hack-kv-bits (2). bytes_ratio: bytes per token vs BF16 at budget_context
     (hack_ops.layout.model_bytes_per_token, tails and sinks included). calibration: how it was
     measured (text, items, context, seconds, date, command); measurements: the scores it was
-    chosen from, per layer and tensor, and the per-head analysis (hack_eval.calibrate)."""
+    chosen from, per layer and tensor, and the per-head analysis (hack_eval.calibrate).
+    rotation: the Rotation value the codes are taken under ('none' in plans written before the
+    calibration measured rotations, and wherever none paid)."""
 
     model_hash: str
     model: str
@@ -86,6 +91,7 @@ class BitPlan:
     calibration: dict = field(default_factory=dict)
     measurements: dict = field(default_factory=dict)
     version: int = PLAN_VERSION
+    rotation: str = Rotation.NONE.value
 
     def __post_init__(self) -> None:
         for name in ("k_layers", "v_layers"):
@@ -93,6 +99,7 @@ class BitPlan:
             if any(not 0 <= i < self.num_layers for i in layers):
                 raise ValueError(f"{name} {list(layers)} are outside the plan's {self.num_layers} layers")
             object.__setattr__(self, name, layers)  # frozen: coerced once, here
+        object.__setattr__(self, "rotation", _rotation(self.rotation).value)  # ValueError names the values
         if self.version != PLAN_VERSION:
             raise ValueError(f"bit plan version {self.version} is not {PLAN_VERSION}: run `hack calibrate` again")
 
@@ -100,14 +107,17 @@ class BitPlan:
     def short_hash(self) -> str:
         return self.model_hash[:HASH_CHARS]
 
-    def apply(self, config: HackConfig) -> HackConfig:
-        """`config` with the plan's K and V layers at 4 bits (its other fields unchanged)."""
-        return config.replace(four_bit_k_layers=self.k_layers, four_bit_v_layers=self.v_layers)
+    def apply(self, config: HackConfig, rotation: bool = True) -> HackConfig:
+        """`config` with the plan's K and V layers at 4 bits and (unless not `rotation`: a server
+        given --hack-rotation keeps its own) the plan's rotation; its other fields unchanged."""
+        extra = {"rotation": Rotation(self.rotation)} if rotation else {}
+        return config.replace(four_bit_k_layers=self.k_layers, four_bit_v_layers=self.v_layers, **extra)
 
     def summary(self) -> str:
         """One line for the server log."""
         show = lambda xs: ",".join(map(str, xs)) or "none"  # noqa: E731
-        return (f"K at 4 bits in layers {show(self.k_layers)}; V at 4 bits in layers {show(self.v_layers)} "
+        rot = "" if self.rotation == Rotation.NONE.value else f"; codes under the {self.rotation} rotation"
+        return (f"K at 4 bits in layers {show(self.k_layers)}; V at 4 bits in layers {show(self.v_layers)}{rot} "
                 f"({100 * self.bytes_ratio:.1f}% of BF16's bytes at {self.budget_context} tokens, budget "
                 f"{100 * self.budget_fraction:.0f}%; plain 2-bit {100 * self.plain_bytes_ratio:.1f}%)")
 
@@ -167,5 +177,5 @@ def plan_for_check(plan: BitPlan, num_layers: int, num_kv_heads: int, head_dim: 
 def describe(plan: Any) -> dict:
     """The plan's JSON-able summary (for /server_info and reports)."""
     return {"model_hash": plan.model_hash[:HASH_CHARS], "k_layers": list(plan.k_layers),
-            "v_layers": list(plan.v_layers), "bytes_ratio": plan.bytes_ratio,
+            "v_layers": list(plan.v_layers), "rotation": plan.rotation, "bytes_ratio": plan.bytes_ratio,
             "budget_context": plan.budget_context}

@@ -161,6 +161,35 @@ def test_the_published_settings_hold_the_plan(sglang_parser, tmp_path):
         published("--hack-bits", "plain")
 
 
+def test_a_plan_carries_its_rotation_unless_the_server_names_one(sglang_parser, tmp_path):
+    """A plan's rotation reaches the published config with --hack-rotation auto (the default);
+    a rotation given on the command line keeps its own; a plan written before plans had one
+    loads as 'none'; an unknown one is refused with the values."""
+    from hack_ops.rotation import Rotation
+
+    a = _model(tmp_path / "a")
+    plan = _plan(a, rotation="hadamard_kv")
+    assert BitPlan.from_json(plan.to_json()) == plan and "hadamard_kv rotation" in plan.summary()
+    old = json.loads(plan.to_json())
+    del old["rotation"]
+    assert BitPlan(**old).rotation == "none"
+    with pytest.raises(ValueError, match="rotation must be one of"):
+        _plan(a, rotation="spin")
+    plan.write(a)
+
+    def published(*argv: str) -> HackConfig:
+        apply_cli_namespace(sglang_parser.parse_args(["--model-path", a, "--kv-cache-dtype", "hack", *argv]))
+        return settings_mod.EngineSettings.from_json(os.environ[settings_mod.ENV_VAR]).config
+
+    raised = dict(four_bit_k_layers=(1,), four_bit_v_layers=(1, 3))
+    assert published() == HackConfig(rotation=Rotation.HADAMARD_KV, **raised)
+    assert published("--hack-rotation", "auto") == HackConfig(rotation=Rotation.HADAMARD_KV, **raised)
+    assert published("--hack-rotation", "none") == HackConfig(**raised)
+    assert published("--hack-rotation", "hadamard_v") == HackConfig(rotation=Rotation.HADAMARD_V, **raised)
+    assert published("--hack-bits", "plain") == HackConfig()  # no plan: no rotation either
+    assert plan.apply(HackConfig(), rotation=False) == HackConfig(**raised)
+
+
 def test_different_plans_are_different_pd_layouts():
     """The plan is part of the layout both PD sides compare at bootstrap; the refusal says what to align."""
     from types import SimpleNamespace
@@ -174,7 +203,8 @@ def test_different_plans_are_different_pd_layouts():
 
     plain, plan = fp(HackConfig()), fp(HackConfig(four_bit_k_layers=(7, 21), four_bit_v_layers=(21,)))
     other = fp(HackConfig(four_bit_k_layers=(7,), four_bit_v_layers=(7, 21)))
-    assert len({plain, plan, other}) == 3
+    rotated = fp(HackConfig(four_bit_k_layers=(7, 21), four_bit_v_layers=(21,), rotation="hadamard_kv"))
+    assert len({plain, plan, other, rotated}) == 4  # a plan's rotation is part of its layout too
     assert fp(HackConfig(four_bit_k_layers=(7, 21), four_bit_v_layers=(21,))) == plan
     msg = (f"KV cache dtype mismatch: prefill server has kv_cache_dtype={plan}, but decode server has "
            f"kv_cache_dtype={plain}. Both servers must ...")
@@ -220,6 +250,19 @@ def test_a_round_spends_up_to_its_share_and_joins_the_plan_so_far():
     base = model_bytes_per_token(HackConfig(four_bit_k_layers=(21,)), 30, 3, 64, 4096)["ratio"]
     assert choose(scores, geo, base + one * 0.5, 4096, picks=[(21, "k")]) == []
     assert (5, "k") not in choose(scores, geo, 1.0, 4096)  # a tensor that costs loss is never raised
+
+
+def test_a_rotation_is_kept_where_it_takes_a_tenth_of_the_kl_away_and_finds_as_many_codes():
+    from hack_eval.calibrate import ROTATION_GAIN, choose_rotation
+
+    plan = {"kl": 0.10, "answer_nll": 1.0, "answered": 2}
+    row = lambda kl, answered=2: {"kl": kl, "answer_nll": 1.0, "answered": answered}  # noqa: E731
+    assert choose_rotation(plan, {}) == "none"
+    assert choose_rotation(plan, {"hadamard_kv": row(0.07)}) == "hadamard_kv"
+    assert choose_rotation(plan, {"hadamard_kv": row(0.10 * (1 - ROTATION_GAIN) + 1e-4)}) == "none"  # too little
+    assert choose_rotation(plan, {"hadamard_kv": row(0.05, answered=1)}) == "none"  # loses a code
+    assert choose_rotation(plan, {"hadamard_kv": row(0.12)}) == "none"  # worse (Gemma-3's case)
+    assert choose_rotation(plan, {"hadamard_kv": row(0.08), "hadamard_v": row(0.06)}) == "hadamard_v"
 
 
 def test_a_candidate_scores_the_share_of_each_loss_it_takes_back():

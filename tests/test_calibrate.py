@@ -77,6 +77,33 @@ def test_calibrate_writes_a_plan_within_the_budget(model_copy, calibrated):
     heads = plan.measurements["heads"]
     assert 0 < heads["layer_plan_score_share"] <= 1 and heads["head_over_layer"] >= 1 - 1e-9
     assert raw["calibration"]["command"].startswith("hack calibrate ")
+    # the rotation step scored the plan with and without the Walsh-Hadamard rotation and kept by its rule
+    from hack_eval.calibrate import choose_rotation
+
+    step = plan.measurements["rotation"]
+    assert set(step["tried"]) == {"none", "hadamard_kv"} and all(math.isfinite(r["kl"]) for r in step["tried"].values())
+    tried = dict(step["tried"])
+    assert plan.rotation == step["chosen"] == choose_rotation(tried.pop("none"), tried)
+    assert check["plan"] == step["tried"][plan.rotation]
+
+
+def test_layers_from_keeps_a_plan_and_measures_its_rotation(model_copy, calibrated, tmp_path):
+    """`--layers-from` runs the rotation step alone: the earlier plan's layers and rounds stay, its
+    calibration record gains the step's; `--rotation none` measures no rotation and keeps none."""
+    from hack_cli.main import main
+    from hack_ops.bit_plan import load_plan
+
+    path, _ = calibrated
+    before = load_plan(path)
+    out = tmp_path / "again"
+    assert main(["calibrate", str(model_copy), "--context", "256", "--items", "1", "--threads", "2",
+                 "--layers-from", str(path), "--rotation", "none", "--out", str(out)]) == 0
+    after = load_plan(out / path.name)
+    assert (after.k_layers, after.v_layers, after.rotation) == (before.k_layers, before.v_layers, "none")
+    assert after.measurements["rounds"] == before.measurements["rounds"]
+    assert set(after.measurements["rotation"]["tried"]) == {"none"}
+    assert after.calibration["command"] == before.calibration["command"]
+    assert "--layers-from" in after.calibration["rotation_step"]["command"]
 
 
 @pytest.mark.integration
@@ -94,6 +121,7 @@ def test_a_default_server_loads_the_plan_into_its_store(model_copy, calibrated):
         log = Path(server.log_path).read_text(errors="replace")
         assert f"--hack-bits auto = plan {path}" in log, log[-3000:]
         layout = server.kv_usage()["hack"]["layout"]
+        assert layout["rotation"] == plan.rotation  # --hack-rotation auto: the plan's
         cfg = plan.apply(HackConfig())
         k_bits = [4 if i in plan.k_layers else 2 for i in range(30)]
         v_bits = [4 if i in plan.v_layers else 2 for i in range(30)]

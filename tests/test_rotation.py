@@ -41,6 +41,30 @@ def test_rotation_is_orthogonal_and_fwht_agrees(d, signed):
         assert not torch.equal(r, rotation_matrix(d, False)) and torch.equal(r.abs(), rotation_matrix(d, False).abs())
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("signed", [False, True])
+def test_bf16_rotation_is_the_float32_product_rounded_once(d, signed):
+    """BF16 q/k/v rotate by one BF16 GEMM where BF16 holds R exactly (D a power of four); the
+    result is the float32 product rounded to BF16 (bit for bit on these draws); at D = 128
+    (1/sqrt(128) is no BF16 number) the float32 path runs."""
+    from hack_ops.rotation import _exact_bf16
+
+    from hack_ops.rotation import BF16_GEMM_MIN
+
+    g = torch.Generator().manual_seed(d + signed)
+    x = torch.randn(512, 3, d, generator=g).to(torch.bfloat16)
+    assert x.numel() >= BF16_GEMM_MIN  # the GEMM path (a decode step's few rows take the float32 one)
+    rot = Rotation.SIGNED_HADAMARD_KV if signed else Rotation.HADAMARD_KV
+    r = rotation_matrix(d, signed)
+    q, _, _ = rotate_qkv(x, x, x, rot)
+    assert q.dtype == torch.bfloat16
+    assert (_exact_bf16(d, signed, "cpu") is None) == (d == 128)
+    want = (x.float() @ r).to(torch.bfloat16)
+    assert (q != want).float().mean() <= 1e-5  # a tie rounded apart by the summation order, at most
+    back = restore_output(q, rot)
+    assert torch.allclose(back.float(), x.float(), atol=0.05, rtol=0.02)
+
+
 def test_scopes_rotate_the_right_tensors():
     q, k, v = (t[0].transpose(0, 1) for t in _qkv(n=5))  # [tokens, heads, D], as the backend has them
     for rot in Rotation:
