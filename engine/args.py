@@ -13,7 +13,7 @@ from hack_ops import HackConfig
 from hack_ops.config import ORIENTATIONS, ROUNDINGS, TAIL_TENSORS, RaisedTensors
 from hack_ops.modes import SERVING_MODES, AttentionMode, PrefillMode
 from hack_ops.paged.chunk_codes import layout_refusal
-from hack_ops.rotation import Rotation
+from hack_ops.rotation import ROTATION_AUTO, Rotation  # auto: the bit plan's (engine.server_options)
 from hack_ops.sparse import SparseConfig
 from hack_ops.static_keep import KeepUnit, StaticKeep
 
@@ -82,9 +82,6 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {v}")
     return v
 
-
-# --hack-rotation's default: the bit plan's rotation (engine.server_options), none without a plan.
-ROTATION_AUTO = "auto"
 
 # dest -> (flag, argparse kwargs). Defaults are None so that "given" and "defaulted" differ.
 HACK_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -12,7 +12,7 @@ from pathlib import Path
 def register(sub: argparse._SubParsersAction) -> None:
     from hack_eval.calibration_text import CalibrationText
     from hack_eval.models import MODELS
-    from hack_ops.rotation import Rotation
+    from hack_ops.rotation import ROTATION_AUTO, Rotation
 
     p = sub.add_parser("calibrate", help="measure where a model's 2-bit error and retrieval sit and write its "
                                          "bit plan (which layers' K and V are 4-bit) for --hack-bits auto")
@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the items' haystack: 'mix' (default: held-out Shakespeare plays, ShareGPT conversations "
                         "and GSM8K problems, item by item in turn), or one of them alone; no evaluation reads "
                         "any of it")
-    p.add_argument("--rotation", choices=["auto", *(r.value for r in Rotation)], default="auto",
+    p.add_argument("--rotation", choices=[ROTATION_AUTO, *(r.value for r in Rotation)], default=ROTATION_AUTO,
                    help="the rotation the plan's codes are taken under: 'auto' (default) scores the plan with "
                         "and without the Walsh-Hadamard rotation of K and V on the same items and keeps it where "
                         "it takes >= 10%% of the KL away and finds as many codes (a server's --hack-rotation auto "

@@ -51,7 +51,7 @@ import torch
 from hack_ops import HackConfig
 from hack_ops.bit_plan import BitPlan, model_hash, plan_for_check
 from hack_ops.layout import model_bytes_per_token
-from hack_ops.rotation import Rotation, head_dim_refusal
+from hack_ops.rotation import ROTATION_AUTO, Rotation, head_dim_refusal
 
 from .attention_paths import study_attention
 from .calibration_text import CalibrationItem, CalibrationText, build_items, describe
@@ -76,7 +76,6 @@ RETRIEVAL_FLOOR = 1.0
 # plan's KL one must take away to be kept (less is within what the items' choice moves).
 ROTATION_CANDIDATES = (Rotation.HADAMARD_KV,)
 ROTATION_GAIN = 0.10
-ROTATION_AUTO = "auto"  # CalibrationSettings.rotation: measure the candidates and keep what pays
 
 Key = tuple[int, str]  # (layer, "k" or "v")
 
@@ -90,7 +89,7 @@ class CalibrationSettings:
     seed: int = 0
     threads: int | None = None
     text: CalibrationText = CalibrationText.MIX
-    rotation: str = ROTATION_AUTO  # or a Rotation value: the plan's codes under it, measured, not chosen
+    rotation: str = ROTATION_AUTO  # measure the candidates and keep what pays, or a Rotation value: taken as given
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "text", CalibrationText(self.text))
@@ -374,8 +373,9 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
     model, tok = load_model(Path(model_path), threads=settings.threads)
     geo = model_geometry(model)
     n_layers, _, _ = geo
-    if layers_from is not None and plan_for_check(layers_from, *geo):
-        raise ValueError(f"--layers-from: {plan_for_check(layers_from, *geo)}")
+    mismatch = plan_for_check(layers_from, *geo) if layers_from is not None else None
+    if mismatch:
+        raise ValueError(f"--layers-from: {mismatch}")
     if settings.rotation != ROTATION_AUTO and head_dim_refusal(settings.rotation, geo[2]):
         raise ValueError(head_dim_refusal(settings.rotation, geo[2]))
     items = build_items(tok, settings.context, settings.items, settings.seed, settings.text)

@@ -30,6 +30,11 @@ SIGN_SEED = 0x4841434B
 BF16_GEMM_MIN = 16384
 
 
+# `--hack-rotation auto` / `hack calibrate --rotation auto`: not a rotation but where one comes from
+# (the bit plan's on a server; measured and chosen by the calibration).
+ROTATION_AUTO = "auto"
+
+
 class Rotation(StrEnum):
     """Which tensors are rotated (`--hack-rotation`). K scope rotates Q and K (scores
     unchanged); V scope rotates V and the attention output back."""
