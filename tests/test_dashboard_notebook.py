@@ -4,10 +4,12 @@ yet: it arrives with the cluster launcher."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_client import KernelManager
 from nbclient import NotebookClient
 
 from dashboard import figures as F
@@ -34,8 +36,14 @@ def test_notebook_plots_the_dashboard_figures(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         "commit the notebook without outputs"
-    NotebookClient(nb, timeout=180, kernel_name="python3",
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # The kernel's channels are Unix sockets, not TCP: over TCP the client picks five free ports
+    # and the kernel binds them a moment later, a race that another test's server on the same
+    # host can lose it ("Address already in use"). The socket path is absolute (the kernel runs
+    # in tmp_path, the client here) and short (a Unix socket path holds 107 bytes).
+    with tempfile.TemporaryDirectory(prefix="nbk") as sockets:
+        km = KernelManager(kernel_name="python3", transport="ipc", ip=f"{sockets}/kernel")
+        NotebookClient(nb, km=km, timeout=180,
+                       resources={"metadata": {"path": str(tmp_path)}}).execute()
     titles = _plotly_titles(nb)
     for key in ("timeline", "breakdown", "average", "memory", "compression", "throughput",
                 "latency", "servers"):
