@@ -376,8 +376,9 @@ def calibrate(model_path: str | Path, model_name: str, settings: CalibrationSett
     mismatch = plan_for_check(layers_from, *geo) if layers_from is not None else None
     if mismatch:
         raise ValueError(f"--layers-from: {mismatch}")
-    if settings.rotation != ROTATION_AUTO and head_dim_refusal(settings.rotation, geo[2]):
-        raise ValueError(head_dim_refusal(settings.rotation, geo[2]))
+    refusal = head_dim_refusal(settings.rotation, geo[2]) if settings.rotation != ROTATION_AUTO else None
+    if refusal:
+        raise ValueError(refusal)
     items = build_items(tok, settings.context, settings.items, settings.seed, settings.text)
     cfg = HackConfig()
     err = {t: torch.zeros(n_layers, geo[1]) for t in TENSORS}
